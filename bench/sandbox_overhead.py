@@ -1,0 +1,80 @@
+"""How much the local sandbox backend costs: create + close, exec("true"), and the same
+command line run bare (subprocess.run, no output pipes or threads, no shell as the namespace's
+init).
+
+    python bench/sandbox_overhead.py [N]
+
+Prints a table, then one JSON line with the medians (ms).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from pi_env.sandbox import SandboxSpec
+from pi_env.sandbox.local import LocalSandboxBackend
+
+TARGET_CREATE_TEARDOWN_MS = 50
+
+
+def timings_ms(action: Callable[[], object], n: int) -> list[float]:
+    action()  # warm-up: first-use caches, page cache
+    samples = []
+    for _ in range(n):
+        started = time.perf_counter()
+        action()
+        samples.append((time.perf_counter() - started) * 1000)
+    return samples
+
+
+def p90(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=10)[-1]
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    backend = LocalSandboxBackend()
+    spec = SandboxSpec()
+
+    create_close = timings_ms(lambda: backend.create(spec).close(), n)
+    with backend.create(spec) as sandbox:
+        exec_true = timings_ms(lambda: sandbox.exec("true"), n)
+        # The exact command line exec() builds (setpriv, prlimit, bwrap and its flags), with
+        # `true` run directly instead of under the shell that serves as the namespace's init.
+        popen_args = sandbox._popen_args("true", None, None, "none")
+        argv = popen_args.pop("args")
+        argv = [*argv[: len(argv) - argv[::-1].index("--")], "/usr/bin/true"]
+        bare = timings_ms(lambda: subprocess.run(argv, **popen_args, check=True), n)
+
+    rows = [
+        ("create + close", create_close),
+        ('exec("true")', exec_true),
+        ("bare bwrap true", bare),
+    ]
+    print(f"{'N=' + str(n):<18}{'median ms':>10}{'p90 ms':>10}{'min ms':>10}")
+    for name, samples in rows:
+        print(
+            f"{name:<18}{statistics.median(samples):>10.2f}{p90(samples):>10.2f}{min(samples):>10.2f}"
+        )
+    print(
+        json.dumps(
+            {
+                "create_teardown_median_ms": round(statistics.median(create_close), 2),
+                "create_teardown_p90_ms": round(p90(create_close), 2),
+                "exec_true_median_ms": round(statistics.median(exec_true), 2),
+                "exec_true_p90_ms": round(p90(exec_true), 2),
+                "bare_bwrap_true_median_ms": round(statistics.median(bare), 2),
+                "bare_bwrap_true_p90_ms": round(p90(bare), 2),
+                "target_create_teardown_ms": TARGET_CREATE_TEARDOWN_MS,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything pi-env needs on a fresh Debian/Ubuntu machine: system packages, a venv, the package.
+# Idempotent and quiet when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v bwrap >/dev/null || need+=(bubblewrap)
+command -v rg >/dev/null || need+=(ripgrep)           # Pi's grep tool
+command -v fdfind >/dev/null || command -v fd >/dev/null || need+=(fd-find)  # Pi's find tool
+command -v npm >/dev/null || need+=(nodejs npm)       # installs the Pi runtime once
+command -v python3 >/dev/null || need+=(python3)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
+  echo "[bootstrap] installing system packages: ${need[*]}" >&2
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[bootstrap] creating .venv" >&2
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import pi_env, pytest, pytest_timeout" 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.pi-env-installed ]; then
+  echo "[bootstrap] installing pi-env into .venv" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  touch .venv/.pi-env-installed
+fi

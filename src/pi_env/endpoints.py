@@ -1,0 +1,108 @@
+"""The endpoint catalog: where model calls go. Explicit argument > environment variable > default.
+
+A new endpoint is one `CatalogEntry` plus one line in `CATALOG`. `oracle` is the built-in
+test double that replays a task's reference solution (see pi_env.oracle).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from .config import PiConfig
+
+
+class EndpointError(ValueError):
+    """The endpoint is unknown or incompletely configured; the message says what to set."""
+
+
+# Pi auto-detects quirks from the URL, but it only ever sees the gateway's URL, so every
+# entry states its compat explicitly. For servers that are not OpenAI itself (vLLM, SGLang, llama.cpp, ...):
+# no `developer` role, no `store`, no `strict` on tools, `max_tokens` rather than
+# `max_completion_tokens`.
+OPEN_SERVER_COMPAT = {
+    "supportsDeveloperRole": False,
+    "supportsStore": False,
+    "supportsStrictMode": False,
+    "maxTokensField": "max_tokens",
+}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    base_url: str
+    api_key: str | None = field(default=None, repr=False)
+    model: str = ""
+    compat: dict = field(default_factory=dict)
+    disable_thinking: bool = False
+    synthetic: bool = False  # outputs come from a test double, not a model
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    url_env: str
+    key_envs: tuple[str, ...]
+    model_env: str
+    default_url: str | None
+    default_model: str | None
+    compat: dict
+    disable_thinking: bool = False
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    "vllm": CatalogEntry("VLLM_URL", ("VLLM_API_KEY",), "VLLM_MODEL", "http://127.0.0.1:8000/v1", None,
+                         OPEN_SERVER_COMPAT, disable_thinking=True),
+    "openai": CatalogEntry("OPENAI_BASE_URL", ("OPENAI_API_KEY",), "OPENAI_MODEL", "https://api.openai.com/v1",
+                           "gpt-4o-mini", {"supportsDeveloperRole": True, "supportsStore": False,
+                                           "maxTokensField": "max_completion_tokens"}),
+    "hf_router": CatalogEntry("HF_ROUTER_URL", ("HF_ROUTER_API_KEY", "HF_TOKEN"), "HF_ROUTER_MODEL",
+                              "https://router.huggingface.co/v1", None, {"supportsDeveloperRole": False,
+                                                                         "supportsStore": False}),
+}
+ORACLE = "oracle"
+
+
+def endpoint_names() -> list[str]:
+    return [*CATALOG, ORACLE]
+
+
+def normalize_base_url(url: str) -> str:
+    """Validate a base URL and append `/v1` when it has no path (the reference convention)."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise EndpointError(f"base_url {url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000/v1)")
+    url = url.rstrip("/")
+    if parsed.path in ("", "/"):
+        url += "/v1"
+    return url
+
+
+def resolve_endpoint(config: PiConfig) -> Endpoint:
+    """The upstream for a non-oracle config. Raises EndpointError with what to set."""
+    name = config.endpoint
+    if name == ORACLE:
+        raise EndpointError("the oracle endpoint is resolved per task (pi_env.oracle)")
+    if name.startswith(("http://", "https://")):
+        return Endpoint(name="url", base_url=normalize_base_url(name), api_key=config.api_key,
+                        model=_require_model(config.model, "a raw URL endpoint"), compat=OPEN_SERVER_COMPAT,
+                        disable_thinking=bool(config.proxy_disable_thinking))
+    entry = CATALOG.get(name)
+    if entry is None:
+        raise EndpointError(f"unknown endpoint {name!r}; use one of {endpoint_names()} or an http(s) URL")
+    base_url = config.base_url or os.environ.get(entry.url_env) or entry.default_url
+    api_key = config.api_key or next((os.environ[k] for k in entry.key_envs if os.environ.get(k)), None)
+    model = config.model or os.environ.get(entry.model_env) or entry.default_model
+    if name != "vllm" and not api_key:
+        raise EndpointError(f"endpoint {name!r} needs an API key: pass --api-key or set {' or '.join(entry.key_envs)}")
+    disable_thinking = entry.disable_thinking if config.proxy_disable_thinking is None else config.proxy_disable_thinking
+    return Endpoint(name=name, base_url=normalize_base_url(base_url), api_key=api_key,
+                    model=_require_model(model, f"endpoint {name!r} (or set {entry.model_env})"),
+                    compat=entry.compat, disable_thinking=disable_thinking)
+
+
+def _require_model(model: str | None, what: str) -> str:
+    if not model:
+        raise EndpointError(f"no model given for {what}: pass --model")
+    return model

@@ -1,0 +1,445 @@
+"""The host-side model gateway: the only way a sandboxed agent reaches a model.
+
+One `Gateway` per process listens on a Unix socket (bind-mounted into sandboxes, which have no
+network) and on 127.0.0.1 TCP (unsandboxed use, benchmarks). Each rollout opens a
+`GatewaySession`; the agent authenticates with the session's random token, and the gateway
+relays its calls to the session's `Upstream` with the real API key, which never enters the
+sandbox. Per chat/completions call it records a `TurnRecord`, enforces the `max_turns` budget
+and, if asked, appends the record to a JSONL trace file as soon as the turn ends.
+
+What a session does with a chat/completions call is its mode's `Strategy`. "black_box" relays
+bytes untouched and parses nothing, so it stays cheap; capturing modes (transparent_proxy,
+interception_gate) plug in as further strategies.
+
+Hot path: the body is relayed per upstream read (never per SSE line, never buffered whole),
+through one pooled aiohttp client session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import IO, Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from pi_env._aio import run_sync
+
+BASE_URL_PATH = "/v1"
+ERROR_BODY_LIMIT = 4096  # bytes of an upstream error body kept in the TurnRecord
+
+# RFC 9110 section 7.6.1: meaningful for one connection only, never relayed.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Request headers the gateway sets itself. Upstream is always asked for an uncompressed answer
+# (see upstream_request_headers), so the agent's accept-encoding must not reach it.
+REQUEST_HEADERS_REPLACED = HOP_BY_HOP | {
+    "host",
+    "authorization",
+    "content-length",
+    "accept-encoding",
+    "expect",
+}
+
+
+@dataclass
+class Upstream:
+    """Where a session's model calls go. The key (and extra headers, which may hold secrets
+    too) stay out of repr so they cannot leak through logs or tracebacks."""
+
+    base_url: str  # e.g. "http://127.0.0.1:8000/v1"; "/<rest>" of /v1/<rest> is appended
+    api_key: str | None = field(default=None, repr=False)
+    model: str | None = None
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def host(self) -> str:
+        """host:port only: the base URL may carry user:password."""
+        url = URL(self.base_url)
+        return f"{url.host}:{url.port}"
+
+
+@dataclass
+class TurnRecord:
+    """One chat/completions call as the gateway saw it."""
+
+    turn: int  # 0-based index of the call within its session
+    started_at: float  # unix time
+    latency_s: float | None = None  # until the last byte was relayed (or the call failed)
+    ttfb_s: float | None = None  # until the first upstream body byte
+    upstream_status: int | None = None  # None: no answer from upstream at all
+    upstream_error: str | None = None  # a non-2xx body (first 4 KB), or why the call failed
+    request_bytes: int = 0
+    response_bytes: int = 0
+    client_disconnected: bool = False  # the agent hung up before the answer ended
+
+
+# Forwards (request, body) upstream and streams the answer back, filling the TurnRecord.
+Relay = Callable[[web.Request, bytes, TurnRecord], Awaitable[web.StreamResponse]]
+
+
+class Strategy(Protocol):
+    """How a session answers the agent's chat/completions calls (one per mode)."""
+
+    async def chat_completions(
+        self, relay: Relay, request: web.Request, body: bytes, turn: TurnRecord
+    ) -> web.StreamResponse: ...
+
+
+class BlackBox:
+    """Relay untouched; record only status, timings and sizes (no parsing: the cheap mode)."""
+
+    async def chat_completions(
+        self, relay: Relay, request: web.Request, body: bytes, turn: TurnRecord
+    ) -> web.StreamResponse:
+        return await relay(request, body, turn)
+
+
+STRATEGIES: dict[str, type[Strategy]] = {"black_box": BlackBox}
+
+
+class GatewaySession:
+    """One agent run's view of the gateway: its token, upstream, budget and recorded turns."""
+
+    base_url_path = BASE_URL_PATH
+
+    def __init__(self, upstream: Upstream, mode: str, max_turns: int | None, trace_path: str | None):
+        if mode not in STRATEGIES:
+            raise ValueError(f"unknown gateway mode {mode!r}; supported: {sorted(STRATEGIES)}")
+        self.id = secrets.token_hex(8)
+        self.token = secrets.token_urlsafe(32)
+        self.upstream = upstream
+        self.mode = mode
+        self.strategy: Strategy = STRATEGIES[mode]()
+        self.max_turns = max_turns
+        self.trace_path = trace_path
+        self.turns: list[TurnRecord] = []
+        self.budget_exhausted = False
+        self._calls_started = 0
+        self._trace_lock = threading.Lock()  # close_session() runs on the caller's thread
+        self._trace: IO[str] | None = None
+        if trace_path:
+            os.makedirs(os.path.dirname(os.path.abspath(trace_path)), exist_ok=True)
+            self._trace = open(trace_path, "a", encoding="utf-8")
+
+    def __repr__(self) -> str:  # no token
+        return f"GatewaySession(id={self.id!r}, mode={self.mode!r}, upstream={self.upstream!r})"
+
+    def claim_turn(self) -> int | None:
+        """The index of a new chat/completions call, or None once max_turns calls were made."""
+        if self.max_turns is not None and self._calls_started >= self.max_turns:
+            self.budget_exhausted = True
+            return None
+        self._calls_started += 1
+        return self._calls_started - 1
+
+    def record(self, turn: TurnRecord) -> None:
+        """Keep the finished turn, and put it on disk at once so a crash loses nothing."""
+        self.turns.append(turn)
+        with self._trace_lock:
+            if self._trace is not None:
+                self._trace.write(json.dumps(vars(turn)) + "\n")
+                self._trace.flush()
+
+    def close(self) -> None:
+        with self._trace_lock:
+            if self._trace is not None:
+                self._trace.close()
+                self._trace = None
+
+
+def json_error(status: int, message: str, error_type: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": error_type}}, status=status)
+
+
+def bearer_token(request: web.Request) -> str | None:
+    value = request.headers.get("Authorization", "")
+    return value[7:].strip() if value[:7].lower() == "bearer " else None
+
+
+def connection_listed(headers) -> set[str]:
+    """Header names a `Connection:` header declares hop-by-hop for this message."""
+    return {name.strip().lower() for name in headers.get("Connection", "").split(",")}
+
+
+def upstream_request_headers(agent_headers, upstream: Upstream) -> CIMultiDict:
+    drop = REQUEST_HEADERS_REPLACED | connection_listed(agent_headers)
+    headers = CIMultiDict((k, v) for k, v in agent_headers.items() if k.lower() not in drop)
+    # Uncompressed answers cost nothing on SSE streams and keep error bodies readable.
+    headers["Accept-Encoding"] = "identity"
+    if upstream.api_key is not None:
+        headers["Authorization"] = f"Bearer {upstream.api_key}"
+    headers.update(upstream.headers)
+    return headers
+
+
+def agent_response_headers(upstream_headers) -> CIMultiDict:
+    # Content-Length goes too: the answer is re-sent chunked, so the agent sees it end only at
+    # the terminating chunk, which is written after the turn is recorded.
+    drop = HOP_BY_HOP | {"content-length"} | connection_listed(upstream_headers)
+    return CIMultiDict((k, v) for k, v in upstream_headers.items() if k.lower() not in drop)
+
+
+class RelayedResponse(web.StreamResponse):
+    """A streamed answer that costs one send (a syscall, and a wake-up of the agent) fewer at
+    each end: the headers leave with the first body bytes, and the last body piece (`tail`)
+    leaves with the terminating chunk, which aiohttp writes after the handler returned, i.e.
+    after the turn was recorded."""
+
+    _send_headers_immediately = False  # aiohttp's own switch; web.Response sets it likewise
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tail = b""
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await super().write_eof(self.tail + data)
+
+
+def describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+class Gateway:
+    """The model gateway (see module docstring). Runs on pi-env's background event loop."""
+
+    def __init__(self, *, connect_timeout_s: float = 30.0, read_timeout_s: float = 600.0):
+        # read_timeout_s bounds each wait for upstream bytes, headers included: long enough for
+        # a slow prefill, short enough that a dead upstream frees the agent.
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
+        )
+        self._sessions: dict[str, GatewaySession] = {}
+        self._dir: str | None = None
+        self._runner: web.AppRunner | None = None
+        self._client: aiohttp.ClientSession | None = None
+        self.socket_path = ""
+        self.tcp_port = 0
+        self.pid = os.getpid()  # the process that serves it
+
+    def __repr__(self) -> str:
+        return f"Gateway(socket_path={self.socket_path!r}, tcp_port={self.tcp_port})"
+
+    @property
+    def tcp_base_url(self) -> str:
+        """OpenAI base URL of the TCP listener: "http://127.0.0.1:PORT/v1"."""
+        return f"http://127.0.0.1:{self.tcp_port}{BASE_URL_PATH}"
+
+    # -- sessions (callable from any thread)
+
+    def open_session(
+        self,
+        upstream: Upstream,
+        *,
+        mode: str = "black_box",
+        max_turns: int | None = None,
+        trace_path: str | None = None,
+    ) -> GatewaySession:
+        session = GatewaySession(upstream, mode, max_turns, trace_path)
+        self._sessions[session.token] = session
+        return session
+
+    def close_session(self, session: GatewaySession) -> None:
+        """Revoke the session's token and close its trace file. Idempotent."""
+        self._sessions.pop(session.token, None)
+        session.close()
+
+    # -- lifecycle
+
+    def start(self) -> Gateway:
+        if self._runner is None:
+            self.pid = os.getpid()
+            run_sync(self._start(), timeout=30)
+        return self
+
+    def close(self) -> None:
+        if self._runner is not None and self.pid == os.getpid():  # not a forked copy
+            run_sync(self._stop(), timeout=30)
+        for session in list(self._sessions.values()):
+            self.close_session(session)
+
+    async def _start(self) -> None:
+        self._client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            cookie_jar=aiohttp.DummyCookieJar(),  # one session serves all: never share cookies
+            timeout=self._timeout,
+            auto_decompress=False,  # relay bytes exactly as upstream sent them
+            skip_auto_headers=("User-Agent",),  # the agent's own User-Agent is relayed
+        )
+        app = web.Application(client_max_size=256 << 20)  # long agent conversations are big
+        app.router.add_get("/health", self._health)
+        app.router.add_route("*", BASE_URL_PATH + "/{rest:.*}", self._handle)
+        # handler_cancellation: an agent that hangs up cancels its upstream request at once.
+        runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0
+        )
+        await runner.setup()
+
+        # Sandboxed agents run as other uids: the directory is traversable but not listable,
+        # the socket world-writable; the per-session token is the authentication.
+        self._dir = tempfile.mkdtemp(prefix="pi-env-gateway-")
+        os.chmod(self._dir, 0o711)
+        self.socket_path = os.path.join(self._dir, "gateway.sock")
+        unix_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix_sock.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o666)
+        tcp_sock = socket.create_server(("127.0.0.1", 0))
+        self.tcp_port = tcp_sock.getsockname()[1]
+        for sock in (unix_sock, tcp_sock):
+            await web.SockSite(runner, sock, backlog=4096).start()
+        self._runner = runner
+
+    async def _stop(self) -> None:
+        runner, self._runner = self._runner, None
+        await runner.cleanup()
+        await self._client.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- request handling (on the loop)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        session = self._sessions.get(bearer_token(request) or "")
+        if session is None:
+            return json_error(401, "pi-env gateway: unknown or missing session token",
+                              "invalid_session_token")  # fmt: skip
+        route = (request.method, request.match_info["rest"])
+        if route == ("GET", "models"):
+            # Harmless and sometimes probed; relayed, but not a turn: not recorded.
+            untracked = TurnRecord(turn=-1, started_at=time.time())
+            return await self._relay(session, time.perf_counter(), request, b"", untracked)
+        if route != ("POST", "chat/completions"):
+            # The token must not unlock the rest of the upstream API (files, fine-tuning, ...)
+            # with the real key.
+            return json_error(403, f"pi-env gateway: only POST /v1/chat/completions and GET /v1/models "
+                                   f"are relayed, not {request.method} /v1/{route[1]}", "route_not_allowed")
+
+        index = session.claim_turn()
+        if index is None:
+            return json_error(
+                429,
+                f"pi-env: max_turns budget of {session.max_turns} model calls exhausted",
+                "max_turns_exceeded",
+            )
+        turn = TurnRecord(turn=index, started_at=time.time())
+        started = time.perf_counter()
+        try:
+            body = await request.read()
+            turn.request_bytes = len(body)
+            relay = partial(self._relay, session, started)
+            return await session.strategy.chat_completions(relay, request, body, turn)
+        except asyncio.CancelledError:
+            turn.client_disconnected = True  # handler cancelled: the agent hung up
+            raise
+        finally:
+            if turn.latency_s is None:
+                turn.latency_s = time.perf_counter() - started
+            session.record(turn)
+
+    async def _relay(
+        self,
+        session: GatewaySession,
+        started: float,
+        request: web.Request,
+        body: bytes,
+        turn: TurnRecord,
+    ) -> web.StreamResponse:
+        """Forward to upstream and stream its answer back per read, filling `turn`."""
+        upstream = session.upstream
+        url = URL(upstream.base_url.rstrip("/") + request.raw_path[len(BASE_URL_PATH) :],
+                  encoded=True)  # fmt: skip
+        try:
+            answer = await self._client.request(
+                request.method,
+                url,
+                data=body,
+                headers=upstream_request_headers(request.headers, upstream),
+                allow_redirects=False,
+            )
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            turn.upstream_error = f"upstream {upstream.host} unreachable: {describe(exc)}"
+            return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_unreachable")
+
+        response = RelayedResponse(
+            status=answer.status, reason=answer.reason, headers=agent_response_headers(answer.headers)
+        )
+        completed = False
+        response_bytes = 0
+        error_body = bytearray() if answer.status >= 400 else None
+        try:
+            await response.prepare(request)
+            content = answer.content
+            while chunk := await content.readany():
+                if not response_bytes:
+                    turn.ttfb_s = time.perf_counter() - started
+                response_bytes += len(chunk)
+                if error_body is not None and len(error_body) < ERROR_BODY_LIMIT:
+                    error_body += chunk[: ERROR_BODY_LIMIT - len(error_body)]
+                if content.is_eof():
+                    response.tail = chunk  # goes out with the terminating chunk
+                    break
+                await response.write(chunk)
+            completed = True
+            return response
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            if request.transport is None or request.transport.is_closing():
+                turn.client_disconnected = True
+            else:
+                turn.upstream_error = f"upstream stream broken: {describe(exc)}"
+                # Close without the final chunk: the agent must see a failed answer, not a
+                # cleanly truncated one.
+                request.transport.close()
+            return response
+        finally:
+            if completed:
+                answer.release()
+            else:  # never pool a connection with an unread answer on it
+                answer.close()
+            turn.upstream_status = answer.status
+            turn.response_bytes = response_bytes
+            turn.latency_s = time.perf_counter() - started
+            if error_body is not None and not turn.upstream_error:
+                text = error_body.decode(errors="replace")
+                turn.upstream_error = text or f"HTTP {answer.status} (empty body)"
+
+
+_gateway: Gateway | None = None
+_gateway_lock = threading.Lock()
+
+
+def get_gateway() -> Gateway:
+    """The process-wide gateway, started on first use and closed at interpreter exit. A forked
+    child gets a gateway of its own: the parent's serving thread does not survive the fork."""
+    global _gateway
+    with _gateway_lock:
+        if _gateway is None or _gateway.pid != os.getpid():
+            _gateway = Gateway().start()
+            atexit.register(_gateway.close)
+        return _gateway

@@ -1,0 +1,77 @@
+"""What a rollout returns. Field names follow the reference Pi environment (task_id, sandbox_id,
+reward, agent_exit_code, wall_s, mode, setup_results, verify_results, proxy_turns, files,
+agent_log_tail, proxy_log_tail, error) plus what a trainer or evaluator also needs."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+# Why a rollout has no reward. Every kind means "do not train on this as a score".
+ErrorKind = Literal[
+    "setup_failed",  # a setup command failed: the task or its environment is broken
+    "agent_error",  # Pi ended with an error (a rejected request, a crash, a bad config)
+    "agent_timeout",  # the agent phase ran past its limit and was killed
+    "endpoint_error",  # the model endpoint was unreachable or answered 5xx
+    "invalid_reward",  # a verify command wrote a reward file that is not a finite number
+    "no_verify",  # nothing to score: no verify commands and no reward file
+    "infra",  # the sandbox, runtime or harness failed
+]
+
+
+class CommandResult(BaseModel):
+    cmd: str
+    exit_code: int | None  # None: killed or timed out (never read as success)
+    stdout: str = ""
+    stderr: str = ""
+    duration_s: float = 0.0
+    timed_out: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0
+
+
+class RolloutTurn(BaseModel):
+    """One model call as the gateway saw it. Token fields are filled in transparent_proxy mode."""
+
+    turn: int
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    completion_token_ids: list[int] = Field(default_factory=list)
+    per_token_logps: list[float | None] = Field(default_factory=list)
+    latency_s: float | None = None
+    ttfb_s: float | None = None
+    timestamp: float | None = None
+    upstream_status: int | None = None
+    upstream_error: str | None = None
+
+
+class RolloutResult(BaseModel):
+    task_id: str
+    sandbox_id: str = ""
+    reward: float | None = None
+    reward_source: Literal["reward_file", "pass_rate"] | None = None
+    error: str | None = None
+    error_kind: ErrorKind | None = None
+    agent_exit_code: int | None = None
+    stop_reason: str | None = None  # Pi's last stopReason, or "max_turns" / "timeout"
+    wall_s: float = 0.0
+    timings: dict[str, float] = Field(default_factory=dict)  # per phase, seconds
+    mode: str = "black_box"
+    endpoint: str = ""
+    model: str = ""
+    pi_version: str = ""
+    synthetic: bool = False  # produced by the oracle / scripted test double, not a model
+    setup_results: list[CommandResult] = Field(default_factory=list)
+    verify_results: list[CommandResult] = Field(default_factory=list)
+    proxy_turns: list[RolloutTurn] = Field(default_factory=list)
+    messages: list[dict[str, Any]] = Field(default_factory=list)  # Pi's whole conversation
+    files: dict[str, str] = Field(default_factory=dict)  # the work dir after the agent (bounded)
+    agent_log_tail: str = ""
+    proxy_log_tail: str = ""
+
+    @property
+    def scored(self) -> bool:
+        return self.reward is not None

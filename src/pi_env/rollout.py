@@ -1,0 +1,323 @@
+"""The rollout lifecycle, the only room that composes the others:
+
+stage files -> setup (first failure aborts) -> agent -> kill what it left running ->
+clear logs/verifier -> stage verify_files -> run every verify command -> reward -> collect.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+
+from .agent.pi import AGENT_DIR, FORWARDER_PATH, HERMETIC_SETTINGS, PROMPT_PATH, SESSION_DIR, models_json, \
+    parse_session, pi_command, pi_env
+from .agent.runtime import SANDBOX_RUNTIME_DIR, PiRuntime, RuntimeInstallError, ensure_runtime
+from .config import Mode, PiConfig
+from .endpoints import ORACLE, Endpoint, resolve_endpoint
+from .oracle import oracle_endpoint, release_oracle
+from .proxy.gateway import GatewaySession, Upstream, get_gateway
+from .results import CommandResult, ErrorKind, RolloutResult, RolloutTurn
+from .sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, SandboxError, SandboxLimits, \
+    SandboxProcess, SandboxSpec, get_backend
+from .task import PiTask
+
+REWARD_FILE = f"{SANDBOX_HOME}/logs/verifier/reward.txt"
+VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"
+LOG_TAIL_CHARS = 8000
+
+
+class PiSessionFactory:
+    """Makes `PiSession`s for one config and sandbox backend. The Pi runtime is installed on
+    first use (once per machine) and shared by every session."""
+
+    def __init__(self, config: PiConfig | None = None, sandbox_backend: str | SandboxBackend | None = None,
+                 mode: Mode | None = None):
+        config = config or PiConfig()
+        if mode is not None:
+            config = config.model_copy(update={"mode": mode})
+        if config.mode != "black_box":
+            raise NotImplementedError(f"mode {config.mode!r} is not available yet; use mode='black_box'")
+        self.config = config
+        backend = sandbox_backend or config.sandbox_backend
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self._runtime: PiRuntime | None = None
+        self._runtime_lock = threading.Lock()
+
+    @property
+    def runtime(self) -> PiRuntime:
+        with self._runtime_lock:
+            if self._runtime is None:
+                self._runtime = ensure_runtime(self.config.pi_package, self.config.pi_version,
+                                               self.config.node_version, self.config.runtime_cache_dir)
+            return self._runtime
+
+    def create(self, task: str | dict | PiTask) -> "PiSession":
+        """Create the sandbox, stage files, run setup and start the agent. Bad input (a
+        malformed task, an unknown endpoint) raises; infrastructure failures are reported by
+        `wait_for_completion()` as a result with reward None and an error kind."""
+        session = PiSession(self, PiTask.coerce(task))
+        try:
+            session._start()
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+
+class PiSession:
+    def __init__(self, factory: PiSessionFactory, task: PiTask):
+        self.factory = factory
+        self.config = factory.config
+        self.task = task
+        self.sandbox: Sandbox | None = None
+        self.endpoint: Endpoint | None = None
+        self.gateway_session: GatewaySession | None = None
+        self._agent: SandboxProcess | None = None
+        self._agent_deadline = 0.0
+        self._started = time.monotonic()
+        self._result = RolloutResult(task_id=task.task_id, mode=self.config.mode)
+        self._done = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _start(self) -> None:
+        config, task, result = self.config, self.task, self._result
+        self.endpoint = oracle_endpoint(task) if config.endpoint == ORACLE else resolve_endpoint(config)
+        result.endpoint, result.model, result.synthetic = self.endpoint.name, self.endpoint.model, self.endpoint.synthetic
+        try:
+            with self._phase("runtime"):
+                runtime = self.factory.runtime
+            result.pi_version = runtime.pi_version
+            gateway = get_gateway()
+            self.gateway_session = gateway.open_session(
+                Upstream(self.endpoint.base_url, self.endpoint.api_key, self.endpoint.model),
+                mode=config.mode, max_turns=config.max_turns)
+            with self._phase("sandbox_create"):
+                self.sandbox = self.factory.backend.create(self._sandbox_spec(runtime, gateway.socket_path))
+                result.sandbox_id = self.sandbox.id
+                for path, text in task.files.items():
+                    self.sandbox.write_file(path, text)
+            with self._phase("setup"):
+                for command in [*config.extra_setup_shell, *task.setup]:
+                    outcome = self._run(command, task.timeouts.setup_s or config.setup_timeout_s,
+                                        "full" if task.setup_network else "none")
+                    result.setup_results.append(outcome)
+                    if not outcome.passed:
+                        why = "timed out" if outcome.timed_out else f"exited {outcome.exit_code}"
+                        return self._fail("setup_failed", f"setup command {command!r} {why}: "
+                                                          f"{_tail(outcome.stderr or outcome.stdout, 500)}")
+            with self._phase("agent_start"):
+                self._start_agent(runtime)
+        except (SandboxError, RuntimeInstallError, OSError) as error:
+            self._fail("infra", f"{type(error).__name__}: {error}")
+
+    def _sandbox_spec(self, runtime: PiRuntime, gateway_socket: str) -> SandboxSpec:
+        config = self.config
+        forwarder = resources.files("pi_env.proxy").joinpath("forward.mjs")
+        return SandboxSpec(
+            ro_mounts={SANDBOX_RUNTIME_DIR: runtime.root, FORWARDER_PATH: str(forwarder)},
+            gateway_socket=gateway_socket,
+            limits=SandboxLimits(max_processes=config.max_processes, max_file_bytes=config.max_file_bytes,
+                                 max_memory_bytes=config.max_memory_bytes),
+            env=dict(config.extra_env),
+            # Old Pi has no -na: hide the task's .pi/ so it cannot change Pi's settings.
+            agent_masked_paths=() if runtime.supports("-na") else (f"{SANDBOX_WORKDIR}/.pi",),
+        )
+
+    def _start_agent(self, runtime: PiRuntime) -> None:
+        sandbox, endpoint = self.sandbox, self.endpoint
+        sandbox.write_file(f"{AGENT_DIR}/models.json",
+                           json.dumps(models_json(self.config, endpoint, self.gateway_session.token)))
+        sandbox.write_file(f"{AGENT_DIR}/settings.json", json.dumps(HERMETIC_SETTINGS))
+        sandbox.write_file(PROMPT_PATH, self.task.instruction)
+        self._agent_deadline = time.monotonic() + (self.task.timeouts.agent_s or self.config.agent_timeout_s)
+        self._agent = sandbox.start(pi_command(runtime, self.config, endpoint), cwd=SANDBOX_WORKDIR,
+                                    env=pi_env(runtime), network="gateway", stdin_path=PROMPT_PATH)
+
+    def wait_for_completion(self, timeout_s: float | None = None) -> RolloutResult:
+        """Wait for the agent, then verify and collect. Raises TimeoutError if `timeout_s`
+        passes first (the rollout keeps running; call again or close()). The agent's own
+        time limit is enforced regardless."""
+        with self._lock:
+            if self._done:
+                return self._result
+            if self._agent is not None and self._result.error_kind is None:
+                remaining = self._agent_deadline - time.monotonic()
+                if timeout_s is not None and timeout_s < remaining:
+                    if not _wait_until_exit(self._agent, timeout_s):
+                        raise TimeoutError(f"rollout {self.task.task_id!r} still running after {timeout_s} s")
+                self._finish_agent()
+            self._done = True
+            self._collect()
+            self._result.wall_s = round(time.monotonic() - self._started, 4)
+            return self._result
+
+    def _finish_agent(self) -> None:
+        result = self._result
+        with self._phase("agent"):
+            outcome = self._agent.wait(max(0.0, self._agent_deadline - time.monotonic()))
+        self.sandbox.kill_all()  # nothing the agent started survives into verification
+        result.agent_exit_code = outcome.exit_code
+        result.agent_log_tail = _tail(outcome.stderr + outcome.stdout, LOG_TAIL_CHARS)
+        pi = parse_session(self._session_text())
+        result.messages = pi.messages
+        result.stop_reason = pi.stop_reason
+        gateway = self.gateway_session
+        if outcome.timed_out:
+            result.stop_reason = "timeout"
+            return self._fail("agent_timeout", f"the agent ran past its {self._agent_limit():g} s limit and was killed")
+        if gateway.budget_exhausted:
+            result.stop_reason = "max_turns"  # a budget, not a failure: what the agent did is scored
+        elif pi.failed:
+            upstream = next((t for t in reversed(gateway.turns) if t.upstream_error or (t.upstream_status or 0) >= 400), None)
+            message = pi.error_message or _tail(outcome.stderr, 500) or f"Pi exited {outcome.exit_code} without an answer"
+            if upstream and (upstream.upstream_status is None or upstream.upstream_status >= 500):
+                return self._fail("endpoint_error", f"model endpoint failed ({upstream.upstream_status or 'unreachable'}): "
+                                                    f"{_tail(upstream.upstream_error or message, 500)}")
+            return self._fail("agent_error", message)
+        self._verify()
+
+    def _verify(self) -> None:
+        task, result, sandbox = self.task, self._result, self.sandbox
+        with self._phase("verify"):
+            sandbox.remove(VERIFIER_DIR)  # whatever the agent wrote there is never honoured
+            sandbox.write_file(f"{VERIFIER_DIR}/.keep", "")
+            for path, text in task.verify_files.items():
+                sandbox.write_file(path, text)
+            for command in task.verify:
+                result.verify_results.append(self._run(command, task.timeouts.verify_s or self.config.verify_timeout_s,
+                                                       "full" if task.verify_network else "none"))
+            sandbox.kill_all()
+            self._score()
+
+    def _score(self) -> None:
+        result = self._result
+        try:
+            text = self.sandbox.read_file(REWARD_FILE, max_bytes=4096).decode("utf-8", "replace").strip()
+        except FileNotFoundError:
+            text = None
+        if text is not None:
+            try:
+                reward = float(text)
+            except ValueError:
+                reward = math.nan
+            if not math.isfinite(reward):
+                return self._fail("invalid_reward", f"{REWARD_FILE} holds {text[:80]!r}, not a finite number")
+            result.reward, result.reward_source = reward, "reward_file"
+        elif result.verify_results:
+            passed = sum(1 for r in result.verify_results if r.passed)
+            result.reward, result.reward_source = passed / len(result.verify_results), "pass_rate"
+        else:
+            self._fail("no_verify", "the task has no verify commands and no verify command wrote a reward file")
+
+    def _collect(self) -> None:
+        result, config = self._result, self.config
+        if self.gateway_session is not None:
+            result.proxy_turns = self.fetch_proxy_trace()
+            result.proxy_log_tail = "\n".join(
+                f"turn {t.turn}: status {t.upstream_status} in {t.latency_s or 0:.3f} s"
+                + (f" error {t.upstream_error[:200]}" if t.upstream_error else "") for t in result.proxy_turns)
+        if self.sandbox is not None and config.result_max_files:
+            try:
+                with self._phase("collect"):
+                    snapshot = self.sandbox.snapshot(SANDBOX_WORKDIR, max_files=config.result_max_files,
+                                                     max_file_bytes=config.result_max_file_bytes)
+                result.files = {path: _as_text(data) for path, data in snapshot.items()}
+            except (SandboxError, OSError) as error:
+                result.agent_log_tail += f"\n[pi-env] could not collect files: {error}"
+
+    def fetch_proxy_trace(self) -> list[RolloutTurn]:
+        turns = list(self.gateway_session.turns) if self.gateway_session else []
+        return [RolloutTurn(turn=t.turn, latency_s=t.latency_s, ttfb_s=t.ttfb_s, timestamp=t.started_at,
+                            upstream_status=t.upstream_status, upstream_error=t.upstream_error) for t in turns]
+
+    def close(self) -> None:
+        """Kill everything, delete the sandbox, end the gateway session. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._agent is not None:
+            self._agent.kill()
+        if self.sandbox is not None:
+            self.sandbox.close()
+        if self.gateway_session is not None:
+            get_gateway().close_session(self.gateway_session)
+        if self.endpoint is not None and self.endpoint.synthetic:
+            release_oracle(self.endpoint)
+
+    def __enter__(self) -> "PiSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _run(self, command: str, timeout_s: float, network) -> CommandResult:
+        outcome = self.sandbox.exec(command, timeout_s=timeout_s, network=network)
+        return CommandResult(cmd=command, exit_code=outcome.exit_code, stdout=outcome.stdout, stderr=outcome.stderr,
+                             duration_s=round(outcome.duration_s, 4), timed_out=outcome.timed_out)
+
+    def _session_text(self) -> str:
+        try:
+            files = self.sandbox.snapshot(SESSION_DIR, max_files=4, max_file_bytes=256 << 20)
+        except (SandboxError, OSError):
+            return ""
+        return "\n".join(data.decode("utf-8", "replace") for _, data in sorted(files.items()) if _.endswith(".jsonl"))
+
+    def _agent_limit(self) -> float:
+        return self.task.timeouts.agent_s or self.config.agent_timeout_s
+
+    def _fail(self, kind: ErrorKind, message: str) -> None:
+        self._result.reward = None
+        self._result.reward_source = None
+        self._result.error_kind = kind
+        self._result.error = message
+
+    def _phase(self, name: str):
+        return _Timer(self._result.timings, name)
+
+
+class _Timer:
+    def __init__(self, timings: dict[str, float], name: str):
+        self.timings, self.name = timings, name
+
+    def __enter__(self):
+        self.start = time.monotonic()
+
+    def __exit__(self, *exc):
+        self.timings[self.name] = round(self.timings.get(self.name, 0.0) + time.monotonic() - self.start, 4)
+
+
+def _wait_until_exit(process: SandboxProcess, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _tail(text: str, limit: int) -> str:
+    return text[-limit:] if len(text) > limit else text
+
+
+def _as_text(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"<binary file, {len(data)} bytes>"
+
+
+def run_rollout(task: str | dict | PiTask | Path, config: PiConfig | None = None,
+                sandbox_backend: str | SandboxBackend | None = None) -> RolloutResult:
+    """One scored rollout, start to finish. A Path loads a task JSON file."""
+    if isinstance(task, Path):
+        task = PiTask.from_file(task)
+    factory = PiSessionFactory(config, sandbox_backend)
+    with factory.create(task) as session:
+        return session.wait_for_completion()

@@ -1,0 +1,142 @@
+"""The sandbox protocol: what every backend (local bubblewrap, podman, remote services) offers.
+
+A backend knows nothing about Pi. Paths given to a sandbox are sandbox paths: absolute ones
+(``/root/workdir/x.py``) or relative ones, which are relative to the work dir.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+# "none": loopback only; "full": the host's network (setup may install packages);
+# "gateway": no network, but the model gateway's Unix socket is bound at GATEWAY_SOCKET.
+Network = Literal["none", "full", "gateway"]
+
+SANDBOX_HOME = "/root"
+SANDBOX_WORKDIR = "/root/workdir"
+GATEWAY_SOCKET = "/run/pi-env/gateway.sock"
+RUNTIME_DIR = "/opt/pi-env"
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (infrastructure), as opposed to a command inside it failing."""
+
+
+class SandboxUnavailable(SandboxError):
+    """The backend cannot run on this machine (for example bubblewrap is not installed)."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    max_processes: int = 256  # RLIMIT_NPROC of the sandbox's own uid: stops fork bombs
+    max_file_bytes: int = 1 << 30  # RLIMIT_FSIZE
+    max_memory_bytes: int | None = 8 << 30  # RLIMIT_DATA (RLIMIT_AS breaks node)
+    max_open_files: int = 4096
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What a new sandbox looks like. `ro_mounts` maps sandbox path -> host path (read-only)."""
+
+    ro_mounts: dict[str, str] = field(default_factory=dict)
+    gateway_socket: str | None = None  # host path of the gateway's Unix socket
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    env: dict[str, str] = field(default_factory=dict)  # base environment of every command
+    # Sandbox paths hidden behind an empty tmpfs while a "gateway" (agent) command runs.
+    agent_masked_paths: tuple[str, ...] = ()
+
+
+@dataclass
+class ExecResult:
+    exit_code: int | None  # None: unknown (killed, timed out); never read as success
+    stdout: str
+    stderr: str
+    duration_s: float
+    timed_out: bool = False
+
+
+@runtime_checkable
+class SandboxProcess(Protocol):
+    """A command started in the background."""
+
+    def wait(self, timeout_s: float | None = None) -> ExecResult:
+        """Wait for exit; on timeout kill the whole command and return timed_out=True."""
+        ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None:
+        """Kill the command and every process it started. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    id: str
+    home: str
+    workdir: str
+
+    def exec(
+        self,
+        command: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        network: Network = "none",
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        """Run a command (a str goes through `bash -c`) and wait for it."""
+        ...
+
+    def start(
+        self,
+        command: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        network: Network = "none",
+        stdin_path: str | None = None,
+        output_limit_bytes: int = 4 << 20,
+    ) -> SandboxProcess:
+        """Start a command in the background. stdin_path is a sandbox path read as stdin
+        (the command sees EOF at its end); stdout/stderr are kept on the host side,
+        bounded to the last `output_limit_bytes`."""
+        ...
+
+    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        """Write a file, creating parent directories. Never follows a symlink planted inside."""
+        ...
+
+    def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        """Read a file; FileNotFoundError when it is missing (or is a symlink)."""
+        ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def remove(self, path: str) -> None:
+        """Remove a file or a directory tree, if present. Never follows symlinks."""
+        ...
+
+    def snapshot(
+        self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10
+    ) -> dict[str, bytes]:
+        """Regular files under `path` (relative path -> bytes), skipping symlinks and files
+        larger than max_file_bytes, at most max_files of them."""
+        ...
+
+    def kill_all(self) -> None:
+        """Kill every process of the sandbox (the sandbox stays usable)."""
+        ...
+
+    def close(self) -> None:
+        """Kill everything and delete the sandbox. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    name: str
+
+    def create(self, spec: SandboxSpec) -> Sandbox: ...

@@ -1,0 +1,116 @@
+"""The `unsafe-local` backend: commands run directly on this machine, WITHOUT ANY ISOLATION.
+
+For machines without bubblewrap, and only by explicit choice. What it does:
+- each sandbox gets a host dir whose `home/` stands for /root: the file API and `cwd` map
+  sandbox paths under /root there (same symlink-safe file access as the local backend);
+- commands run as the caller, in that dir, with HOME set to it and a small environment
+  (the caller's PATH, spec.env, the per-call env); the rlimits of spec.limits apply, with
+  RLIMIT_NPROC counting every process of the caller.
+What it cannot do:
+- no file isolation: commands see and can change everything the caller can;
+- no network isolation: every `network` mode is the host's network; the gateway socket is
+  not bound at GATEWAY_SOCKET and agent_masked_paths hide nothing;
+- ro_mounts are not mounted, and absolute sandbox paths inside commands or env values
+  (/root/..., /opt/pi-env/...) are not translated: use host_path() to build them;
+- a command that escapes its process group (setsid) survives kill_all() and close().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import resource
+import signal
+import subprocess
+import tempfile
+import warnings
+
+from pi_env.sandbox.base import Network, SandboxSpec
+from pi_env.sandbox.local import (
+    _HostDirSandbox,
+    _make_host_dir,
+    _private_dir,
+    _relative_to_home,
+    _rlimits,
+    _shell,
+    default_root,
+)
+
+log = logging.getLogger(__name__)
+
+WARNING = (
+    "pi-env is using the `unsafe-local` sandbox backend: commands run directly on this machine "
+    "as {user}, with no file, network or process isolation. Use it only for trusted code."
+)
+
+
+def _apply_rlimits(rlimits: dict[int, int]) -> None:
+    # Popen's preexec_fn, in the child before exec: portable (no prlimit binary needed), and
+    # only plain setrlimit calls, nothing that could wait for a lock held by another thread.
+    for res, value in rlimits.items():
+        resource.setrlimit(res, (value, value))
+
+
+class UnsafeLocalSandbox(_HostDirSandbox):
+    """A host dir standing for /root, and commands run as plain subprocesses in it."""
+
+    def __init__(self, host_dir: str, spec: SandboxSpec):
+        super().__init__(host_dir, owner=None)
+        self._spec = spec
+        self._rlimits = functools.partial(_apply_rlimits, _rlimits(spec.limits, False))
+
+    def host_path(self, path: str) -> str:
+        """The host path standing for a sandbox path under /root (relative: to the workdir)."""
+        relative = _relative_to_home(path)
+        return os.path.join(self.host_home, relative) if relative else self.host_home
+
+    def _popen_args(
+        self,
+        command: str | list[str],
+        cwd: str | None,
+        env: dict[str, str] | None,
+        network: Network,
+    ) -> dict:
+        if isinstance(command, str):
+            command = [_shell(), "-c", command]
+        elif not command:
+            raise ValueError("empty command")
+        environment = {
+            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            "LANG": "C.UTF-8",
+            "TMPDIR": tempfile.gettempdir(),
+            "USER": os.environ.get("USER", "root"),
+            **self._spec.env,
+            **(env or {}),
+            "HOME": self.host_home,
+        }
+        return {
+            "args": command,
+            "cwd": self.host_path(cwd or "."),
+            "env": environment,
+            "preexec_fn": self._rlimits,
+        }
+
+    def _terminate(self, popen: subprocess.Popen) -> None:
+        if popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)  # the group start_new_session made
+        popen.wait()
+
+
+class UnsafeLocalBackend:
+    """See the module docstring: no isolation at all."""
+
+    name = "unsafe-local"
+
+    def __init__(self, root: str | None = None):
+        self.root = root or default_root()
+        _private_dir(self.root, 0o711)
+
+    def create(self, spec: SandboxSpec) -> UnsafeLocalSandbox:
+        message = WARNING.format(user=os.environ.get("USER") or f"uid {os.getuid()}")
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        log.warning(message)
+        return UnsafeLocalSandbox(_make_host_dir(self.root, owner=None), spec)

@@ -1,0 +1,558 @@
+"""A scripted OpenAI-compatible chat-completions server: pi-env's one sanctioned test double.
+
+Each API key selects a script (a list of `ScriptedTurn`). Which turn answers a request is the
+number of assistant messages already in its `messages`, so the server is stateless and a
+retried request gets the same answer. Streams have exactly the shape the Pi CLI needs: a role
+chunk, reasoning/content deltas, tool-call deltas carrying `index`, a finish_reason chunk, a
+usage chunk with `choices: []` (when `stream_options.include_usage`), then `data: [DONE]`.
+
+EVERYTHING it emits is synthetic and marked so: the `x-pi-env-synthetic: 1` header and
+`"system_fingerprint": "pi-env-synthetic"` in every chunk and body. The engine-like extras
+(`logprobs`, `prompt_token_ids`, `token_ids`) come from a made-up tokenizer, documented at
+`synthetic_tokens`; they are deterministic so tests can assert exact values.
+
+CLI: `python -m pi_env.testing.scripted --port P --script FILE.json` (see `load_script_file`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import signal
+import socket
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from pi_env._aio import run_sync
+
+SYNTHETIC_FINGERPRINT = "pi-env-synthetic"
+SYNTHETIC_HEADERS = {"x-pi-env-synthetic": "1"}
+SCRIPT_FINISHED_TEXT = "(script finished)"
+TOKEN_CHARS = 4  # the synthetic tokenizer: every 4 characters are one token
+MAX_RECORDED_REQUESTS = 1000
+
+
+# --------------------------------------------------------------------------------- the script
+
+
+class ScriptedToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)  # a str is sent verbatim
+    id: str | None = None  # default: "call_<turn>_<index>"
+
+    def arguments_json(self) -> str:
+        return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments)
+
+
+class Fault(BaseModel):
+    """Misbehaviour injected into one turn's answer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    http_status: int | None = None  # answer this status with `body` instead of a completion
+    body: Any = None  # JSON value (or str sent as-is); default: an OpenAI-style error object
+    hang_s: float = 0.0  # sleep before answering at all
+    # Streaming answers only:
+    malformed_chunk: bool = False  # a non-JSON `data:` line in the middle of the stream
+    disconnect_after_chunks: int | None = None  # close the connection after N SSE events
+    delay_s: float = 0.0  # sleep between consecutive SSE events
+
+
+class ScriptedTurn(BaseModel):
+    """One assistant answer. Immutable, so the server may cache its rendered stream."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: str = ""
+    reasoning: str = ""
+    reasoning_field: Literal["reasoning_content", "reasoning"] = "reasoning_content"
+    tool_calls: list[ScriptedToolCall] = Field(default_factory=list)
+    chunk_chars: int = Field(default=16, ge=1)  # stream text/reasoning/arguments in these pieces
+    finish_reason: str | None = None  # default: "tool_calls" if tool_calls else "stop"
+    fault: Fault | None = None
+
+    def effective_finish_reason(self) -> str:
+        return self.finish_reason or ("tool_calls" if self.tool_calls else "stop")
+
+
+Script = list[ScriptedTurn]
+FINISHED_TURN = ScriptedTurn(text=SCRIPT_FINISHED_TEXT)
+
+
+def coerce_script(turns: list[ScriptedTurn | dict]) -> Script:
+    return [ScriptedTurn.model_validate(t) for t in turns]
+
+
+# ------------------------------------------------------------------------ synthetic tokenizer
+
+
+def synthetic_tokens(text: str) -> list[str]:
+    """Made-up tokenization: consecutive 4-character slices. Not any real model's tokenizer."""
+    return [text[i : i + TOKEN_CHARS] for i in range(0, len(text), TOKEN_CHARS)]
+
+
+def synthetic_token_id(token: str) -> int:
+    """A stable id in [100, 50100) from the token's text (crc32, so identical across runs)."""
+    return 100 + zlib.crc32(token.encode()) % 50_000
+
+
+def synthetic_logprob(token: str, position: int) -> float:
+    """A stable logprob in (-4, 0] that depends on the token and its position."""
+    return -(zlib.crc32(f"{position}:{token}".encode()) % 4000) / 1000
+
+
+def logprob_entry(token: str, position: int, top_n: int) -> dict[str, Any]:
+    """One OpenAI/vLLM `logprobs.content` entry; the sampled token is always the top-1."""
+    logprob = synthetic_logprob(token, position)
+    top = [{"token": token, "logprob": logprob, "bytes": list(token.encode())}]
+    for k in range(1, top_n):
+        alt = f"<alt{k}>"
+        top.append({"token": alt, "logprob": logprob - k, "bytes": list(alt.encode())})
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": top}
+
+
+def render_message(message: dict[str, Any]) -> str:
+    """A stable text rendering of one prompt message (a stand-in for a chat template)."""
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: keep their text
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    rendered = f"<|{message.get('role')}|>{content or ''}"
+    if message.get("tool_calls"):
+        rendered += json.dumps(message["tool_calls"], sort_keys=True)
+    return rendered
+
+
+def synthetic_prompt_token_ids(messages: list[dict[str, Any]]) -> list[int]:
+    """Messages are tokenized one by one, so a longer conversation's ids extend a shorter one's."""
+    return [
+        synthetic_token_id(tok) for m in messages for tok in synthetic_tokens(render_message(m))
+    ]
+
+
+# -------------------------------------------------------------------------- answer rendering
+
+
+@dataclass(frozen=True)
+class TokenOptions:
+    """The request's asks that add per-token fields to the answer."""
+
+    logprobs: bool
+    top_logprobs: int
+    return_token_ids: bool
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> TokenOptions:
+        return cls(
+            logprobs=body.get("logprobs") is True,
+            top_logprobs=int(body.get("top_logprobs") or 0),
+            return_token_ids=body.get("return_token_ids") is True,
+        )
+
+    def fields(self, tokens: list[str], first_position: int) -> dict[str, Any]:
+        """A choice's `logprobs` / `token_ids`, aligned 1:1 with `tokens` (vLLM's shape)."""
+        fields: dict[str, Any] = {}
+        if self.logprobs:
+            entries = [
+                logprob_entry(tok, first_position + i, self.top_logprobs)
+                for i, tok in enumerate(tokens)
+            ]
+            fields["logprobs"] = {"content": entries} if entries else None
+        if self.return_token_ids:
+            fields["token_ids"] = [synthetic_token_id(tok) for tok in tokens]
+        return fields
+
+
+@dataclass
+class Delta:
+    """One streamed piece: a delta dict plus the synthetic tokens of the text it carries."""
+
+    delta: dict[str, Any]
+    tokens: list[str]
+
+
+def answer_deltas(turn: ScriptedTurn, turn_index: int) -> list[Delta]:
+    """The assistant message as stream deltas: reasoning, then content, then tool calls."""
+
+    def pieces(text: str) -> list[str]:
+        size = turn.chunk_chars
+        return [text[i : i + size] for i in range(0, len(text), size)]
+
+    deltas = [Delta({turn.reasoning_field: p}, synthetic_tokens(p)) for p in pieces(turn.reasoning)]
+    deltas += [Delta({"content": p}, synthetic_tokens(p)) for p in pieces(turn.text)]
+    for index, call in enumerate(turn.tool_calls):
+        header = {
+            "index": index,
+            "id": tool_call_id(call, turn_index, index),
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        deltas.append(Delta({"tool_calls": [header]}, []))
+        for p in pieces(call.arguments_json()):
+            arg_delta = {"index": index, "function": {"arguments": p}}
+            deltas.append(Delta({"tool_calls": [arg_delta]}, synthetic_tokens(p)))
+    return deltas
+
+
+def tool_call_id(call: ScriptedToolCall, turn_index: int, index: int) -> str:
+    return call.id or f"call_{turn_index}_{index}"
+
+
+@dataclass(frozen=True)
+class RenderedStream:
+    choices: list[bytes]  # JSON of each chunk's choices[0]: role, deltas, finish_reason
+    completion_tokens: int
+
+
+def render_stream(turn: ScriptedTurn, turn_index: int, opts: TokenOptions) -> RenderedStream:
+    """Every chunk's choice of the turn's stream: role, deltas, finish_reason."""
+    parts = [({"role": "assistant", "content": ""}, [], None)]
+    parts += [(d.delta, d.tokens, None) for d in answer_deltas(turn, turn_index)]
+    parts.append(({}, [], turn.effective_finish_reason()))
+    choices, position = [], 0
+    for delta, tokens, finish in parts:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice.update(opts.fields(tokens, position))
+        choices.append(json.dumps(choice).encode())
+        position += len(tokens)
+    return RenderedStream(choices, position)
+
+
+class RenderCache:
+    """Rendered streams by (turn, turn index, token options). json.dumps of a 1,000-chunk
+    answer costs milliseconds, which would dominate benchmarks of the gateway; turns are
+    immutable, so a rendering stays valid. Bounded: cleared when full."""
+
+    def __init__(self, max_entries: int = 1024):
+        self.max_entries = max_entries
+        # Values keep their turn alive, so the id() in a key cannot be reused meanwhile.
+        self._entries: dict[tuple, tuple[ScriptedTurn, RenderedStream]] = {}
+
+    def get(self, turn: ScriptedTurn, turn_index: int, opts: TokenOptions) -> RenderedStream:
+        key = (id(turn), turn_index, opts)
+        entry = self._entries.get(key)
+        if entry is None:
+            if len(self._entries) >= self.max_entries:
+                self._entries.clear()
+            entry = self._entries[key] = (turn, render_stream(turn, turn_index, opts))
+        return entry[1]
+
+
+class Answer:
+    """One request's answer to one scripted turn, as SSE events or a chat.completion body."""
+
+    def __init__(self, turn: ScriptedTurn, turn_index: int, body: dict[str, Any], cache: RenderCache):
+        self.turn = turn
+        self.cache = cache
+        self.turn_index = turn_index
+        self.model = str(body.get("model") or "scripted")
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.token_options = TokenOptions.from_body(body)
+        self.prompt_token_ids = synthetic_prompt_token_ids(body.get("messages") or [])
+        self.id = f"chatcmpl-synthetic-{secrets.token_hex(8)}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": SYNTHETIC_FINGERPRINT,
+        }
+
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt = len(self.prompt_token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+        }
+
+    def sse_events(self) -> list[bytes]:
+        """Every `data:` event of the stream, [DONE] included, as wire bytes."""
+        rendered = self.cache.get(self.turn, self.turn_index, self.token_options)
+        envelope = self._envelope("chat.completion.chunk")
+
+        def event_prefix(env: dict[str, Any]) -> bytes:  # `data: {...envelope, "choices": [`
+            return b"data: " + json.dumps(env)[:-1].encode() + b', "choices": ['
+
+        prefix = event_prefix(envelope)
+        events = [prefix + choice + b"]}\n\n" for choice in rendered.choices]
+        if self.token_options.return_token_ids:  # vLLM puts them on the first chunk only
+            first = event_prefix({**envelope, "prompt_token_ids": self.prompt_token_ids})
+            events[0] = first + rendered.choices[0] + b"]}\n\n"
+        if self.include_usage:
+            usage_chunk = {**envelope, "choices": [], "usage": self._usage(rendered.completion_tokens)}
+            events.append(b"data: " + json.dumps(usage_chunk).encode() + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        return events
+
+    def completion(self) -> dict[str, Any]:
+        """The non-streaming chat.completion body."""
+        turn = self.turn
+        message: dict[str, Any] = {"role": "assistant", "content": turn.text or None}
+        if turn.reasoning:
+            message[turn.reasoning_field] = turn.reasoning
+        if turn.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": tool_call_id(call, self.turn_index, index),
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments_json()},
+                }
+                for index, call in enumerate(turn.tool_calls)
+            ]
+        tokens = [tok for d in answer_deltas(turn, self.turn_index) for tok in d.tokens]
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": turn.effective_finish_reason(),
+        }
+        choice.update(self.token_options.fields(tokens, 0))
+        body = {
+            **self._envelope("chat.completion"),
+            "choices": [choice],
+            "usage": self._usage(len(tokens)),
+        }
+        if self.token_options.return_token_ids:
+            body["prompt_token_ids"] = self.prompt_token_ids
+        return body
+
+
+# ---------------------------------------------------------------------------------- the server
+
+
+@dataclass(frozen=True)
+class ReceivedRequest:
+    method: str
+    path: str
+    headers: dict[str, str]  # names lower-cased
+    body: Any  # the parsed JSON body, or None
+
+    @property
+    def api_key(self) -> str | None:
+        return bearer_token(self.headers.get("authorization"))
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    if authorization and authorization[:7].lower() == "bearer ":
+        return authorization[7:].strip()
+    return None
+
+
+def openai_error(status: int, message: str, error_type: str, code: str | None = None):
+    error = {"message": message, "type": error_type, "code": code}
+    return web.json_response({"error": error}, status=status, headers=SYNTHETIC_HEADERS)
+
+
+class ScriptedServer:
+    """An OpenAI-compatible server on 127.0.0.1 answering from scripts (see module docstring).
+
+    Runs on pi-env's background event loop; use as a context manager or call start()/stop().
+    """
+
+    def __init__(self, *, port: int = 0, default: list[ScriptedTurn | dict] | None = None):
+        self._port = port
+        self._scripts: dict[str, Script] = {}
+        self._default: Script | None = coerce_script(default) if default is not None else None
+        self._received: deque[ReceivedRequest] = deque(maxlen=MAX_RECORDED_REQUESTS)
+        self._render_cache = RenderCache()
+        self._runner: web.AppRunner | None = None
+
+    # -- scripts
+
+    def add_script(self, turns: list[ScriptedTurn | dict], *, api_key: str | None = None) -> str:
+        """Serve `turns` to requests bearing `api_key` (generated when None); returns the key."""
+        key = api_key or f"sk-scripted-{secrets.token_hex(12)}"
+        self._scripts[key] = coerce_script(turns)
+        return key
+
+    def remove_script(self, api_key: str) -> None:
+        """Forget the script of `api_key` (its requests then get the default, or 401)."""
+        self._scripts.pop(api_key, None)
+
+    def set_default(self, turns: list[ScriptedTurn | dict] | None) -> None:
+        """The script for any key that has none of its own (None: such keys get 401)."""
+        self._default = coerce_script(turns) if turns is not None else None
+
+    @property
+    def requests(self) -> list[ReceivedRequest]:
+        """The most recent received requests (at most MAX_RECORDED_REQUESTS), oldest first."""
+        return list(self._received)
+
+    # -- lifecycle
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._port}/v1"
+
+    def start(self) -> ScriptedServer:
+        if self._runner is None:
+            run_sync(self._start(), timeout=30)
+        return self
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            run_sync(runner.cleanup(), timeout=30)
+
+    def __enter__(self) -> ScriptedServer:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    async def _start(self) -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        # handler_cancellation: a client that hangs up cancels a hanging/delayed answer.
+        runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0
+        )
+        await runner.setup()
+        sock = socket.create_server(("127.0.0.1", self._port), backlog=1024)
+        await web.SockSite(runner, sock, backlog=1024).start()
+        self._port = sock.getsockname()[1]
+        self._runner = runner
+
+    # -- handlers
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._record(request, None)
+        data = [{"id": "scripted", "object": "model", "owned_by": SYNTHETIC_FINGERPRINT}]
+        return web.json_response({"object": "list", "data": data}, headers=SYNTHETIC_HEADERS)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            body = None
+        self._record(request, body)
+        if not isinstance(body, dict):
+            return openai_error(400, "request body is not a JSON object", "invalid_request_error")
+
+        key = bearer_token(request.headers.get("Authorization"))
+        script = self._scripts.get(key or "", self._default)
+        if script is None:
+            return openai_error(401, "Incorrect API key provided", "invalid_request_error",
+                                "invalid_api_key")  # fmt: skip
+
+        messages = body.get("messages") or []
+        turn_index = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+        turn = script[turn_index] if turn_index < len(script) else FINISHED_TURN
+        fault = turn.fault or Fault()
+
+        if fault.hang_s:
+            await asyncio.sleep(fault.hang_s)
+        if fault.http_status is not None:
+            return fault_response(fault)
+
+        answer = Answer(turn, turn_index, body, self._render_cache)
+        if not body.get("stream"):
+            return web.json_response(answer.completion(), headers=SYNTHETIC_HEADERS)
+        return await self._stream(request, answer.sse_events(), fault)
+
+    async def _stream(self, request: web.Request, events: list[bytes], fault: Fault):
+        if fault.malformed_chunk:
+            events.insert(len(events) // 2, b"data: {this is not json\n\n")
+        if fault.disconnect_after_chunks is not None:
+            events = events[: fault.disconnect_after_chunks]
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                **SYNTHETIC_HEADERS,
+            }
+        )
+        await response.prepare(request)
+        try:
+            for i, event in enumerate(events):
+                if fault.delay_s and i:
+                    await asyncio.sleep(fault.delay_s)
+                await response.write(event)
+        except ConnectionError:  # the client hung up: nothing left to answer
+            return response
+        if fault.disconnect_after_chunks is not None:
+            # Close without the terminating chunk, like an engine that crashed mid-answer.
+            request.transport.close()
+        return response
+
+    def _record(self, request: web.Request, body: Any) -> None:
+        self._received.append(
+            ReceivedRequest(
+                request.method,
+                request.path_qs,
+                {name.lower(): value for name, value in request.headers.items()},
+                body,
+            )
+        )
+
+
+def fault_response(fault: Fault) -> web.Response:
+    status = fault.http_status
+    if fault.body is None:
+        return openai_error(status, f"scripted fault: HTTP {status}", "scripted_fault")
+    if isinstance(fault.body, str):
+        return web.Response(status=status, text=fault.body, headers=SYNTHETIC_HEADERS)
+    return web.json_response(fault.body, status=status, headers=SYNTHETIC_HEADERS)
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+
+def load_script_file(server: ScriptedServer, path: str) -> None:
+    """A JSON file holding either a list of turns (served to any key) or
+    `{"default": [turns], "scripts": {"<api key>": [turns], ...}}`."""
+    with open(path) as f:
+        spec = json.load(f)
+    if isinstance(spec, list):
+        spec = {"default": spec}
+    if "default" in spec:
+        server.set_default(spec["default"])
+    for key, turns in (spec.get("scripts") or {}).items():
+        server.add_script(turns, api_key=key)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m pi_env.testing.scripted", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--port", type=int, default=0, help="0: an ephemeral port")
+    parser.add_argument("--script", required=True, help="JSON file (see load_script_file)")
+    args = parser.parse_args(argv)
+
+    server = ScriptedServer(port=args.port)
+    load_script_file(server, args.script)
+    server.start()
+    print(f"scripted server listening on {server.base_url}", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM stops the server like Ctrl-C does
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+import os
+import shutil
+
+import pytest
+
+from pi_env.config import PiConfig
+from pi_env.testing import ScriptedServer
+
+
+def pytest_collection_modifyitems(config, items):
+    if shutil.which("bwrap") is None:
+        skip = pytest.mark.skip(reason="bubblewrap is not installed (bash scripts/bootstrap.sh installs it)")
+        for item in items:
+            if "needs_bwrap" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def scripted():
+    """A fresh scripted OpenAI-compatible server (the sanctioned test double)."""
+    server = ScriptedServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+def scripted_config(server: ScriptedServer, key: str, **overrides) -> PiConfig:
+    """A config whose endpoint is the scripted server, as if it were a real model server."""
+    return PiConfig(endpoint=server.base_url, model="scripted-model", api_key=key, **overrides)
+
+
+def sandbox_uid_processes(uid_range=range(200000, 260000)) -> list[tuple[int, int, str]]:
+    """(pid, uid, cmdline) of live processes running under a sandbox uid."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
+            if uid in uid_range:
+                with open(f"/proc/{entry}/cmdline", "rb") as cmd:
+                    found.append((int(entry), uid, cmd.read().replace(b"\0", b" ").decode(errors="replace")))
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue
+    return found

@@ -1,0 +1,434 @@
+"""The model gateway over real sockets (Unix and TCP), against the scripted server; the Node
+forwarder; the background event loop."""
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+import pi_env.proxy
+from pi_env._aio import background_loop, run_sync
+from pi_env.proxy import Gateway, Upstream
+from pi_env.testing import Fault, ScriptedServer, ScriptedTurn
+
+FORWARDER = Path(pi_env.proxy.__file__).with_name("forward.mjs")
+REAL_KEY = "sk-real-upstream-key-0123456789"
+BODY = {
+    "model": "m",
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "messages": [{"role": "user", "content": "hi"}],
+}
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    gw = Gateway(read_timeout_s=2.0).start()
+    yield gw
+    gw.close()
+
+
+@pytest.fixture
+def server():
+    with ScriptedServer() as s:
+        yield s
+
+
+def upstream(server, turns, **kwargs):
+    return Upstream(server.base_url, server.add_script(turns, api_key=REAL_KEY), **kwargs)
+
+
+async def _call(url, token, body=BODY, *, unix=None, method="POST", read=True):
+    connector = aiohttp.UnixConnector(path=unix) if unix else aiohttp.TCPConnector()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession(connector=connector) as client:
+        async with client.request(method, url, json=body, headers=headers) as r:
+            return r.status, r.headers, await r.read()
+
+
+def call(gateway, session_or_token, path="/chat/completions", *, unix=False, **kwargs):
+    token = getattr(session_or_token, "token", session_or_token)
+    if unix:
+        return asyncio.run(_call("http://gateway/v1" + path, token, unix=gateway.socket_path, **kwargs))
+    return asyncio.run(_call(gateway.tcp_base_url + path, token, **kwargs))
+
+
+def wait_for(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def data_events(raw: bytes) -> list[str]:
+    return [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+
+
+# --------------------------------------------------------------------------------- relaying
+
+
+@pytest.mark.parametrize("unix", [True, False], ids=["unix", "tcp"])
+def test_relays_stream_with_the_real_key(gateway, server, unix):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="hello there", chunk_chars=3)]))
+    try:
+        status, headers, raw = call(gateway, session, unix=unix)
+    finally:
+        gateway.close_session(session)
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert headers["x-pi-env-synthetic"] == "1"  # upstream headers reach the agent
+    events = data_events(raw)
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                   for e in events[:-1] if json.loads(e)["choices"])
+    assert text == "hello there"
+
+    (received,) = server.requests
+    assert received.headers["authorization"] == f"Bearer {REAL_KEY}"
+    assert all(session.token not in value for value in received.headers.values())
+    assert received.body == BODY
+
+    (turn,) = session.turns
+    assert turn.turn == 0 and turn.upstream_status == 200 and turn.upstream_error is None
+    assert turn.request_bytes == len(json.dumps(BODY)) and turn.response_bytes == len(raw)
+    assert 0 < turn.ttfb_s <= turn.latency_s and not turn.client_disconnected
+    assert abs(turn.started_at - time.time()) < 60
+
+
+def test_only_model_routes_are_relayed_and_listing_is_not_a_turn(gateway, server):
+    session = gateway.open_session(upstream(server, []))
+    status, _, raw = call(gateway, session, "/models?limit=1", method="GET", body=None)
+    assert status == 200 and json.loads(raw)["data"][0]["id"] == "scripted"
+    assert server.requests[0].path == "/v1/models?limit=1"
+    assert session.turns == []
+    for method, path in (("GET", "/files"), ("POST", "/files"), ("DELETE", "/models/scripted"), ("POST", "/embeddings")):
+        status, _, raw = call(gateway, session, path, method=method, body=None if method != "POST" else {})
+        assert status == 403 and json.loads(raw)["error"]["type"] == "route_not_allowed"
+    assert len(server.requests) == 1  # only the models listing reached the upstream
+    gateway.close_session(session)
+
+
+def test_no_key_means_no_authorization_header(gateway, server):
+    server.set_default([ScriptedTurn(text="open")])
+    session = gateway.open_session(Upstream(server.base_url, None))
+    status, _, _ = call(gateway, session)
+    assert status == 200 and "authorization" not in server.requests[0].headers
+    gateway.close_session(session)
+
+
+@pytest.mark.parametrize("token", [None, "not-a-session-token"])
+def test_unknown_token_is_refused_without_contacting_upstream(gateway, server, token):
+    server.set_default([ScriptedTurn(text="should not be served")])
+    status, _, raw = call(gateway, token)
+    assert status == 401 and json.loads(raw)["error"]["type"] == "invalid_session_token"
+    assert server.requests == []
+
+
+def test_closed_session_token_is_revoked(gateway, server):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="x")]))
+    gateway.close_session(session)
+    assert call(gateway, session)[0] == 401 and server.requests == []
+
+
+def test_upstream_error_status_and_body_reach_the_agent(gateway, server):
+    error = {"error": {"message": "model overloaded", "type": "server_error"}}
+    session = gateway.open_session(upstream(server, [ScriptedTurn(fault=Fault(http_status=500, body=error))]))
+    status, headers, raw = call(gateway, session)
+    assert status == 500 and json.loads(raw) == error
+    assert headers["Content-Type"].startswith("application/json")
+    (turn,) = session.turns
+    assert turn.upstream_status == 500 and json.loads(turn.upstream_error) == error
+    gateway.close_session(session)
+
+
+def test_upstream_error_body_is_truncated_in_the_record(gateway, server):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(fault=Fault(http_status=400, body="e" * 10_000))]))
+    status, _, raw = call(gateway, session)
+    assert status == 400 and len(raw) == 10_000  # the agent gets all of it
+    assert session.turns[0].upstream_error == "e" * 4096
+    gateway.close_session(session)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_upstream_is_a_502(gateway):
+    port = free_port()  # closed again: nothing listens there
+    session = gateway.open_session(Upstream(f"http://127.0.0.1:{port}/v1", REAL_KEY))
+    status, _, raw = call(gateway, session)
+    error = json.loads(raw)["error"]
+    assert status == 502 and error["type"] == "upstream_unreachable"
+    assert error["message"].startswith(f"pi-env gateway: upstream 127.0.0.1:{port} unreachable: ")
+    assert REAL_KEY not in raw.decode()
+    (turn,) = session.turns
+    assert turn.upstream_status is None and "unreachable" in turn.upstream_error
+    gateway.close_session(session)
+
+
+def test_upstream_silent_past_the_read_timeout_is_a_502(gateway, server):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="late", fault=Fault(hang_s=5))]))
+    started = time.monotonic()
+    status, _, raw = call(gateway, session)
+    assert status == 502 and json.loads(raw)["error"]["type"] == "upstream_unreachable"
+    assert time.monotonic() - started < 4  # the gateway's read timeout (2 s), not the hang
+    gateway.close_session(session)
+
+
+def test_upstream_dying_mid_stream_fails_the_agent_call(gateway, server):
+    turns = [ScriptedTurn(text="x" * 50, chunk_chars=1, fault=Fault(disconnect_after_chunks=5))]
+    session = gateway.open_session(upstream(server, turns))
+    with pytest.raises(aiohttp.ClientPayloadError):
+        call(gateway, session, unix=True)
+    (turn,) = session.turns
+    assert turn.upstream_status == 200 and turn.upstream_error.startswith("upstream stream broken")
+    assert turn.response_bytes > 0 and not turn.client_disconnected
+    gateway.close_session(session)
+
+
+def test_agent_hanging_up_cancels_upstream_and_is_recorded(gateway, server):
+    # 40 chunks 0.1 s apart: 4 s if the gateway kept reading after the agent left.
+    turns = [ScriptedTurn(text="x" * 40, chunk_chars=1, fault=Fault(delay_s=0.1))]
+    session = gateway.open_session(upstream(server, turns))
+
+    async def read_one_chunk_then_leave():
+        headers = {"Authorization": f"Bearer {session.token}"}
+        async with aiohttp.ClientSession() as client:
+            async with client.post(gateway.tcp_base_url + "/chat/completions", json=BODY, headers=headers) as r:
+                assert await r.content.readany()
+
+    started = time.monotonic()
+    asyncio.run(read_one_chunk_then_leave())
+    wait_for(lambda: session.turns)
+    assert time.monotonic() - started < 2
+    (turn,) = session.turns
+    assert turn.client_disconnected and turn.upstream_status == 200 and turn.upstream_error is None
+    gateway.close_session(session)
+
+
+def test_agent_hanging_up_before_headers_cancels_upstream(gateway, server):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="late", fault=Fault(hang_s=1.5))]))
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(_call(gateway.tcp_base_url + "/chat/completions", session.token), 0.2))
+    time.sleep(0.8)  # well before upstream would answer (1.5 s) or time out (2 s)
+    (turn,) = session.turns
+    assert turn.client_disconnected and turn.upstream_status is None
+    gateway.close_session(session)
+
+
+def test_stream_is_relayed_as_it_arrives(gateway, server):
+    turns = [ScriptedTurn(text="abc", chunk_chars=1, fault=Fault(delay_s=0.3))]
+    session = gateway.open_session(upstream(server, turns))
+
+    async def first_and_last():
+        headers = {"Authorization": f"Bearer {session.token}"}
+        connector = aiohttp.UnixConnector(path=gateway.socket_path)
+        async with aiohttp.ClientSession(connector=connector) as client:
+            started = time.monotonic()
+            async with client.post("http://gateway/v1/chat/completions", json=BODY, headers=headers) as r:
+                first = await r.content.readany()
+                first_at = time.monotonic() - started
+                await r.read()
+                return first, first_at, time.monotonic() - started
+
+    first, first_at, total = asyncio.run(first_and_last())
+    assert b'"role": "assistant"' in first and b"[DONE]" not in first
+    assert first_at < 0.25 and total >= 0.3 * 6  # 7 events, 0.3 s apart
+    assert session.turns[0].ttfb_s < 0.25
+    gateway.close_session(session)
+
+
+# --------------------------------------------------------------------------- budget, traces
+
+
+def test_max_turns_refuses_the_call_past_the_budget(gateway, server):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="a"), ScriptedTurn(text="b")]), max_turns=2)
+    assert call(gateway, session)[0] == 200
+    assert call(gateway, session)[0] == 200
+    assert not session.budget_exhausted
+    status, _, raw = call(gateway, session)
+    assert status == 429
+    assert json.loads(raw) == {"error": {"message": "pi-env: max_turns budget of 2 model calls exhausted",
+                                         "type": "max_turns_exceeded"}}
+    assert session.budget_exhausted and len(server.requests) == 2 and len(session.turns) == 2
+    gateway.close_session(session)
+
+
+def test_trace_file_gets_one_flushed_line_per_turn(gateway, server, tmp_path):
+    trace = tmp_path / "deep" / "trace.jsonl"
+    turns = [ScriptedTurn(text="a"), ScriptedTurn(fault=Fault(http_status=500))]
+    session = gateway.open_session(upstream(server, turns), trace_path=str(trace))
+    call(gateway, session)
+    lines = trace.read_text().splitlines()  # readable while the session is still open
+    assert len(lines) == 1 and json.loads(lines[0])["upstream_status"] == 200
+    server.set_default(None)
+    body = {**BODY, "messages": BODY["messages"] + [{"role": "assistant", "content": "a"}]}
+    call(gateway, session, body=body)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [r["turn"] for r in records] == [0, 1] and records[1]["upstream_status"] == 500
+    assert set(records[0]) == {"turn", "started_at", "latency_s", "ttfb_s", "upstream_status", "upstream_error",
+                               "request_bytes", "response_bytes", "client_disconnected"}
+    gateway.close_session(session)
+
+
+def test_unknown_mode_is_rejected(gateway, server):
+    with pytest.raises(ValueError, match="unknown gateway mode"):
+        gateway.open_session(Upstream(server.base_url, REAL_KEY), mode="no_such_mode")
+
+
+def test_key_never_in_repr_or_logs(gateway, server, caplog):
+    caplog.set_level(logging.DEBUG)
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="x"), ScriptedTurn(fault=Fault(http_status=500))]),
+                                   mode="black_box")
+    call(gateway, session)
+    call(gateway, session, body={**BODY, "messages": BODY["messages"] + [{"role": "assistant", "content": "x"}]})
+    dead = gateway.open_session(Upstream(f"http://127.0.0.1:{free_port()}/v1", REAL_KEY, headers={"X-Secret": REAL_KEY}))
+    assert call(gateway, dead)[0] == 502
+    shown = " ".join([repr(session), repr(session.upstream), repr(dead), repr(dead.upstream), repr(gateway),
+                      repr(session.turns), repr(dead.turns), caplog.text])
+    assert REAL_KEY not in shown and session.token not in shown
+    gateway.close_session(session)
+    gateway.close_session(dead)
+
+
+def test_socket_is_reachable_by_other_uids(gateway):
+    assert os.stat(gateway.socket_path).st_mode & 0o777 == 0o666
+    assert os.stat(os.path.dirname(gateway.socket_path)).st_mode & 0o777 == 0o711
+
+
+def test_health(gateway):
+    status, _, raw = asyncio.run(_call(gateway.tcp_base_url.removesuffix("/v1") + "/health", None, None, method="GET"))
+    assert status == 200 and json.loads(raw) == {"ok": True}
+
+
+# ------------------------------------------------------------------------- the Node forwarder
+
+NODE = shutil.which("node")
+FETCH_JS = """
+const r = await fetch("http://127.0.0.1:%d/v1/chat/completions", {
+  method: "POST",
+  headers: {"content-type": "application/json", authorization: "Bearer %s"},
+  body: JSON.stringify(%s),
+});
+console.log(JSON.stringify({status: r.status, body: await r.text()}));
+"""
+
+
+def run_node(script: str, env: dict, timeout=20) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    proc = subprocess.run([NODE, "--import", str(FORWARDER), "--input-type=module", "-e", script],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - started
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_forwarder_pipes_tcp_to_the_gateway_socket_and_lets_node_exit(gateway, server):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="via node")]))
+    port = free_port()
+    env = {"PI_ENV_GATEWAY_SOCKET": gateway.socket_path, "PI_ENV_GATEWAY_PORT": str(port)}
+    proc, elapsed = run_node(FETCH_JS % (port, session.token, json.dumps(BODY)), env)
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout)
+    events = data_events(answer["body"].encode())
+    assert answer["status"] == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "via node"
+    assert elapsed < 5  # exits by itself: nothing the forwarder made keeps node alive
+    assert server.requests[0].headers["authorization"] == f"Bearer {REAL_KEY}"
+    assert session.turns[0].upstream_status == 200
+    gateway.close_session(session)
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_forwarder_ignores_a_taken_port(gateway):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        env = {"PI_ENV_GATEWAY_SOCKET": gateway.socket_path, "PI_ENV_GATEWAY_PORT": str(port)}
+        proc, elapsed = run_node("console.log('cli ran')", env)
+    assert proc.returncode == 0 and proc.stdout == "cli ran\n" and proc.stderr == ""
+    assert elapsed < 5
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_forwarder_answers_502_when_the_gateway_socket_is_missing(tmp_path):
+    port = free_port()
+    missing = str(tmp_path / "absent.sock")
+    env = {"PI_ENV_GATEWAY_SOCKET": missing, "PI_ENV_GATEWAY_PORT": str(port)}
+    proc, elapsed = run_node(FETCH_JS % (port, "t", json.dumps(BODY)), env)
+    answer = json.loads(proc.stdout)
+    assert answer["status"] == 502 and elapsed < 5
+    error = json.loads(answer["body"])["error"]
+    assert error["type"] == "gateway_unreachable" and missing in error["message"]
+
+
+# ---------------------------------------------------------------------- the background loop
+
+
+def test_background_loop_is_one_shared_loop():
+    loops = []
+    threads = [threading.Thread(target=lambda: loops.append(background_loop())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(loop) for loop in loops}) == 1 and loops[0].is_running()
+
+
+def test_run_sync_returns_raises_and_times_out():
+    async def value():
+        return threading.current_thread().name
+
+    async def boom():
+        raise KeyError("x")
+
+    cancelled = threading.Event()
+
+    async def slow():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    assert run_sync(value()) == "pi-env-event-loop"
+    with pytest.raises(KeyError):
+        run_sync(boom())
+    with pytest.raises(TimeoutError):
+        run_sync(slow(), timeout=0.05)
+    assert cancelled.wait(2)
+
+
+def test_run_sync_on_the_loop_thread_refuses_instead_of_deadlocking():
+    async def nested():
+        inner = asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="event loop thread"):
+            run_sync(inner)
+
+    run_sync(nested())
+
+
+def test_get_gateway_is_one_per_process():
+    from pi_env.proxy import get_gateway
+
+    gateway = get_gateway()
+    assert get_gateway() is gateway and os.path.exists(gateway.socket_path)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child must not reuse the parent's (unserved) gateway
+        child = get_gateway()
+        os.write(write, b"own" if child is not gateway and child.socket_path != gateway.socket_path else b"same")
+        child.close()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 10) == b"own"
+    assert asyncio.run(_call(gateway.tcp_base_url.removesuffix("/v1") + "/health", None, None, method="GET"))[0] == 200

@@ -1,0 +1,263 @@
+"""End to end: the real Pi CLI in the real bubblewrap sandbox, against the oracle or the
+scripted server. Each test is one or two real rollouts (about a second each)."""
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import sandbox_uid_processes, scripted_config
+from pi_env import PiConfig, PiSessionFactory, PiTask, load_tasks, run_rollout
+from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
+
+pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
+
+EXAMPLES = load_tasks(Path(__file__).parent.parent / "examples")
+
+
+def bash(command: str) -> ScriptedTurn:
+    return ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": command})])
+
+
+def tool_outputs(result) -> str:
+    """Everything the agent's tools returned, as one string."""
+    return "\n".join(block.get("text", "") for message in result.messages if message.get("role") == "toolResult"
+                     for block in message.get("content", []) if isinstance(block, dict))
+
+
+@pytest.mark.parametrize("task", EXAMPLES, ids=[task.task_id for task in EXAMPLES])
+def test_examples_score_one_through_the_oracle(task):
+    result = run_rollout(task)
+    assert result.error_kind is None, (result.error, result.agent_log_tail)
+    assert result.reward == 1.0
+    assert result.synthetic and result.endpoint == "oracle"
+    assert result.stop_reason == "stop"
+    assert len(result.proxy_turns) == len(task.solution) + 1  # one call per step, then the final text
+    assert all(turn.upstream_status == 200 for turn in result.proxy_turns)
+    assert [m["role"] for m in result.messages].count("assistant") == len(task.solution) + 1
+    assert set(result.timings) >= {"sandbox_create", "setup", "agent", "verify"}
+    for path in task.verify_files:
+        assert path in result.files  # staged after the agent, so present at collection
+
+
+def test_partly_failing_verify_gives_the_exact_fraction():
+    task = PiTask(task_id="fraction", instruction="write x", verify=["test -f x.txt", "false", "grep -q hi x.txt"],
+                  solution=[{"tool": "write", "path": "x.txt", "content": "hi\n"}])
+    result = run_rollout(task)
+    assert result.reward == pytest.approx(2 / 3) and result.reward_source == "pass_rate"
+    assert [r.exit_code for r in result.verify_results] == [0, 1, 0]
+
+
+def test_verify_written_reward_file_overrides_pass_rate():
+    task = PiTask(task_id="reward-file", instruction="x", verify=["true", "echo 0.25 > $HOME/logs/verifier/reward.txt"],
+                  solution=[{"tool": "bash", "command": "true"}])
+    result = run_rollout(task)
+    assert result.reward == 0.25 and result.reward_source == "reward_file"
+
+
+@pytest.mark.parametrize("content", ["nan", "inf", "lots"])
+def test_non_finite_reward_file_is_rejected(content):
+    task = PiTask(task_id="bad-reward", instruction="x", verify=[f"echo {content} > $HOME/logs/verifier/reward.txt"],
+                  solution=[{"tool": "bash", "command": "true"}])
+    result = run_rollout(task)
+    assert result.reward is None and result.error_kind == "invalid_reward"
+
+
+def test_agent_written_reward_file_is_ignored():
+    forged = "mkdir -p $HOME/logs/verifier && echo 1.0 > $HOME/logs/verifier/reward.txt && " \
+             "ln -sf $HOME/forged $HOME/logs/verifier/reward.json; echo 1.0 > $HOME/forged"
+    task = PiTask(task_id="forge", instruction="x", verify=["test -f solved.txt"],
+                  solution=[{"tool": "bash", "command": forged}])
+    result = run_rollout(task)
+    assert result.reward == 0.0 and result.reward_source == "pass_rate"
+
+
+def test_setup_failure_is_unscored_and_skips_the_agent():
+    task = PiTask(task_id="setup-fails", instruction="x", setup=["true", "echo broken >&2; exit 3", "touch never"],
+                  verify=["true"], solution=[{"tool": "bash", "command": "true"}])
+    result = run_rollout(task)
+    assert result.reward is None and result.error_kind == "setup_failed"
+    assert "exited 3" in result.error and "broken" in result.error
+    assert len(result.setup_results) == 2 and result.proxy_turns == [] and result.verify_results == []
+
+
+def test_setup_runs_before_the_agent_and_files_are_staged():
+    task = PiTask(task_id="order", instruction="x", files={"data/in.txt": "41\n"},
+                  setup=["test -f data/in.txt && echo $(( $(cat data/in.txt) + 1 )) > data/out.txt"],
+                  verify=["test \"$(cat seen.txt)\" = 42"],
+                  solution=[{"tool": "bash", "command": "cat data/out.txt > seen.txt"}])
+    assert run_rollout(task).reward == 1.0
+
+
+def test_hanging_agent_is_killed_at_its_timeout_with_nothing_left():
+    task = PiTask(task_id="hang", instruction="x", verify=["true"], timeouts={"agent_s": 4},
+                  solution=[{"tool": "bash", "command": "(setsid sleep 600 &) ; nohup sleep 700 & sleep 900"}])
+    result = run_rollout(task)
+    assert result.reward is None and result.error_kind == "agent_timeout" and result.stop_reason == "timeout"
+    assert 4 <= result.timings["agent"] < 15
+    assert sandbox_uid_processes() == []
+
+
+def test_hanging_endpoint_is_an_agent_timeout(scripted):
+    key = scripted.add_script([ScriptedTurn(text="late", fault=Fault(hang_s=60))])
+    result = run_rollout(PiTask(instruction="x", verify=["true"], timeouts={"agent_s": 3}), scripted_config(scripted, key))
+    assert result.reward is None and result.error_kind == "agent_timeout"
+    assert sandbox_uid_processes() == []
+
+
+@pytest.mark.parametrize("status, kind", [(400, "agent_error"), (500, "endpoint_error")])
+def test_llm_error_is_reported_not_scored(scripted, status, kind):
+    """Pi exits 0 in json mode when the LLM call fails; we judge from its session instead."""
+    key = scripted.add_script([ScriptedTurn(fault=Fault(http_status=status, body={"error": {"message": f"boom {status}"}}))])
+    result = run_rollout(PiTask(instruction="x", verify=["true"]), scripted_config(scripted, key))
+    assert result.reward is None and result.error_kind == kind, (result.error, result.agent_log_tail)
+    assert result.stop_reason == "error" and f"{status}" in result.error
+    assert result.proxy_turns[0].upstream_status == status
+
+
+def test_unreachable_endpoint_is_an_endpoint_error():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    config = PiConfig(endpoint=f"http://127.0.0.1:{port}/v1", model="m", api_key="k")
+    result = run_rollout(PiTask(instruction="x", verify=["true"]), config)
+    assert result.reward is None and result.error_kind == "endpoint_error"
+    assert "unreachable" in result.error
+
+
+def test_max_turns_budget_stops_the_agent_and_still_scores():
+    steps = [{"tool": "bash", "command": f"echo {i} >> log.txt"} for i in range(6)]
+    task = PiTask(task_id="budget", instruction="x", verify=["test $(wc -l < log.txt) -ge 1"], solution=steps)
+    result = run_rollout(task, PiConfig(max_turns=2))
+    assert result.stop_reason == "max_turns" and result.error_kind is None
+    assert result.reward == 1.0
+    assert result.files["log.txt"] == "0\n1\n"
+    assert len(result.proxy_turns) == 2  # the refused third call never reached the upstream
+    assert "max_turns" in result.agent_log_tail
+
+
+def test_long_prompt_reaches_the_model_intact(scripted):
+    instruction = "Implement the spec below.\n" + "".join(f"line {i}: {'x' * 60}\n" for i in range(3000))
+    key = scripted.add_script([ScriptedTurn(text="ok")])
+    result = run_rollout(PiTask(instruction=instruction, verify=["true"]), scripted_config(scripted, key))
+    assert result.reward == 1.0
+    request = next(r for r in scripted.requests if r.api_key == key)
+    user = next(m for m in request.body["messages"] if m["role"] == "user")
+    text = user["content"] if isinstance(user["content"], str) else "".join(p.get("text", "") for p in user["content"])
+    assert text == instruction.strip() and len(instruction) > 128 * 1024  # beyond one argv string
+
+
+def test_task_pi_dir_cannot_change_pi_settings(scripted):
+    files = {".pi/settings.json": json.dumps({"retry": {"enabled": True, "maxRetries": 5}}),
+             ".pi/SYSTEM.md": "PWNED-SYSTEM-PROMPT", "AGENTS.md": "PWNED-AGENTS-FILE"}
+    key = scripted.add_script([ScriptedTurn(fault=Fault(http_status=503))])
+    result = run_rollout(PiTask(instruction="x", files=files, verify=["true"]), scripted_config(scripted, key))
+    requests = [r for r in scripted.requests if r.api_key == key]
+    assert len(requests) == 1, "retries stay off whatever the task's .pi/settings.json says"
+    assert "PWNED" not in json.dumps(requests[0].body)
+    assert result.error_kind == "endpoint_error"
+
+
+class HostListener:
+    """A TCP service on the host's loopback that the sandbox must not reach."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+
+def test_hostile_agent_gets_nothing(scripted, tmp_path):
+    upstream_key = "sk-upstream-DO-NOT-LEAK-7f3a9"
+    secret_file = Path.home() / ".pi-env-test-host-secret"
+    secret_file.write_text("HOST-SECRET-c0ffee\n")
+    listener = HostListener()
+    probes = [
+        f"cat {secret_file} /etc/shadow; ls -la /root /home /tmp; cat {tmp_path}/* 2>&1 | head",
+        f"python3 -c \"import socket; s=socket.create_connection(('127.0.0.1', {listener.port}), 2)\"; "
+        "python3 -c \"import socket; s=socket.create_connection(('1.1.1.1', 80), 2)\"; "
+        "getent hosts pypi.org || echo no-dns",
+        "env; cat ~/.pi/agent/*.json; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n' | grep -i key; "
+        "ps aux 2>/dev/null || cat /proc/*/cmdline | tr '\\0' ' '",
+        "echo pwned > /etc/pwned-by-agent; echo pwned > /usr/pwned-by-agent; echo pwned > /opt/pi-env/runtime/pwned; "
+        "touch /tmp/ok-in-tmpfs && echo tmp-ok",
+    ]
+    key = scripted.add_script([bash(p) for p in probes] + [ScriptedTurn(text="done")], api_key=upstream_key)
+    try:
+        result = run_rollout(PiTask(instruction="x", verify=["true"]), scripted_config(scripted, upstream_key))
+    finally:
+        secret_file.unlink()
+        listener.sock.close()
+    assert result.reward == 1.0 and result.error_kind is None  # the rollout still returns, scored
+    seen = tool_outputs(result) + json.dumps(result.files) + result.agent_log_tail
+    assert "tmp-ok" in seen  # the probes really ran
+    assert "HOST-SECRET" not in seen
+    assert Path("/etc/shadow").read_text().splitlines()[0] not in seen
+    assert upstream_key not in seen
+    assert listener.connections == 0
+    assert not Path("/etc/pwned-by-agent").exists() and not Path("/usr/pwned-by-agent").exists()
+    # The upstream saw the real key; the sandbox only ever held the session token.
+    assert all(r.api_key == upstream_key for r in scripted.requests if r.api_key == key)
+
+
+def test_fork_bomb_is_contained():
+    task = PiTask(task_id="forkbomb", instruction="x", verify=["true"], timeouts={"agent_s": 20},
+                  solution=[{"tool": "bash", "command": "timeout 5 bash -c ':(){ :|:& };:' ; echo survived"}])
+    result = run_rollout(task, PiConfig(max_processes=64))
+    assert result.error_kind in (None, "agent_timeout")
+    assert sandbox_uid_processes() == []
+
+
+def test_session_api_and_trace():
+    task = EXAMPLES[0]
+    factory = PiSessionFactory(PiConfig(), sandbox_backend="local", mode="black_box")
+    with factory.create(task) as session:
+        result = session.wait_for_completion(timeout_s=120)
+        assert session.wait_for_completion() is result  # idempotent
+        trace = session.fetch_proxy_trace()
+    assert result.reward == 1.0 and len(trace) == len(task.solution) + 1
+    assert sandbox_uid_processes() == []
+
+
+def test_wait_for_completion_timeout_raises_and_rollout_continues():
+    task = PiTask(task_id="slow", instruction="x", verify=["test -f done.txt"],
+                  solution=[{"tool": "bash", "command": "sleep 2; touch done.txt"}])
+    with PiSessionFactory().create(task) as session:
+        with pytest.raises(TimeoutError):
+            session.wait_for_completion(timeout_s=0.2)
+        assert session.wait_for_completion().reward == 1.0
+
+
+def test_oracle_needs_a_solution():
+    from pi_env.endpoints import EndpointError
+
+    with pytest.raises(EndpointError, match="no solution"):
+        run_rollout(PiTask(instruction="x", verify=["true"]))
+
+
+def test_no_verify_is_unscored():
+    result = run_rollout(PiTask(instruction="x", solution=[{"tool": "bash", "command": "true"}]))
+    assert result.reward is None and result.error_kind == "no_verify"
+
+
+def test_host_environment_does_not_leak(monkeypatch):
+    monkeypatch.setenv("PI_ENV_TEST_HOST_SECRET", "leaky-value-123")
+    task = PiTask(instruction="x", verify=["! env | grep -q leaky-value"],
+                  solution=[{"tool": "bash", "command": "env > env.txt"}])
+    result = run_rollout(task)
+    assert result.reward == 1.0 and "leaky-value" not in result.files["env.txt"]
+    assert "HOME=/root" in result.files["env.txt"]
+    assert os.environ["PI_ENV_TEST_HOST_SECRET"] == "leaky-value-123"

@@ -1,0 +1,521 @@
+"""The local (bubblewrap) and unsafe-local sandbox backends, against the real bwrap."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+
+import pytest
+
+from pi_env.sandbox import (
+    GATEWAY_SOCKET,
+    SandboxError,
+    SandboxLimits,
+    SandboxSpec,
+    SandboxUnavailable,
+    get_backend,
+)
+from pi_env.sandbox.local import LocalSandboxBackend
+from pi_env.sandbox.unsafe_local import UnsafeLocalBackend
+
+IS_ROOT = os.geteuid() == 0
+
+
+@pytest.fixture(scope="module")
+def backend() -> LocalSandboxBackend:
+    try:
+        return LocalSandboxBackend()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"bubblewrap unusable here: {exc}")
+
+
+@pytest.fixture
+def sandbox(backend):
+    with backend.create(SandboxSpec()) as sb:
+        yield sb
+
+
+def processes_of(uid: int) -> list[str]:
+    """Processes (zombies included: they still count against RLIMIT_NPROC) of real uid `uid`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(status["Uid"].split()[0]) == uid:
+            found.append(f"{pid} {status['State'].strip()}: {cmdline}")
+    return found
+
+
+@pytest.fixture
+def tcp_server():
+    """A host TCP server on 127.0.0.1 answering b"pong"; yields its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"pong")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+@pytest.fixture
+def unix_server():
+    """A host Unix socket server answering b"gateway-ok", in a private (0o700) directory."""
+    directory = tempfile.mkdtemp(prefix="pi-env-gw-")
+    path = os.path.join(directory, "gw.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"gateway-ok")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield path
+    stop.set()
+    thread.join()
+    server.close()
+    shutil.rmtree(directory)
+
+
+def connect_script(target: str) -> str:
+    """Shell command printing what a TCP/Unix server sends, or FAILED: <reason>."""
+    family = "AF_UNIX" if target.startswith("/") else "AF_INET"
+    address = (
+        repr(target)
+        if family == "AF_UNIX"
+        else repr((target.split(":")[0], int(target.split(":")[1])))
+    )
+    return (
+        'python3 -c "import socket\n'
+        f"s = socket.socket(socket.{family}); s.settimeout(3)\n"
+        f"try:\n    s.connect({address}); print(s.recv(100).decode())\n"
+        "except OSError as e:\n    print('FAILED:', e)\""
+    )
+
+
+# --- commands -----------------------------------------------------------------------------
+
+
+def test_exec_runs_in_workdir_with_a_clean_environment(backend, monkeypatch):
+    monkeypatch.setenv("PI_ENV_FAKE_SECRET", "hunter2")
+    with backend.create(SandboxSpec(env={"FROM_SPEC": "spec"})) as sb:
+        result = sb.exec("echo hello; pwd; env; exit 3", env={"FROM_CALL": "call"})
+        assert result.exit_code == 3 and not result.timed_out
+        lines = result.stdout.splitlines()
+        assert lines[:2] == ["hello", "/root/workdir"]
+        assert "HOME=/root" in lines and "USER=root" in lines and "LANG=C.UTF-8" in lines
+        assert "FROM_SPEC=spec" in lines and "FROM_CALL=call" in lines
+        assert "hunter2" not in result.stdout
+
+        assert sb.exec(["printf", "%s|", "a b", "c"]).stdout == "a b|c|"
+        assert sb.exec("cat", stdin=b"from stdin").stdout == "from stdin"
+        # Reopening the pipes by path needs them to belong to the sandbox uid.
+        result = sb.exec("cat /dev/stdin > /dev/stdout; echo err > /dev/stderr", stdin=b"in")
+        assert (result.exit_code, result.stdout, result.stderr) == (0, "in", "err\n")
+        assert sb.exec("pwd", cwd="/tmp").stdout == "/tmp\n"
+        sb.exec("mkdir sub")
+        assert sb.exec("pwd", cwd="sub").stdout == "/root/workdir/sub\n"
+        assert sb.exec("echo oops >&2; false").stderr == "oops\n"
+        assert sb.exec("id -u; hostname").stdout == "0\npi-env\n"
+        # The command is not the pid namespace's init (which ignores such signals).
+        assert sb.exec(["sh", "-c", "kill -TERM $$; echo survived"]).exit_code == 128 + 15
+        assert sb.exec("sh -c 'kill -TERM $$; echo survived'").exit_code == 128 + 15
+
+
+def test_host_secrets_are_invisible(sandbox):
+    with tempfile.TemporaryDirectory() as host_tmp:
+        secret = os.path.join(host_tmp, "secret.txt")
+        with open(secret, "w") as f:
+            f.write("TOP-SECRET")
+        paths = [secret, "/etc/shadow", "/etc/sudoers", os.path.expanduser("~/.bash_history")]
+        if IS_ROOT:
+            root_secret = f"/root/.pi-env-test-secret-{os.getpid()}"
+            with open(root_secret, "w") as f:
+                f.write("TOP-SECRET")
+            paths.append(root_secret)
+        try:
+            result = sandbox.exec(
+                " ; ".join(f"cat {p}" for p in paths) + f"; ls -a {host_tmp} /root"
+            )
+        finally:
+            if IS_ROOT:
+                os.unlink(root_secret)
+    assert "TOP-SECRET" not in result.stdout
+    assert result.stderr.count("No such file or directory") == len(paths) + 1  # + the ls
+    assert ".pi-env-test-secret" not in result.stdout
+
+
+def test_sandboxes_do_not_see_each_other(backend):
+    with backend.create(SandboxSpec()) as a, backend.create(SandboxSpec()) as b:
+        a.write_file("mine.txt", "A's data")
+        assert a.exec("cat /root/workdir/mine.txt").stdout == "A's data"
+        result = b.exec(
+            f"cat /root/workdir/mine.txt {a.host_home}/workdir/mine.txt; ls {a.host_dir}"
+        )
+        assert "A's data" not in result.stdout and result.exit_code != 0
+        if IS_ROOT:
+            assert a.uid != b.uid
+
+
+def test_only_home_tmp_and_shm_are_writable(sandbox):
+    for path in ("/etc/x", "/usr/x", "/x", "/opt/x", "/proc/x", "/dev/x", "/etc/passwd"):
+        assert sandbox.exec(f"echo x > {path}").exit_code != 0, path
+    assert sandbox.exec("echo x > /tmp/x && echo x > /root/x && echo x > /dev/shm/x").exit_code == 0
+    assert sandbox.exists("/root/x")
+    assert sandbox.exec("cat /tmp/x").exit_code != 0  # /tmp is private to each command
+
+
+def test_no_capabilities(sandbox):
+    status = sandbox.exec("cat /proc/self/status").stdout
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(fields[cap], 16) == 0, cap
+    assert fields["NoNewPrivs"].strip() == "1"
+
+
+# --- network ------------------------------------------------------------------------------
+
+
+def test_network_none_reaches_nothing(sandbox, tcp_server):
+    result = sandbox.exec(
+        connect_script(f"127.0.0.1:{tcp_server}") + "; " + connect_script("1.1.1.1:80")
+    )
+    assert result.stdout.count("FAILED") == 2 and "pong" not in result.stdout
+    assert result.duration_s < 5  # fails at once: no route, no waiting for a timeout
+
+
+def test_network_full_reaches_the_host(sandbox, tcp_server):
+    result = sandbox.exec(connect_script(f"127.0.0.1:{tcp_server}"), network="full")
+    assert result.stdout.strip() == "pong"
+
+
+def test_network_gateway_reaches_only_the_gateway_socket(backend, unix_server, tcp_server):
+    with backend.create(SandboxSpec(gateway_socket=unix_server)) as sb:
+        result = sb.exec(
+            connect_script(GATEWAY_SOCKET) + "; " + connect_script(f"127.0.0.1:{tcp_server}"),
+            network="gateway",
+        )
+        assert result.stdout.splitlines()[0] == "gateway-ok"
+        assert result.stdout.splitlines()[1].startswith("FAILED")
+        assert "FAILED" in sb.exec(connect_script(GATEWAY_SOCKET)).stdout  # not bound otherwise
+
+
+def test_agent_masked_paths_are_hidden_in_gateway_mode_only(backend, unix_server):
+    spec = SandboxSpec(gateway_socket=unix_server, agent_masked_paths=("/root/workdir/hidden",))
+    with backend.create(spec) as sb:
+        sb.write_file("hidden/answer.txt", "42")
+        assert sb.exec("ls /root/workdir/hidden", network="gateway").stdout == ""
+        assert sb.exec("cat hidden/answer.txt", network="gateway").exit_code != 0
+        assert sb.exec("cat hidden/answer.txt").stdout == "42"
+        assert sb.read_file("hidden/answer.txt") == b"42"
+
+
+# --- limits and killing -------------------------------------------------------------------
+
+
+def test_fork_bomb_is_bounded_and_fully_killed(backend):
+    with backend.create(SandboxSpec(limits=SandboxLimits(max_processes=64))) as sb:
+        started = time.monotonic()
+        # The trailing sleep keeps the namespace's init alive; its exit would end the bomb.
+        result = sb.exec(":(){ :|:& };:; sleep 100", timeout_s=2)
+        assert result.timed_out and result.exit_code is None
+        assert "Resource temporarily unavailable" in result.stderr  # RLIMIT_NPROC bit
+        assert time.monotonic() - started < 15
+        if IS_ROOT:
+            assert processes_of(sb.uid) == []
+        assert sb.exec("echo alive").stdout == "alive\n"  # the sandbox is still usable
+
+
+def test_timeout_kills_setsid_and_nohup_escapes(sandbox):
+    result = sandbox.exec(
+        "setsid sleep 1000 & nohup sleep 1001 >/dev/null 2>&1 & (sleep 1002 &);"
+        " echo up; sleep 1003",
+        timeout_s=1,
+    )
+    assert result.timed_out and result.exit_code is None and result.stdout == "up\n"
+    assert 1 <= result.duration_s < 6
+    if IS_ROOT:
+        assert processes_of(sandbox.uid) == []
+
+
+def test_daemons_die_with_their_command(sandbox):
+    result = sandbox.exec("setsid sleep 1000 >/dev/null 2>&1 & echo started", timeout_s=10)
+    assert result.exit_code == 0 and result.duration_s < 5
+    if IS_ROOT:
+        assert processes_of(sandbox.uid) == []
+
+
+def test_start_wait_poll_and_kill(sandbox):
+    sandbox.write_file("input.txt", "line one\nline two\n")
+    echo = sandbox.start("cat; echo done >&2", stdin_path="input.txt")
+    result = echo.wait(10)
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "line one\nline two\n", "done\n")
+
+    sleeper = sandbox.start("echo ready; sleep 100")
+    assert sleeper.poll() is None
+    result = sleeper.wait(0.5)
+    assert result.timed_out and result.exit_code is None and result.stdout == "ready\n"
+    assert sleeper.poll() is not None
+    sleeper.kill()
+    sleeper.kill()  # idempotent
+
+    # Started from a thread that ends at once: the command must not die with that thread.
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("p", sandbox.start("sleep 100")))
+    thread.start()
+    thread.join()
+    time.sleep(0.3)
+    assert box["p"].poll() is None
+    sandbox.kill_all()
+    assert box["p"].wait(5).exit_code is None and box["p"].poll() is not None
+    if IS_ROOT:
+        assert processes_of(sandbox.uid) == []
+
+
+def test_resource_limits_apply(backend):
+    limits = SandboxLimits(max_file_bytes=1 << 20, max_open_files=100, max_memory_bytes=1 << 30)
+    with backend.create(SandboxSpec(limits=limits)) as sb:
+        result = sb.exec("ulimit -n; ulimit -c; ulimit -d; head -c 2000000 /dev/zero > big")
+        assert result.stdout.split() == ["100", "0", str((1 << 30) // 1024)]
+        assert (
+            result.exit_code != 0
+            and os.path.getsize(os.path.join(sb.host_home, "workdir/big")) == 1 << 20
+        )
+
+
+# --- output -------------------------------------------------------------------------------
+
+
+def test_output_is_decoded_with_replacement_and_bounded(sandbox):
+    assert sandbox.exec(r"printf 'a\377\376b'").stdout == "a\ufffd\ufffdb"
+    result = sandbox.exec("head -c 50000000 /dev/zero | tr '\\0' x; echo END")
+    assert result.exit_code == 0
+    assert len(result.stdout) < (1 << 20) + 100
+    assert result.stdout.startswith("[... ") and "truncated" in result.stdout
+    assert result.stdout.endswith("xxxxEND\n")
+
+
+# --- files --------------------------------------------------------------------------------
+
+
+def test_file_operations(sandbox):
+    sandbox.write_file("deep/er/nested.bin", bytes(range(256)), mode=0o600)
+    assert sandbox.read_file("/root/workdir/deep/er/nested.bin") == bytes(range(256))
+    assert sandbox.read_file("deep/er/nested.bin", max_bytes=3) == b"\0\1\2"
+    assert sandbox.exec(
+        "stat -c %a deep/er/nested.bin; od -An -tx1 -N4 deep/er/nested.bin"
+    ).stdout.split() == ["600", "00", "01", "02", "03"]
+    host_file = os.path.join(sandbox.host_home, "workdir/deep/er/nested.bin")
+    if IS_ROOT:
+        assert os.stat(host_file).st_uid == sandbox.uid
+        assert os.stat(os.path.dirname(host_file)).st_uid == sandbox.uid
+
+    big = os.urandom(20 << 20)
+    sandbox.write_file("big.bin", big)
+    assert sandbox.read_file("big.bin") == big
+    assert sandbox.exec("wc -c < big.bin").stdout.strip() == str(20 << 20)
+
+    sandbox.write_file("/root/.config/tool.json", "{}")  # anywhere under /root
+    assert sandbox.exec("cat ~/.config/tool.json").stdout == "{}"
+    sandbox.write_file("deep/er/nested.bin", "replaced")
+    assert sandbox.read_file("deep/er/nested.bin") == b"replaced"
+
+    assert sandbox.exists("deep/er") and sandbox.exists("big.bin") and not sandbox.exists("nope")
+    with pytest.raises(FileNotFoundError):
+        sandbox.read_file("nope.txt")
+    with pytest.raises(IsADirectoryError):
+        sandbox.read_file("deep")
+    for outside in ("/etc/passwd", "../../etc/passwd", "/tmp/x", "/rootx/y"):
+        with pytest.raises(ValueError, match="outside /root"):
+            sandbox.write_file(outside, "x")
+
+    sandbox.exec("mkdir -p ro/sub && touch ro/sub/f && chmod 555 ro/sub ro")  # read-only tree
+    sandbox.remove("ro")
+    sandbox.remove("deep")
+    sandbox.remove("big.bin")
+    sandbox.remove("never-existed")
+    assert sandbox.exec("ls").stdout == ""
+
+
+def test_symlinks_planted_by_the_sandbox_are_never_followed(sandbox):
+    pwned = f"pwned-{os.getpid()}"
+    with tempfile.TemporaryDirectory() as host_dir:
+        try:
+            # Links to sandbox paths, and to a host path that only the host could resolve.
+            sandbox.exec(
+                f"ln -s /etc evil; ln -s {host_dir} hostdir; ln -s /etc/passwd passwd_link;"
+                " mkfifo fifo"
+            )
+            with pytest.raises(SandboxError, match="symlink"):
+                sandbox.write_file(f"evil/{pwned}", "x")
+            with pytest.raises(SandboxError, match="symlink"):
+                sandbox.write_file(f"hostdir/sub/{pwned}", "x")
+            with pytest.raises(FileNotFoundError):
+                sandbox.read_file("evil/passwd")
+            with pytest.raises(FileNotFoundError):
+                sandbox.read_file("passwd_link")
+            with pytest.raises(FileNotFoundError):
+                sandbox.read_file("fifo")  # and it did not hang waiting for a writer
+            assert not sandbox.exists("evil") and not sandbox.exists("evil/passwd")
+            assert os.listdir(host_dir) == [] and not os.path.exists(f"/etc/{pwned}")
+            assert sandbox.snapshot(".") == {}
+        finally:  # should the defence fail, do not leave the host polluted
+            if os.path.exists(f"/etc/{pwned}"):
+                os.unlink(f"/etc/{pwned}")
+
+        with open("/etc/passwd", "rb") as f:
+            host_passwd = f.read()
+        sandbox.write_file("passwd_link", "replaced the link, not its target")
+        with open("/etc/passwd", "rb") as f:
+            assert f.read() == host_passwd
+        assert stat.S_ISREG(
+            os.lstat(os.path.join(sandbox.host_home, "workdir/passwd_link")).st_mode
+        )
+
+        sandbox.remove("evil")  # removes the link only
+        assert os.path.isdir("/etc/ssl") and not os.path.lexists(
+            os.path.join(sandbox.host_home, "workdir/evil")
+        )
+        sandbox.remove("hostdir")
+        assert os.path.isdir(host_dir)
+
+
+def test_snapshot(sandbox):
+    sandbox.exec(
+        "mkdir -p src/pkg && echo a > src/a.py && echo b > src/pkg/b.py && "
+        "head -c 5000 /dev/zero > src/big.bin && ln -s a.py src/link.py"
+    )
+    assert sandbox.snapshot("src", max_file_bytes=1000) == {"a.py": b"a\n", "pkg/b.py": b"b\n"}
+    assert len(sandbox.snapshot("/root/workdir/src", max_files=2)) == 2
+    assert sandbox.snapshot("missing") == {}
+
+
+def test_ro_mounts(backend):
+    outer = tempfile.mkdtemp(prefix="pi-env-rt-")  # not tmp_path: pytest makes its parents 0o700
+    try:
+        runtime = os.path.join(outer, "runtime")
+        os.mkdir(runtime)
+        with open(os.path.join(runtime, "tool.sh"), "w") as f:
+            f.write("echo from-runtime")
+        os.chmod(outer, 0o755)
+        os.chmod(runtime, 0o755)
+        os.chmod(os.path.join(runtime, "tool.sh"), 0o644)
+        with backend.create(SandboxSpec(ro_mounts={"/opt/pi-env/rt": runtime})) as sb:
+            assert sb.exec("sh /opt/pi-env/rt/tool.sh").stdout == "from-runtime\n"
+            assert sb.exec("touch /opt/pi-env/rt/x").exit_code != 0
+        if IS_ROOT:
+            os.chmod(outer, 0o700)  # now the sandbox uids cannot reach it:
+            with pytest.raises(SandboxError, match=f"{outer} lacks o\\+x"):  # a tree is refused,
+                backend.create(SandboxSpec(ro_mounts={"/opt/x": runtime}))
+            spec = SandboxSpec(ro_mounts={"/opt/tool.sh": f"{runtime}/tool.sh"})
+            with backend.create(spec) as sb:  # a single file is bound from a copy
+                assert sb.exec("sh /opt/tool.sh").stdout == "from-runtime\n"
+    finally:
+        shutil.rmtree(outer)
+
+
+# --- lifecycle ----------------------------------------------------------------------------
+
+
+def test_close_deletes_everything_and_is_idempotent(backend):
+    sb = backend.create(SandboxSpec())
+    sb.exec("mkdir -p a/b && touch a/b/f && chmod 500 a/b a")
+    process = sb.start("sleep 100")
+    sb.close()
+    sb.close()
+    assert process.poll() is not None and not os.path.exists(sb.host_dir)
+    with pytest.raises(SandboxError, match="closed"):
+        sb.exec("true")
+    if IS_ROOT:
+        assert processes_of(sb.uid) == []
+        with open(f"/run/lock/pi-env-uids/{sb.uid}", "a") as lock:  # the uid is free again
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_concurrent_sandboxes_from_threads(backend):
+    def run(i: int) -> tuple[int, str]:
+        with backend.create(SandboxSpec()) as sb:
+            sb.write_file("n.txt", str(i))
+            return sb.uid, sb.exec("cat n.txt; sleep 0.2").stdout
+
+    results: list = [None] * 6
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, run(i))) for i in range(6)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [out for _, out in results] == [str(i) for i in range(6)]
+    if IS_ROOT:
+        assert len({uid for uid, _ in results}) == 6
+
+
+def test_missing_bwrap_explains_how_to_fix_it():
+    with pytest.raises(SandboxUnavailable) as info:
+        LocalSandboxBackend(bwrap="/nonexistent/bwrap")
+    message = str(info.value)
+    assert "apt-get install bubblewrap" in message and "dnf install bubblewrap" in message
+    assert "unsafe-local" in message
+
+
+def test_registry():
+    assert get_backend("unsafe-local").name == "unsafe-local"
+    with pytest.raises(ValueError, match=r"known: local, unsafe-local"):
+        get_backend("docker-please")
+
+
+# --- unsafe-local -------------------------------------------------------------------------
+
+
+def test_unsafe_local_maps_paths_without_isolation(monkeypatch):
+    monkeypatch.setenv("PI_ENV_FAKE_SECRET", "hunter2")
+    with pytest.warns(RuntimeWarning, match="no file, network or process isolation"):
+        sb = UnsafeLocalBackend().create(SandboxSpec(env={"FROM_SPEC": "spec"}))
+    with sb:
+        result = sb.exec('pwd; echo "$HOME" "$FROM_SPEC" "$PI_ENV_FAKE_SECRET"; exit 4')
+        assert result.exit_code == 4
+        assert result.stdout == f"{sb.host_home}/workdir\n{sb.host_home} spec \n"
+        sb.write_file("sub/f.txt", "data")
+        assert sb.exec("cat sub/f.txt").stdout == "data"
+        assert sb.exec("cat f.txt", cwd="/root/workdir/sub").stdout == "data"
+        assert sb.read_file("/root/workdir/sub/f.txt") == b"data"
+        assert sb.host_path("sub/f.txt") == f"{sb.host_home}/workdir/sub/f.txt"
+        assert sb.exec("sleep 10", timeout_s=0.3).timed_out
+        sb.exec(f"ln -s {tempfile.gettempdir()} tmplink")
+        with pytest.raises(SandboxError):
+            sb.write_file("tmplink/pwned", "x")
+    assert not os.path.exists(sb.host_dir)

@@ -1,0 +1,104 @@
+"""Value types: tasks, task files and sets, config, the endpoint catalog."""
+
+import json
+
+import pytest
+
+from pi_env.config import PiConfig
+from pi_env.endpoints import EndpointError, resolve_endpoint
+from pi_env.task import PiTask, TaskError, load_tasks
+
+
+def test_coerce_accepts_str_dict_and_task():
+    from_str = PiTask.coerce("fix the bug")
+    assert from_str.instruction == "fix the bug" and from_str.task_id.startswith("task-")
+    from_dict = PiTask.coerce({"instruction": "x", "verify": ["true"], "task_id": "t1"})
+    assert from_dict.verify == ["true"] and from_dict.task_id == "t1"
+    assert PiTask.coerce(from_dict) is from_dict
+    with pytest.raises(TaskError, match="cannot make a task"):
+        PiTask.coerce(42)
+
+
+def test_reference_aliases():
+    task = PiTask.coerce({"instruction": "x", "upload_files": {"a.py": "1"}, "setup_shell": "pip install x"})
+    assert task.files == {"a.py": "1"} and task.setup == ["pip install x"]
+
+
+@pytest.mark.parametrize("field", ["files", "verify_files"])
+@pytest.mark.parametrize("path, why", [("/etc/passwd", "absolute"), ("../escape.py", "'..'"),
+                                        ("a/../../b", "'..'"), ("", "empty"), ("~/x", "absolute"), (".", "work dir itself")])
+def test_file_keys_must_be_relative(field, path, why):
+    with pytest.raises(TaskError) as error:
+        PiTask.coerce({"instruction": "x", field: {path: "data"}})
+    assert field in str(error.value) and why in str(error.value)
+
+
+def test_solution_steps_are_validated():
+    task = PiTask.coerce({"instruction": "x", "solution": [
+        {"tool": "write", "path": "a", "content": "1"}, {"tool": "edit", "path": "a", "old": "1", "new": "2"},
+        {"tool": "bash", "command": "ls"}, {"tool": "read", "path": "a"}]})
+    assert [step.tool for step in task.solution] == ["write", "edit", "bash", "read"]
+    with pytest.raises(TaskError, match="solution"):
+        PiTask.coerce({"instruction": "x", "solution": [{"tool": "rm", "path": "a"}]})
+    with pytest.raises(TaskError, match=r"solution\.0\.path|solution\[0\]\.path"):
+        PiTask.coerce({"instruction": "x", "solution": [{"tool": "write", "path": "/abs", "content": ""}]})
+
+
+def test_unknown_field_and_missing_instruction_are_named():
+    with pytest.raises(TaskError, match="instrution"):
+        PiTask.coerce({"instrution": "typo"})
+    with pytest.raises(TaskError, match="instruction"):
+        PiTask.coerce({"verify": ["true"]})
+
+
+def test_task_files_and_sets(tmp_path):
+    (tmp_path / "one.json").write_text(json.dumps({"task_id": "a", "instruction": "x"}))
+    assert PiTask.from_file(tmp_path / "one.json").task_id == "a"
+    jsonl = tmp_path / "set.jsonl"
+    jsonl.write_text('{"task_id": "a", "instruction": "x"}\n\n{"task_id": "b", "instruction": "y"}\n')
+    assert [t.task_id for t in load_tasks(jsonl)] == ["a", "b"]
+    jsonl.write_text('{"task_id": "a", "instruction": "x"}\n{"task_id": "b", "instruction": \n')
+    with pytest.raises(TaskError, match=r"set\.jsonl:2: not valid JSON"):
+        load_tasks(jsonl)
+    jsonl.write_text('{"task_id": "a", "instruction": "x"}\n{"task_id": "a", "instruction": "y"}\n')
+    with pytest.raises(TaskError, match="appears twice"):
+        load_tasks(jsonl)
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(TaskError, match="one JSON object"):
+        PiTask.from_file(tmp_path / "bad.json")
+    with pytest.raises(TaskError, match="no such task file"):
+        PiTask.from_file(tmp_path / "missing.json")
+
+
+def test_bundled_examples_load():
+    tasks = load_tasks("examples")
+    assert len(tasks) >= 4 and all(task.solution and task.verify for task in tasks)
+    assert any(task.verify_files for task in tasks)
+
+
+def test_config_hides_the_key():
+    config = PiConfig(api_key="sk-secret-123", endpoint="openai")
+    assert "sk-secret-123" not in repr(config) and config.redacted()["api_key"] == "***"
+    with pytest.raises(ValueError, match="unknown Pi tools"):
+        PiConfig(tools=["read", "browser"])
+
+
+def test_endpoint_catalog_precedence(monkeypatch):
+    monkeypatch.setenv("VLLM_URL", "http://127.0.0.2:9000")
+    monkeypatch.setenv("VLLM_MODEL", "qwen")
+    endpoint = resolve_endpoint(PiConfig(endpoint="vllm"))
+    assert endpoint.base_url == "http://127.0.0.2:9000/v1" and endpoint.model == "qwen" and endpoint.disable_thinking
+    explicit = resolve_endpoint(PiConfig(endpoint="vllm", base_url="http://127.0.0.1:8001/v1", model="m"))
+    assert explicit.base_url == "http://127.0.0.1:8001/v1" and explicit.model == "m"
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(EndpointError, match="OPENAI_API_KEY"):
+        resolve_endpoint(PiConfig(endpoint="openai"))
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    hf = resolve_endpoint(PiConfig(endpoint="hf_router", model="org/model"))
+    assert hf.api_key == "hf_x" and hf.base_url == "https://router.huggingface.co/v1"
+    raw = resolve_endpoint(PiConfig(endpoint="http://127.0.0.1:5000", model="m"))
+    assert raw.base_url == "http://127.0.0.1:5000/v1"
+    with pytest.raises(EndpointError, match="unknown endpoint"):
+        resolve_endpoint(PiConfig(endpoint="nope"))
+    with pytest.raises(EndpointError, match="--model"):
+        resolve_endpoint(PiConfig(endpoint="http://127.0.0.1:5000"))
