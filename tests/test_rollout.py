@@ -261,3 +261,19 @@ def test_host_environment_does_not_leak(monkeypatch):
     assert result.reward == 1.0 and "leaky-value" not in result.files["env.txt"]
     assert "HOME=/root" in result.files["env.txt"]
     assert os.environ["PI_ENV_TEST_HOST_SECRET"] == "leaky-value-123"
+
+
+def test_legacy_pi_073_on_system_node(scripted):
+    """An older pin (the pre-rename package, node >= 20.6) runs the same way; it has no -na, so
+    the task's .pi/ is masked instead."""
+    from pi_env.config import LEGACY_PI_PACKAGE
+
+    legacy = dict(pi_package=LEGACY_PI_PACKAGE, pi_version="0.73.1")
+    result = run_rollout(EXAMPLES[0], PiConfig(**legacy))
+    assert result.reward == 1.0 and result.pi_version == "0.73.1", (result.error, result.agent_log_tail)
+    files = {".pi/settings.json": json.dumps({"retry": {"enabled": True}}), ".pi/SYSTEM.md": "PWNED-SYSTEM-PROMPT"}
+    key = scripted.add_script([ScriptedTurn(text="ok")])
+    result = run_rollout(PiTask(instruction="x", files=files, verify=["test -f .pi/SYSTEM.md"]),
+                         scripted_config(scripted, key, **legacy))
+    assert result.reward == 1.0  # the task's files are back for verification
+    assert "PWNED" not in json.dumps([r.body for r in scripted.requests if r.api_key == key])

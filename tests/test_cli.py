@@ -1,0 +1,70 @@
+"""The `pi-env` command line, run as a real subprocess."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+def pi_env(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pi_env.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"instruction": "x", "files": {"/etc/passwd": "x"}}', "files['/etc/passwd']: '/etc/passwd' is absolute"),
+    ('{"instruction": "x", "verify_files": {"../up.py": ""}}', "contains '..'"),
+    ('{"instruction": "x", "verfy": ["true"]}', "verfy"),
+    ('{"instruction": ', "not valid JSON"),
+    ('["not", "a", "task"]', "expected a task object"),
+])
+def test_malformed_task_files_exit_2_with_a_clear_message(tmp_path, content, message):
+    task = tmp_path / "task.json"
+    task.write_text(content)
+    done = pi_env("run", str(task))
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_missing_file_and_bad_endpoint_exit_2(tmp_path):
+    done = pi_env("run", str(tmp_path / "nope.json"))
+    assert done.returncode == 2 and "no such task file" in done.stderr
+    done = pi_env("run", "examples/fizzbuzz.json", "--endpoint", "nonsense")
+    assert done.returncode == 2 and "unknown endpoint" in done.stderr
+    task = tmp_path / "t.json"
+    task.write_text('{"instruction": "x", "verify": ["true"]}')
+    done = pi_env("run", str(task))  # oracle without a solution
+    assert done.returncode == 2 and "no solution" in done.stderr
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_run_json_and_out(tmp_path):
+    out = tmp_path / "results.jsonl"
+    done = pi_env("run", "examples/fizzbuzz.json", "--json", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["task_id"] == "fizzbuzz" and result["reward"] == 1.0 and result["synthetic"] is True
+    assert json.loads(out.read_text()) == result
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_dead_endpoint_exits_3(tmp_path):
+    done = pi_env("run", "examples/fizzbuzz.json", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--json")
+    assert done.returncode == 3
+    assert json.loads(done.stdout)["error_kind"] == "endpoint_error"
+
+
+@pytest.mark.needs_bwrap
+def test_doctor_reports_each_check():
+    done = pi_env("doctor")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[ok]   sandbox" in done.stdout and "[ok]   runtime" in done.stdout and "[ok]   endpoint" in done.stdout
+    failing = pi_env("doctor", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m")
+    assert failing.returncode == 3 and "[FAIL] endpoint" in failing.stdout
