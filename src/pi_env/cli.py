@@ -73,6 +73,7 @@ def _run(args) -> int:
         return EXIT_INFRA
     out = args.out.open("w") if args.out else None
     infra_failures = 0
+    results = []
     try:
         for task in tasks:
             try:
@@ -81,6 +82,7 @@ def _run(args) -> int:
             except (EndpointError, ValueError) as error:
                 return _bad_input(error)
             infra_failures += result.error_kind in INFRA_KINDS
+            results.append(result)
             line = result.model_dump_json()
             if out:
                 out.write(line + "\n")
@@ -92,7 +94,20 @@ def _run(args) -> int:
     finally:
         if out:
             out.close()
+    if len(results) > 1 and not args.json:
+        _print_totals(results)
     return EXIT_INFRA if infra_failures else 0
+
+
+def _print_totals(results) -> None:
+    scored = [r.reward for r in results if r.reward is not None]
+    errors: dict[str, int] = {}
+    for result in results:
+        if result.error_kind:
+            errors[result.error_kind] = errors.get(result.error_kind, 0) + 1
+    mean = f"{sum(scored) / len(scored):.3f}" if scored else "n/a"
+    print(f"{len(results)} rollouts, {len(scored)} scored, mean reward {mean}"
+          + (f", unscored: {errors}" if errors else ""), flush=True)
 
 
 def _print_summary(result) -> None:
