@@ -2,7 +2,8 @@
 
 For machines without bubblewrap, and only by explicit choice. What it does:
 - each sandbox gets a host dir whose `home/` stands for /root: the file API and `cwd` map
-  sandbox paths under /root there (same symlink-safe file access as the local backend);
+  sandbox paths under /root there (the symlink-safe file access of hostdir.py, as for the
+  local backend);
 - commands run as the caller, in that dir, with HOME set to it and a small environment
   (the caller's PATH, spec.env, the per-call env); the rlimits of spec.limits apply, with
   RLIMIT_NPROC counting every process of the caller.
@@ -28,14 +29,14 @@ import tempfile
 import warnings
 
 from pi_env.sandbox.base import Network, SandboxSpec
-from pi_env.sandbox.local import (
-    _HostDirSandbox,
-    _make_host_dir,
-    _private_dir,
-    _relative_to_home,
-    _rlimits,
-    _shell,
+from pi_env.sandbox.hostdir import (
+    HostDirSandbox,
     default_root,
+    make_host_dir,
+    private_dir,
+    relative_to_home,
+    sandbox_rlimits,
+    shell,
 )
 
 log = logging.getLogger(__name__)
@@ -53,17 +54,18 @@ def _apply_rlimits(rlimits: dict[int, int]) -> None:
         resource.setrlimit(res, (value, value))
 
 
-class UnsafeLocalSandbox(_HostDirSandbox):
+class UnsafeLocalSandbox(HostDirSandbox):
     """A host dir standing for /root, and commands run as plain subprocesses in it."""
 
     def __init__(self, host_dir: str, spec: SandboxSpec):
         super().__init__(host_dir, owner=None)
         self._spec = spec
-        self._rlimits = functools.partial(_apply_rlimits, _rlimits(spec.limits, False))
+        rlimits = sandbox_rlimits(spec.limits, exclusive_uid=False)
+        self._rlimits = functools.partial(_apply_rlimits, rlimits)
 
     def host_path(self, path: str) -> str:
         """The host path standing for a sandbox path under /root (relative: to the workdir)."""
-        relative = _relative_to_home(path)
+        relative = relative_to_home(path)
         return os.path.join(self.host_home, relative) if relative else self.host_home
 
     def _popen_args(
@@ -74,7 +76,7 @@ class UnsafeLocalSandbox(_HostDirSandbox):
         network: Network,
     ) -> dict:
         if isinstance(command, str):
-            command = [_shell(), "-c", command]
+            command = [shell(), "-c", command]
         elif not command:
             raise ValueError("empty command")
         environment = {
@@ -107,10 +109,10 @@ class UnsafeLocalBackend:
 
     def __init__(self, root: str | None = None):
         self.root = root or default_root()
-        _private_dir(self.root, 0o711)
+        private_dir(self.root, 0o711)
 
     def create(self, spec: SandboxSpec) -> UnsafeLocalSandbox:
         message = WARNING.format(user=os.environ.get("USER") or f"uid {os.getuid()}")
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         log.warning(message)
-        return UnsafeLocalSandbox(_make_host_dir(self.root, owner=None), spec)
+        return UnsafeLocalSandbox(make_host_dir(self.root, owner=None), spec)
