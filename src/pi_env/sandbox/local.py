@@ -117,6 +117,13 @@ _DEFAULT_ENV = {
 # and is immune to signals from inside. A shell with an EXIT trap never exec()s its last
 # command, so the shell takes that role and the real command runs as an ordinary process.
 _INIT_PREFIX = "trap : EXIT\n"
+_PRLIMIT_OPTIONS = {
+    resource.RLIMIT_NPROC: "--nproc",
+    resource.RLIMIT_FSIZE: "--fsize",
+    resource.RLIMIT_NOFILE: "--nofile",
+    resource.RLIMIT_CORE: "--core",
+    resource.RLIMIT_DATA: "--data",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,13 +144,6 @@ def _host_fs_args() -> tuple[str, ...]:
         if os.path.exists(path):
             args += ["--ro-bind", path, path]
     return tuple(args)
-
-
-def _find_bwrap(bwrap: str) -> str:
-    path = shutil.which(bwrap)
-    if path is None:
-        raise SandboxUnavailable(f"bubblewrap ({bwrap!r}) was not found. {INSTALL_HINT}")
-    return path
 
 
 _probe_lock = threading.Lock()
@@ -278,71 +278,12 @@ def _colon_records(path: str) -> list[list[str]]:
         return []
 
 
-def _kill_every_process_of(uid: int) -> None:
-    """kill(-1, SIGKILL) as `uid`: reaches every process of that uid in every session and
-    namespace, atomically with respect to fork() so a fork bomb cannot outrun it."""
-    subprocess.run(
-        [*_as_user(uid), "/bin/sh", "-c", "kill -9 -1"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd="/",
-        env={},
-    )
-
-
-_PRLIMIT_OPTIONS = {
-    resource.RLIMIT_NPROC: "--nproc",
-    resource.RLIMIT_FSIZE: "--fsize",
-    resource.RLIMIT_NOFILE: "--nofile",
-    resource.RLIMIT_CORE: "--core",
-    resource.RLIMIT_DATA: "--data",
-}
-
-
-def _with_limits(rlimits: dict[int, int]) -> list[str]:
-    """A command prefix that runs the rest under these limits (prlimit, for the same reason as
-    setpriv in _as_user: no preexec_fn, so Popen can vfork)."""
-    return [
-        "prlimit",
-        *(f"{_PRLIMIT_OPTIONS[res]}={value}" for res, value in rlimits.items()),
-        "--",
-    ]
-
-
 # ---------------------------------------------------------------------------------------------
-# Killing a sandboxed command
-
-
-def _kill_bwrap(popen: subprocess.Popen) -> None:
-    """Kill one sandboxed command and everything it started.
-
-    SIGKILL to the pid namespace's init (bwrap's only child) makes the kernel kill every
-    process of the namespace, setsid and double-fork escapes included; bwrap reaps it and
-    exits. Killing bwrap first would work too (its child has a parent-death signal) but would
-    leave that child as a zombie for the host's init, counted against RLIMIT_NPROC until reaped.
-    """
-    try:
-        pidfd = os.pidfd_open(popen.pid)
-    except ProcessLookupError:
-        return
-    try:
-        if popen.returncode is not None:  # reaped just now: the pidfd may be someone else's
-            return
-        if not _kill_children(popen.pid):
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        try:
-            popen.wait(KILL_WAIT_S)
-        except subprocess.TimeoutExpired:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            popen.wait()
-    except ProcessLookupError:
-        pass
-    finally:
-        os.close(pidfd)
+# Killing a sandboxed command (see LocalSandbox._terminate)
 
 
 def _kill_children(pid: int) -> bool:
+    """SIGKILL every child of `pid`, each through a pidfd; whether any was killed."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             children = [int(child) for child in f.read().split()]
@@ -387,14 +328,19 @@ class LocalSandbox(HostDirSandbox):
         lease: _UidLease | None,
     ):
         """ro_mounts and gateway_socket: host paths that bwrap can bind as the sandbox uid."""
-        super().__init__(host_dir, lease.uid if lease else None)
+        owner = lease.uid if lease else None
+        super().__init__(host_dir, owner)
         self.uid = lease.uid if lease else os.getuid()  # the host uid its processes run as
         self._spec = spec
         self._bwrap = bwrap
         self._lease = lease
+        # prlimit rather than Popen(preexec_fn=...), so that Popen can vfork (as in _as_user).
+        rlimits = sandbox_rlimits(spec.limits, exclusive_uid=lease is not None)
         self._launcher = [
-            *_as_user(lease.uid if lease else None),
-            *_with_limits(sandbox_rlimits(spec.limits, lease is not None)),
+            *_as_user(owner),
+            "prlimit",
+            *(f"{_PRLIMIT_OPTIONS[res]}={value}" for res, value in rlimits.items()),
+            "--",
         ]
         self._mount_args = self._build_mount_args(spec.limits, ro_mounts)
         self._gateway_args: list[str] = []
@@ -454,12 +400,46 @@ class LocalSandbox(HostDirSandbox):
         return {"args": argv, "cwd": "/", "env": {}}
 
     def _terminate(self, popen: subprocess.Popen) -> None:
-        _kill_bwrap(popen)
+        """Kill one sandboxed command and everything it started.
+
+        SIGKILL to the pid namespace's init (bwrap's only child) makes the kernel kill every
+        process of the namespace, setsid and double-fork escapes included; bwrap reaps it and
+        exits. Killing bwrap first would work too (its child has a parent-death signal) but
+        would leave that child as a zombie for the host's init, counted against RLIMIT_NPROC
+        until reaped.
+        """
+        try:
+            pidfd = os.pidfd_open(popen.pid)
+        except ProcessLookupError:
+            return
+        try:
+            if popen.returncode is not None:  # reaped just now: the pidfd may be someone else's
+                return
+            if not _kill_children(popen.pid):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            try:
+                popen.wait(KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                popen.wait()
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(pidfd)
 
     def _kill_leftovers(self) -> None:
         # Belt and braces: the pid namespaces already took everything down with their init.
+        # kill(-1, SIGKILL) as the sandbox uid reaches every process of that uid in every
+        # session and namespace, atomically with respect to fork(): no fork bomb outruns it.
         if self._lease:
-            _kill_every_process_of(self._lease.uid)
+            subprocess.run(
+                [*_as_user(self._lease.uid), "/bin/sh", "-c", "kill -9 -1"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                cwd="/",
+                env={},
+            )
 
     def _release(self) -> None:
         if self._lease:
@@ -473,7 +453,9 @@ class LocalSandboxBackend:
     name = "local"
 
     def __init__(self, root: str | None = None, *, bwrap: str = "bwrap"):
-        self._bwrap = _find_bwrap(bwrap)
+        self._bwrap = shutil.which(bwrap)
+        if self._bwrap is None:
+            raise SandboxUnavailable(f"bubblewrap ({bwrap!r}) was not found. {INSTALL_HINT}")
         self._as_root = os.geteuid() == 0
         for tool in ("setpriv", "prlimit") if self._as_root else ("prlimit",):
             if shutil.which(tool) is None:
