@@ -10,6 +10,7 @@ import stat
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -57,10 +58,9 @@ def processes_of(uid: int) -> list[str]:
     return found
 
 
-@pytest.fixture
-def tcp_server():
-    """A host TCP server on 127.0.0.1 answering b"pong"; yields its port."""
-    server = socket.create_server(("127.0.0.1", 0))
+@contextmanager
+def serving(server: socket.socket, reply: bytes):
+    """Answer every connection to the listening `server` with `reply`, then close it."""
     server.settimeout(0.2)
     stop = threading.Event()
 
@@ -71,14 +71,24 @@ def tcp_server():
             except OSError:
                 continue
             with conn:
-                conn.sendall(b"pong")
+                conn.sendall(reply)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    yield server.getsockname()[1]
-    stop.set()
-    thread.join()
-    server.close()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+
+
+@pytest.fixture
+def tcp_server():
+    """A host TCP server on 127.0.0.1 answering b"pong"; yields its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    with serving(server, b"pong"):
+        yield server.getsockname()[1]
 
 
 @pytest.fixture
@@ -89,24 +99,8 @@ def unix_server():
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)
     server.listen()
-    server.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.sendall(b"gateway-ok")
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield path
-    stop.set()
-    thread.join()
-    server.close()
+    with serving(server, b"gateway-ok"):
+        yield path
     shutil.rmtree(directory)
 
 
