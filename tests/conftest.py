@@ -29,18 +29,18 @@ def scripted_config(server: ScriptedServer, key: str, **overrides) -> PiConfig:
     return PiConfig(endpoint=server.base_url, model="scripted-model", api_key=key, **overrides)
 
 
-def sandbox_uid_processes(uid_range=range(200000, 260000)) -> list[tuple[int, int, str]]:
-    """(pid, uid, cmdline) of live processes running under a sandbox uid."""
+def processes_of_uid(uid: int) -> list[tuple[int, str]]:
+    """(pid, cmdline) of live processes running under `uid` (a sandbox's own uid)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/status") as status:
-                uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
-            if uid in uid_range:
+                real_uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
+            if real_uid == uid:
                 with open(f"/proc/{entry}/cmdline", "rb") as cmd:
-                    found.append((int(entry), uid, cmd.read().replace(b"\0", b" ").decode(errors="replace")))
+                    found.append((int(entry), cmd.read().replace(b"\0", b" ").decode(errors="replace")))
         except (FileNotFoundError, ProcessLookupError, StopIteration):
             continue
     return found

@@ -251,16 +251,36 @@ def test_stream_is_relayed_as_it_arrives(gateway, server):
 # --------------------------------------------------------------------------- budget, traces
 
 
-def test_max_turns_refuses_the_call_past_the_budget(gateway, server):
+def sse_json(raw: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+
+
+def test_max_turns_ends_the_turn_cleanly_past_the_budget(gateway, server):
     session = gateway.open_session(upstream(server, [ScriptedTurn(text="a"), ScriptedTurn(text="b")]), max_turns=2)
     assert call(gateway, session)[0] == 200
     assert call(gateway, session)[0] == 200
     assert not session.budget_exhausted
-    status, _, raw = call(gateway, session)
-    assert status == 429
-    assert json.loads(raw) == {"error": {"message": "pi-env: max_turns budget of 2 model calls exhausted",
-                                         "type": "max_turns_exceeded"}}
-    assert session.budget_exhausted and len(server.requests) == 2 and len(session.turns) == 2
+    status, headers, raw = call(gateway, session)
+    assert status == 200 and headers["x-pi-env-budget"] == "max_turns"
+    chunks = sse_json(raw)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and raw.endswith(b"data: [DONE]\n\n")
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
+    assert session.budget_exhausted == "max_turns" and len(server.requests) == 2 and len(session.turns) == 2
+    status, _, raw = call(gateway, session, body={**BODY, "stream": False})
+    assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "stop"
+    gateway.close_session(session)
+
+
+@pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
+def test_token_budget_counts_usage_and_stops_further_calls(gateway, server, mode):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="x" * 40)] * 5), mode=mode,
+                                   max_total_tokens=1)
+    assert call(gateway, session)[0] == 200
+    assert session.wait_idle(5)  # capturing modes record just after the agent has its answer
+    assert session.tokens_used == session.turns[0].total_tokens > 1
+    status, headers, _ = call(gateway, session)
+    assert headers["x-pi-env-budget"] == "max_total_tokens" and session.budget_exhausted == "max_total_tokens"
+    assert len(server.requests) == 1
     gateway.close_session(session)
 
 
@@ -277,7 +297,7 @@ def test_trace_file_gets_one_flushed_line_per_turn(gateway, server, tmp_path):
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [r["turn"] for r in records] == [0, 1] and records[1]["upstream_status"] == 500
     assert set(records[0]) == {"turn", "started_at", "latency_s", "ttfb_s", "upstream_status", "upstream_error",
-                               "request_bytes", "response_bytes", "client_disconnected"}
+                               "request_bytes", "response_bytes", "client_disconnected", "total_tokens", "capture"}
     gateway.close_session(session)
 
 

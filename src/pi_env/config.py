@@ -55,14 +55,31 @@ class PiConfig(BaseModel):
     sandbox_backend: str = "local"
     runtime_cache_dir: str | None = None  # default: $PI_ENV_CACHE or ~/.cache/pi-env
 
-    # transparent_proxy knobs (reference names).
+    max_total_tokens: int | None = Field(None, gt=0)  # usage.total_tokens summed over calls
+
+    # transparent_proxy knobs (reference names first).
     proxy_max_tokens_cap: int = Field(4096, gt=0)
-    proxy_top_logprobs: int = Field(5, ge=0, le=20)
+    proxy_top_logprobs: int = Field(5, ge=0, le=20)  # the HF router caps at 5
     proxy_disable_thinking: bool | None = None  # None: the endpoint's default
+    proxy_logprobs: bool = True
+    proxy_return_token_ids: bool | None = None  # None: the catalog says, or a one-time probe
+    # Forced on every model call (RL sampling); the agent cannot override them.
+    proxy_sampling: dict[str, float | int] = Field(default_factory=dict)
+    trace_dir: str | None = None  # per-session trace files (transparent_proxy); default: a temp dir
 
     # What the result keeps of the work dir.
     result_max_files: int = Field(200, ge=0)
     result_max_file_bytes: int = Field(256 << 10, ge=0)
+
+    @field_validator("proxy_sampling")
+    @classmethod
+    def _known_sampling(cls, sampling: dict) -> dict:
+        from .proxy.rewrite import SAMPLING_KEYS
+
+        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"unknown sampling parameters {unknown}; allowed: {list(SAMPLING_KEYS)}")
+        return sampling
 
     @field_validator("tools")
     @classmethod

@@ -6,7 +6,11 @@ test double that replays a task's reference solution (see pi_env.oracle).
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import threading
+import urllib.request
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -38,6 +42,7 @@ class Endpoint:
     compat: dict = field(default_factory=dict)
     disable_thinking: bool = False
     synthetic: bool = False  # outputs come from a test double, not a model
+    return_token_ids: bool | None = None  # does it honour `return_token_ids`? None: probe once
 
 
 @dataclass(frozen=True)
@@ -49,17 +54,19 @@ class CatalogEntry:
     default_model: str | None
     compat: dict
     disable_thinking: bool = False
+    return_token_ids: bool | None = None
 
 
 CATALOG: dict[str, CatalogEntry] = {
     "vllm": CatalogEntry("VLLM_URL", ("VLLM_API_KEY",), "VLLM_MODEL", "http://127.0.0.1:8000/v1", None,
-                         OPEN_SERVER_COMPAT, disable_thinking=True),
+                         OPEN_SERVER_COMPAT, disable_thinking=True, return_token_ids=None),
     "openai": CatalogEntry("OPENAI_BASE_URL", ("OPENAI_API_KEY",), "OPENAI_MODEL", "https://api.openai.com/v1",
                            "gpt-4o-mini", {"supportsDeveloperRole": True, "supportsStore": False,
-                                           "maxTokensField": "max_completion_tokens"}),
+                                           "maxTokensField": "max_completion_tokens"}, return_token_ids=False),
     "hf_router": CatalogEntry("HF_ROUTER_URL", ("HF_ROUTER_API_KEY", "HF_TOKEN"), "HF_ROUTER_MODEL",
                               "https://router.huggingface.co/v1", None, {"supportsDeveloperRole": False,
-                                                                         "supportsStore": False}),
+                                                                         "supportsStore": False},
+                              return_token_ids=False),
 }
 ORACLE = "oracle"
 
@@ -99,7 +106,40 @@ def resolve_endpoint(config: PiConfig) -> Endpoint:
     disable_thinking = entry.disable_thinking if config.proxy_disable_thinking is None else config.proxy_disable_thinking
     return Endpoint(name=name, base_url=normalize_base_url(base_url), api_key=api_key,
                     model=_require_model(model, f"endpoint {name!r} (or set {entry.model_env})"),
-                    compat=entry.compat, disable_thinking=disable_thinking)
+                    compat=entry.compat, disable_thinking=disable_thinking, return_token_ids=entry.return_token_ids)
+
+
+_probed: dict[str, tuple[bool, str]] = {}
+_probe_lock = threading.Lock()
+MIN_VLLM_FOR_TOKEN_IDS = (0, 10, 2)
+
+
+def supports_return_token_ids(endpoint: Endpoint) -> tuple[bool, str]:
+    """Whether to ask this endpoint for `return_token_ids`, and why. The catalog decides where it
+    knows; otherwise one probe per base URL and process: vLLM serves GET /version at its root,
+    and honours the field from 0.10.2 on. Never a silent guess: the reason is recorded."""
+    if endpoint.return_token_ids is not None:
+        return endpoint.return_token_ids, f"catalog entry {endpoint.name!r}"
+    with _probe_lock:
+        if endpoint.base_url not in _probed:
+            _probed[endpoint.base_url] = _probe_vllm_version(endpoint)
+        return _probed[endpoint.base_url]
+
+
+def _probe_vllm_version(endpoint: Endpoint) -> tuple[bool, str]:
+    root = endpoint.base_url.removesuffix("/v1")
+    request = urllib.request.Request(f"{root}/version")
+    if endpoint.api_key:
+        request.add_header("Authorization", f"Bearer {endpoint.api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            version = json.loads(response.read()).get("version", "")
+    except (OSError, ValueError, AttributeError) as error:
+        return False, f"probe of {root}/version failed ({error}): not a vLLM server, so not asked"
+    numbers = tuple(int(part) for part in re.findall(r"\d+", str(version))[:3])
+    if numbers >= MIN_VLLM_FOR_TOKEN_IDS:
+        return True, f"probe: vLLM {version} at {root}"
+    return False, f"probe: vLLM {version} at {root} is older than 0.10.2"
 
 
 def _require_model(model: str | None, what: str) -> str:

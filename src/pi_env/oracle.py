@@ -56,7 +56,7 @@ def oracle_endpoint(task: PiTask) -> Endpoint:
     server = _shared_server()
     key = server.add_script(turns)
     return Endpoint(name="oracle", base_url=server.base_url, api_key=key, model=ORACLE_MODEL,
-                    compat=OPEN_SERVER_COMPAT, synthetic=True)
+                    compat=OPEN_SERVER_COMPAT, synthetic=True, return_token_ids=True)
 
 
 def release_oracle(endpoint: Endpoint) -> None:

@@ -34,13 +34,21 @@ class CommandResult(BaseModel):
 
 
 class RolloutTurn(BaseModel):
-    """One model call as the gateway saw it. Token fields are filled in transparent_proxy mode."""
+    """One model call as the gateway saw it. Token fields are filled in transparent_proxy mode,
+    straight from the engine: ids and logprobs aligned 1:1 (a missing logprob is a null in
+    place); when the engine gave no ids, `token_ids_missing_reason` says why."""
 
     turn: int
     finish_reason: str | None = None
     completion_tokens: int | None = None
+    prompt_token_ids: list[int] = Field(default_factory=list)
     completion_token_ids: list[int] = Field(default_factory=list)
     per_token_logps: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[list[dict[str, Any]]] = Field(default_factory=list)
+    token_ids_source: str | None = None
+    token_ids_missing_reason: str | None = None
+    capture_fallback: str | None = None
+    message: dict[str, Any] | None = None  # the assistant message as assembled from the stream
     latency_s: float | None = None
     ttfb_s: float | None = None
     timestamp: float | None = None
@@ -56,7 +64,8 @@ class RolloutResult(BaseModel):
     error: str | None = None
     error_kind: ErrorKind | None = None
     agent_exit_code: int | None = None
-    stop_reason: str | None = None  # Pi's last stopReason, or "max_turns" / "timeout"
+    stop_reason: str | None = None  # Pi's last stopReason, or "budget" / "timeout"
+    budget_exhausted: str | None = None  # "max_turns" / "max_total_tokens" when a budget ended it
     wall_s: float = 0.0
     timings: dict[str, float] = Field(default_factory=dict)  # per phase, seconds
     mode: str = "black_box"
@@ -67,6 +76,8 @@ class RolloutResult(BaseModel):
     setup_results: list[CommandResult] = Field(default_factory=list)
     verify_results: list[CommandResult] = Field(default_factory=list)
     proxy_turns: list[RolloutTurn] = Field(default_factory=list)
+    training: "TrainingTrace | None" = None  # transparent_proxy: the token-level training view
+    trace_path: str | None = None  # the gateway's per-turn trace file (transparent_proxy)
     messages: list[dict[str, Any]] = Field(default_factory=list)  # Pi's whole conversation
     files: dict[str, str] = Field(default_factory=dict)  # the work dir after the agent (bounded)
     agent_log_tail: str = ""
@@ -75,3 +86,8 @@ class RolloutResult(BaseModel):
     @property
     def scored(self) -> bool:
         return self.reward is not None
+
+
+from .training import TrainingTrace  # noqa: E402 - after RolloutResult's own names
+
+RolloutResult.model_rebuild()

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import tempfile
 import threading
 import time
+import uuid
 from importlib import resources
 from pathlib import Path
 
@@ -17,13 +20,15 @@ from .agent.pi import AGENT_DIR, FORWARDER_PATH, HERMETIC_SETTINGS, PROMPT_PATH,
     parse_session, pi_command, pi_env
 from .agent.runtime import SANDBOX_RUNTIME_DIR, PiRuntime, RuntimeInstallError, ensure_runtime
 from .config import Mode, PiConfig
-from .endpoints import ORACLE, Endpoint, resolve_endpoint
+from .endpoints import ORACLE, Endpoint, resolve_endpoint, supports_return_token_ids
 from .oracle import oracle_endpoint, release_oracle
-from .proxy.gateway import GatewaySession, Upstream, get_gateway
+from .proxy.gateway import GatewaySession, TurnRecord, Upstream, get_gateway
+from .proxy.rewrite import CaptureOptions
 from .results import CommandResult, ErrorKind, RolloutResult, RolloutTurn
 from .sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, SandboxError, SandboxLimits, \
     SandboxProcess, SandboxSpec, get_backend
 from .task import PiTask
+from .training import TrainingTrace, build_training_trace
 
 REWARD_FILE = f"{SANDBOX_HOME}/logs/verifier/reward.txt"
 VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"
@@ -39,8 +44,8 @@ class PiSessionFactory:
         config = config or PiConfig()
         if mode is not None:
             config = config.model_copy(update={"mode": mode})
-        if config.mode != "black_box":
-            raise NotImplementedError(f"mode {config.mode!r} is not available yet; use mode='black_box'")
+        if config.mode not in ("black_box", "transparent_proxy"):
+            raise NotImplementedError(f"mode {config.mode!r} is not available yet; use black_box or transparent_proxy")
         self.config = config
         backend = sandbox_backend or config.sandbox_backend
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -96,7 +101,9 @@ class PiSession:
             gateway = get_gateway()
             self.gateway_session = gateway.open_session(
                 Upstream(self.endpoint.base_url, self.endpoint.api_key, self.endpoint.model),
-                mode=config.mode, max_turns=config.max_turns)
+                mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
+                capture=self._capture_options(), trace_path=self._trace_path())
+            result.trace_path = self.gateway_session.trace_path
             with self._phase("sandbox_create"):
                 self.sandbox = self.factory.backend.create(self._sandbox_spec(runtime, gateway.socket_path))
                 result.sandbox_id = self.sandbox.id
@@ -115,6 +122,27 @@ class PiSession:
                 self._start_agent(runtime)
         except (SandboxError, RuntimeInstallError, OSError) as error:
             self._fail("infra", f"{type(error).__name__}: {error}")
+
+    def _capture_options(self) -> CaptureOptions:
+        config, endpoint = self.config, self.endpoint
+        if config.proxy_return_token_ids is None:
+            return_token_ids, why = supports_return_token_ids(endpoint)
+        else:
+            return_token_ids, why = config.proxy_return_token_ids, "PiConfig.proxy_return_token_ids"
+        self._result.proxy_log_tail = f"return_token_ids={return_token_ids} ({why})"
+        disable_thinking = endpoint.disable_thinking if config.proxy_disable_thinking is None \
+            else config.proxy_disable_thinking
+        return CaptureOptions(logprobs=config.proxy_logprobs, top_logprobs=config.proxy_top_logprobs,
+                              return_token_ids=return_token_ids, max_tokens_cap=config.proxy_max_tokens_cap,
+                              disable_thinking=disable_thinking, model=endpoint.model,
+                              sampling=dict(config.proxy_sampling))
+
+    def _trace_path(self) -> str | None:
+        if self.config.mode == "black_box":
+            return None
+        directory = Path(self.config.trace_dir or Path(tempfile.gettempdir()) / "pi-env-traces")
+        safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", self.task.task_id)[:80]
+        return str(directory / f"{safe_id}-{uuid.uuid4().hex[:12]}.jsonl")
 
     def _sandbox_spec(self, runtime: PiRuntime, gateway_socket: str) -> SandboxSpec:
         config = self.config
@@ -168,11 +196,14 @@ class PiSession:
         result.messages = pi.messages
         result.stop_reason = pi.stop_reason
         gateway = self.gateway_session
+        gateway.wait_idle()  # a capturing mode records a turn just after Pi has its answer
         if outcome.timed_out:
             result.stop_reason = "timeout"
             return self._fail("agent_timeout", f"the agent ran past its {self._agent_limit():g} s limit and was killed")
         if gateway.budget_exhausted:
-            result.stop_reason = "max_turns"  # a budget, not a failure: what the agent did is scored
+            # A budget, not a failure: the gateway ended the turn cleanly, and what the agent
+            # did is scored.
+            result.stop_reason, result.budget_exhausted = "budget", gateway.budget_exhausted
         elif pi.failed:
             upstream = next((t for t in reversed(gateway.turns) if t.upstream_error or (t.upstream_status or 0) >= 400), None)
             message = pi.error_message or _tail(outcome.stderr, 500) or f"Pi exited {outcome.exit_code} without an answer"
@@ -219,9 +250,11 @@ class PiSession:
         result, config = self._result, self.config
         if self.gateway_session is not None:
             result.proxy_turns = self.fetch_proxy_trace()
-            result.proxy_log_tail = "\n".join(
+            result.proxy_log_tail = "\n".join([result.proxy_log_tail] + [
                 f"turn {t.turn}: status {t.upstream_status} in {t.latency_s or 0:.3f} s"
-                + (f" error {t.upstream_error[:200]}" if t.upstream_error else "") for t in result.proxy_turns)
+                + (f" error {t.upstream_error[:200]}" if t.upstream_error else "") for t in result.proxy_turns]).strip()
+            if config.mode == "transparent_proxy":
+                result.training = build_training_trace(result.proxy_turns)
         if self.sandbox is not None and config.result_max_files:
             try:
                 with self._phase("collect"):
@@ -232,9 +265,15 @@ class PiSession:
                 result.agent_log_tail += f"\n[pi-env] could not collect files: {error}"
 
     def fetch_proxy_trace(self) -> list[RolloutTurn]:
-        turns = list(self.gateway_session.turns) if self.gateway_session else []
-        return [RolloutTurn(turn=t.turn, latency_s=t.latency_s, ttfb_s=t.ttfb_s, timestamp=t.started_at,
-                            upstream_status=t.upstream_status, upstream_error=t.upstream_error) for t in turns]
+        """Every model call so far, with the engine's ids and logprobs in transparent_proxy."""
+        if self.gateway_session is None:
+            return []
+        self.gateway_session.wait_idle()
+        return [_rollout_turn(record) for record in list(self.gateway_session.turns)]
+
+    def fetch_training_trace(self) -> TrainingTrace:
+        """The token-level training view of the calls so far (see pi_env.training)."""
+        return build_training_trace(self.fetch_proxy_trace())
 
     def close(self) -> None:
         """Kill everything, delete the sandbox, end the gateway session. Idempotent."""
@@ -291,6 +330,26 @@ class _Timer:
 
     def __exit__(self, *exc):
         self.timings[self.name] = round(self.timings.get(self.name, 0.0) + time.monotonic() - self.start, 4)
+
+
+def _rollout_turn(record: TurnRecord) -> RolloutTurn:
+    turn = RolloutTurn(turn=record.turn, latency_s=record.latency_s, ttfb_s=record.ttfb_s,
+                       timestamp=record.started_at, upstream_status=record.upstream_status,
+                       upstream_error=record.upstream_error)
+    capture = record.capture
+    if capture is not None:
+        first = capture.choices[0] if capture.choices else None
+        turn.finish_reason = capture.finish_reason
+        turn.completion_tokens = capture.completion_tokens
+        turn.prompt_token_ids = capture.prompt_token_ids
+        turn.completion_token_ids = capture.completion_token_ids
+        turn.per_token_logps = capture.per_token_logps
+        turn.top_logprobs = first.top_logprobs if first else []
+        turn.token_ids_source = capture.token_ids_source
+        turn.token_ids_missing_reason = capture.token_ids_missing_reason
+        turn.capture_fallback = capture.fallback
+        turn.message = first.message() if first else None
+    return turn
 
 
 def _wait_until_exit(process: SandboxProcess, timeout_s: float) -> bool:

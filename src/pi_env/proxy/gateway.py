@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import json
 import os
 import secrets
 import shutil
@@ -27,17 +26,19 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import IO, Protocol
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
 from pi_env._aio import run_sync
+from pi_env.proxy.capture import TurnCapture, sse_payloads
+from pi_env.proxy.rewrite import CaptureOptions
 
 BASE_URL_PATH = "/v1"
 ERROR_BODY_LIMIT = 4096  # bytes of an upstream error body kept in the TurnRecord
@@ -97,30 +98,49 @@ class TurnRecord:
     request_bytes: int = 0
     response_bytes: int = 0
     client_disconnected: bool = False  # the agent hung up before the answer ended
+    total_tokens: int | None = None  # usage.total_tokens, when the answer reported it
+    capture: TurnCapture | None = None  # transparent_proxy: request, answer, ids, logprobs
 
-
-# Forwards (request, body) upstream and streams the answer back, filling the TurnRecord.
-Relay = Callable[[web.Request, bytes, TurnRecord], Awaitable[web.StreamResponse]]
+    def to_json(self) -> dict:
+        data = {k: v for k, v in vars(self).items() if k != "capture"}
+        data["capture"] = self.capture.to_json() if self.capture else None
+        return data
 
 
 class Strategy(Protocol):
     """How a session answers the agent's chat/completions calls (one per mode)."""
 
-    async def chat_completions(
-        self, relay: Relay, request: web.Request, body: bytes, turn: TurnRecord
-    ) -> web.StreamResponse: ...
+    def __init__(self, session: "GatewaySession") -> None: ...
+
+    async def chat_completions(self, call: "Call", body: bytes, turn: TurnRecord) -> web.StreamResponse: ...
 
 
 class BlackBox:
-    """Relay untouched; record only status, timings and sizes (no parsing: the cheap mode)."""
+    """Relay untouched; record only status, timings and sizes (no parsing: the cheap mode).
+    Only with a token budget does it read the usage from the answer's last bytes."""
 
-    async def chat_completions(
-        self, relay: Relay, request: web.Request, body: bytes, turn: TurnRecord
-    ) -> web.StreamResponse:
-        return await relay(request, body, turn)
+    def __init__(self, session: "GatewaySession"):
+        self.session = session
+
+    async def chat_completions(self, call: "Call", body: bytes, turn: TurnRecord) -> web.StreamResponse:
+        if self.session.max_total_tokens is None:
+            return await call.relay(body, turn)
+        raw = bytearray()
+        response = await call.relay(body, turn, keep=raw)
+        turn.total_tokens = usage_total_tokens(bytes(raw[-8192:]))
+        return response
 
 
-STRATEGIES: dict[str, type[Strategy]] = {"black_box": BlackBox}
+def _transparent_proxy(session: "GatewaySession") -> Strategy:
+    from pi_env.proxy.transparent import TransparentProxy  # parses: loaded only when used
+
+    return TransparentProxy(session)
+
+
+STRATEGIES: dict[str, Callable[["GatewaySession"], Strategy]] = {
+    "black_box": BlackBox,
+    "transparent_proxy": _transparent_proxy,
+}
 
 
 class GatewaySession:
@@ -128,19 +148,25 @@ class GatewaySession:
 
     base_url_path = BASE_URL_PATH
 
-    def __init__(self, upstream: Upstream, mode: str, max_turns: int | None, trace_path: str | None):
+    def __init__(self, upstream: Upstream, mode: str, max_turns: int | None, trace_path: str | None,
+                 capture: CaptureOptions | None = None, max_total_tokens: int | None = None):
         if mode not in STRATEGIES:
             raise ValueError(f"unknown gateway mode {mode!r}; supported: {sorted(STRATEGIES)}")
         self.id = secrets.token_hex(8)
         self.token = secrets.token_urlsafe(32)
         self.upstream = upstream
         self.mode = mode
-        self.strategy: Strategy = STRATEGIES[mode]()
+        self.capture_options = capture or CaptureOptions(model=upstream.model)
         self.max_turns = max_turns
+        self.max_total_tokens = max_total_tokens
+        self.strategy: Strategy = STRATEGIES[mode](self)
         self.trace_path = trace_path
         self.turns: list[TurnRecord] = []
-        self.budget_exhausted = False
+        self.budget_exhausted: str | None = None  # why calls are refused: "max_turns" / "max_total_tokens"
+        self.tokens_used = 0
         self._calls_started = 0
+        self._in_flight = 0
+        self._idle = threading.Condition()
         self._trace_lock = threading.Lock()  # close_session() runs on the caller's thread
         self._trace: IO[str] | None = None
         if trace_path:
@@ -151,20 +177,35 @@ class GatewaySession:
         return f"GatewaySession(id={self.id!r}, mode={self.mode!r}, upstream={self.upstream!r})"
 
     def claim_turn(self) -> int | None:
-        """The index of a new chat/completions call, or None once max_turns calls were made."""
+        """The index of a new chat/completions call, or None once a budget is spent."""
         if self.max_turns is not None and self._calls_started >= self.max_turns:
-            self.budget_exhausted = True
+            self.budget_exhausted = "max_turns"
+        elif self.max_total_tokens is not None and self.tokens_used >= self.max_total_tokens:
+            self.budget_exhausted = "max_total_tokens"
+        if self.budget_exhausted:
             return None
+        with self._idle:
+            self._in_flight += 1
         self._calls_started += 1
         return self._calls_started - 1
 
     def record(self, turn: TurnRecord) -> None:
         """Keep the finished turn, and put it on disk at once so a crash loses nothing."""
         self.turns.append(turn)
+        self.tokens_used += turn.total_tokens or 0
         with self._trace_lock:
             if self._trace is not None:
-                self._trace.write(json.dumps(vars(turn)) + "\n")
+                self._trace.write(orjson.dumps(turn.to_json()).decode() + "\n")
                 self._trace.flush()
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until no call is in flight. A capturing mode finishes its record after the agent
+        saw the answer's end, so read `turns` only after this."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout_s)
 
     def close(self) -> None:
         with self._trace_lock:
@@ -259,8 +300,10 @@ class Gateway:
         mode: str = "black_box",
         max_turns: int | None = None,
         trace_path: str | None = None,
+        capture: CaptureOptions | None = None,
+        max_total_tokens: int | None = None,
     ) -> GatewaySession:
-        session = GatewaySession(upstream, mode, max_turns, trace_path)
+        session = GatewaySession(upstream, mode, max_turns, trace_path, capture, max_total_tokens)
         self._sessions[session.token] = session
         return session
 
@@ -334,7 +377,7 @@ class Gateway:
         if route == ("GET", "models"):
             # Harmless and sometimes probed; relayed, but not a turn: not recorded.
             untracked = TurnRecord(turn=-1, started_at=time.time())
-            return await self._relay(session, time.perf_counter(), request, b"", untracked)
+            return await Call(self, session, request, time.perf_counter()).relay(b"", untracked)
         if route != ("POST", "chat/completions"):
             # The token must not unlock the rest of the upstream API (files, fine-tuning, ...)
             # with the real key.
@@ -343,18 +386,16 @@ class Gateway:
 
         index = session.claim_turn()
         if index is None:
-            return json_error(
-                429,
-                f"pi-env: max_turns budget of {session.max_turns} model calls exhausted",
-                "max_turns_exceeded",
-            )
+            # End the agent's turn cleanly (an empty final answer), so it stops rather than
+            # failing; the rollout reads session.budget_exhausted.
+            body = await request.read()
+            return budget_answer(body, session.budget_exhausted)
         turn = TurnRecord(turn=index, started_at=time.time())
         started = time.perf_counter()
         try:
             body = await request.read()
             turn.request_bytes = len(body)
-            relay = partial(self._relay, session, started)
-            return await session.strategy.chat_completions(relay, request, body, turn)
+            return await session.strategy.chat_completions(Call(self, session, request, started), body, turn)
         except asyncio.CancelledError:
             turn.client_disconnected = True  # handler cancelled: the agent hung up
             raise
@@ -363,33 +404,53 @@ class Gateway:
                 turn.latency_s = time.perf_counter() - started
             session.record(turn)
 
-    async def _relay(
-        self,
-        session: GatewaySession,
-        started: float,
-        request: web.Request,
-        body: bytes,
-        turn: TurnRecord,
-    ) -> web.StreamResponse:
-        """Forward to upstream and stream its answer back per read, filling `turn`."""
-        upstream = session.upstream
+
+class Call:
+    """One agent call in flight: how a strategy talks to the upstream and answers the agent."""
+
+    def __init__(self, gateway: Gateway, session: GatewaySession, request: web.Request, started: float):
+        self.gateway, self.session, self.request, self.started = gateway, session, request, started
+
+    async def relay(self, body: bytes, turn: TurnRecord, *, keep: bytearray | None = None) -> web.StreamResponse:
+        """Forward the body upstream and stream the answer back as it arrives."""
+        answer = await self.open(body, turn)
+        if isinstance(answer, web.Response):
+            return answer
+        return await self.stream(answer, turn, keep=keep)
+
+    async def open(self, body: bytes, turn: TurnRecord) -> aiohttp.ClientResponse | web.Response:
+        """Send the request upstream; a 502 answer for the agent when the upstream is unreachable."""
+        request, upstream = self.request, self.session.upstream
         url = URL(upstream.base_url.rstrip("/") + request.raw_path[len(BASE_URL_PATH) :],
                   encoded=True)  # fmt: skip
+        headers = upstream_request_headers(request.headers, upstream)
         try:
-            answer = await self._client.request(
-                request.method,
-                url,
-                data=body,
-                headers=upstream_request_headers(request.headers, upstream),
-                allow_redirects=False,
-            )
+            return await self.gateway._client.request(request.method, url, data=body, headers=headers,
+                                                       allow_redirects=False)  # fmt: skip
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             turn.upstream_error = f"upstream {upstream.host} unreachable: {describe(exc)}"
             return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_unreachable")
 
-        response = RelayedResponse(
-            status=answer.status, reason=answer.reason, headers=agent_response_headers(answer.headers)
-        )
+    async def read_error(self, answer: aiohttp.ClientResponse, turn: TurnRecord) -> bytes:
+        """Read a non-2xx answer's body (bounded) and record it."""
+        try:
+            body = await answer.content.read(ERROR_BODY_LIMIT)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            body = f"(error body unreadable: {describe(exc)})".encode()
+        finally:
+            answer.close()
+        turn.upstream_status = answer.status
+        turn.upstream_error = body.decode(errors="replace") or f"HTTP {answer.status} (empty body)"
+        return body
+
+    async def stream(self, answer: aiohttp.ClientResponse, turn: TurnRecord, *, keep: bytearray | None = None,
+                     finish: bool = False) -> web.StreamResponse:
+        """Stream the answer back per upstream read, filling `turn`; `keep` collects the raw
+        bytes; `finish` ends the agent's response here rather than after the handler returns
+        (so work done afterwards does not delay the agent)."""
+        request, started = self.request, self.started
+        response = RelayedResponse(status=answer.status, reason=answer.reason,
+                                   headers=agent_response_headers(answer.headers))  # fmt: skip
         completed = False
         response_bytes = 0
         error_body = bytearray() if answer.status >= 400 else None
@@ -400,6 +461,8 @@ class Gateway:
                 if not response_bytes:
                     turn.ttfb_s = time.perf_counter() - started
                 response_bytes += len(chunk)
+                if keep is not None:
+                    keep += chunk
                 if error_body is not None and len(error_body) < ERROR_BODY_LIMIT:
                     error_body += chunk[: ERROR_BODY_LIMIT - len(error_body)]
                 if content.is_eof():
@@ -407,6 +470,8 @@ class Gateway:
                     break
                 await response.write(chunk)
             completed = True
+            if finish:
+                await response.write_eof()
             return response
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             if request.transport is None or request.transport.is_closing():
@@ -428,6 +493,41 @@ class Gateway:
             if error_body is not None and not turn.upstream_error:
                 text = error_body.decode(errors="replace")
                 turn.upstream_error = text or f"HTTP {answer.status} (empty body)"
+
+
+def usage_total_tokens(raw_tail: bytes) -> int | None:
+    """usage.total_tokens from the last usage chunk in the tail of an SSE answer (or a body)."""
+    for payload in reversed(sse_payloads(raw_tail) or [raw_tail]):
+        if b'"usage"' in payload:
+            try:
+                usage = orjson.loads(payload).get("usage") or {}
+            except (orjson.JSONDecodeError, AttributeError):
+                continue
+            total = usage.get("total_tokens")
+            return total if isinstance(total, int) else None
+    return None
+
+
+def budget_answer(body: bytes, reason: str) -> web.Response:
+    """A clean, empty final answer (finish_reason "stop"), streamed if the agent asked for a
+    stream, marked as the gateway's own in `system_fingerprint`."""
+    try:
+        request = orjson.loads(body)
+        streaming = isinstance(request, dict) and request.get("stream") is True
+    except orjson.JSONDecodeError:
+        streaming = False
+    envelope = {"id": f"pi-env-budget-{secrets.token_hex(6)}", "created": int(time.time()), "model": "pi-env-gateway",
+                "system_fingerprint": f"pi-env-budget:{reason}"}
+    headers = {"x-pi-env-budget": reason}
+    if not streaming:
+        choice = {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}
+        return web.json_response({**envelope, "object": "chat.completion", "choices": [choice]}, headers=headers)
+    chunks = [{**envelope, "object": "chat.completion.chunk",
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {**envelope, "object": "chat.completion.chunk",
+               "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+    sse = b"".join(b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
+    return web.Response(body=sse, content_type="text/event-stream", headers=headers)
 
 
 _gateway: Gateway | None = None

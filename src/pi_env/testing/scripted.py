@@ -38,6 +38,7 @@ SYNTHETIC_HEADERS = {"x-pi-env-synthetic": "1"}
 SCRIPT_FINISHED_TEXT = "(script finished)"
 TOKEN_CHARS = 4  # the synthetic tokenizer: every 4 characters are one token
 MAX_RECORDED_REQUESTS = 1000
+SYNTHETIC_VLLM_VERSION = "0.11.0+pi-env-synthetic"
 
 
 # --------------------------------------------------------------------------------- the script
@@ -132,11 +133,21 @@ def render_message(message: dict[str, Any]) -> str:
     return rendered
 
 
-def synthetic_prompt_token_ids(messages: list[dict[str, Any]]) -> list[int]:
-    """Messages are tokenized one by one, so a longer conversation's ids extend a shorter one's."""
-    return [
-        synthetic_token_id(tok) for m in messages for tok in synthetic_tokens(render_message(m))
-    ]
+def synthetic_prompt_token_ids(messages: list[dict[str, Any]], script: Script | None = None) -> list[int]:
+    """Messages are tokenized one by one, so a longer conversation's ids extend a shorter one's.
+    Like a real engine whose chat template renders history faithfully, the k-th assistant
+    message becomes exactly the tokens this server generated for script turn k, so each
+    turn's prompt ids extend the previous turn's prompt + completion ids (append-only)."""
+    ids: list[int] = []
+    assistant_index = 0
+    for message in messages:
+        if message.get("role") == "assistant" and script is not None and assistant_index < len(script):
+            tokens = [t for d in answer_deltas(script[assistant_index], assistant_index) for t in d.tokens]
+        else:
+            tokens = synthetic_tokens(render_message(message))
+        assistant_index += message.get("role") == "assistant"
+        ids.extend(synthetic_token_id(tok) for tok in tokens)
+    return ids
 
 
 # -------------------------------------------------------------------------- answer rendering
@@ -250,14 +261,15 @@ class RenderCache:
 class Answer:
     """One request's answer to one scripted turn, as SSE events or a chat.completion body."""
 
-    def __init__(self, turn: ScriptedTurn, turn_index: int, body: dict[str, Any], cache: RenderCache):
+    def __init__(self, turn: ScriptedTurn, turn_index: int, body: dict[str, Any], cache: RenderCache,
+                 script: Script | None = None):
         self.turn = turn
         self.cache = cache
         self.turn_index = turn_index
         self.model = str(body.get("model") or "scripted")
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         self.token_options = TokenOptions.from_body(body)
-        self.prompt_token_ids = synthetic_prompt_token_ids(body.get("messages") or [])
+        self.prompt_token_ids = synthetic_prompt_token_ids(body.get("messages") or [], script)
         self.id = f"chatcmpl-synthetic-{secrets.token_hex(8)}"
         self.created = int(time.time())
 
@@ -421,6 +433,8 @@ class ScriptedServer:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
+        # Engine-like: answers the probe that tells vLLM >= 0.10.2 (it honours return_token_ids).
+        app.router.add_get("/version", self._version)
         # handler_cancellation: a client that hangs up cancels a hanging/delayed answer.
         runner = web.AppRunner(
             app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0
@@ -432,6 +446,9 @@ class ScriptedServer:
         self._runner = runner
 
     # -- handlers
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": SYNTHETIC_VLLM_VERSION}, headers=SYNTHETIC_HEADERS)
 
     async def _models(self, request: web.Request) -> web.Response:
         self._record(request, None)
@@ -463,7 +480,7 @@ class ScriptedServer:
         if fault.http_status is not None:
             return fault_response(fault)
 
-        answer = Answer(turn, turn_index, body, self._render_cache)
+        answer = Answer(turn, turn_index, body, self._render_cache, script)
         if not body.get("stream"):
             return web.json_response(answer.completion(), headers=SYNTHETIC_HEADERS)
         return await self._stream(request, answer.sse_events(), fault)

@@ -1,0 +1,279 @@
+"""Turning an upstream answer into a per-turn capture: the assembled message of every choice,
+and the engine's own token ids and logprobs, aligned 1:1, never re-tokenised or invented.
+
+Where ids come from, in order of preference:
+  - `token_ids` on each choice (vLLM >= 0.10.2 with `return_token_ids: true`), with
+    `prompt_token_ids` on the first chunk (or the body);
+  - logprob tokens of the form "token_id:N" (vLLM `--return-tokens-as-token-ids`, llama.cpp).
+When neither is there, the capture says why in `token_ids_missing_reason`.
+
+Parsing happens once per answer, after its bytes were relayed (see gateway): the hot path only
+keeps the raw bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+TOKEN_ID_PREFIX = "token_id:"
+
+
+@dataclass
+class ChoiceCapture:
+    index: int
+    content: str = ""
+    reasoning_content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # by index, arguments joined
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)  # aligned with token_ids / tokens
+    tokens: list[str] = field(default_factory=list)  # each token's text, as the engine gave it
+    top_logprobs: list[list[dict[str, Any]]] = field(default_factory=list)
+    ids_complete: bool = True  # every generated token came with its id
+    alignment_error: str | None = None
+
+    def message(self) -> dict[str, Any]:
+        """The assembled assistant message (OpenAI shape)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.reasoning_content:
+            message["reasoning_content"] = self.reasoning_content
+        if self.reasoning:
+            message["reasoning"] = self.reasoning
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
+
+
+@dataclass
+class TurnCapture:
+    """What transparent_proxy keeps of one model call (besides the TurnRecord's timings)."""
+
+    request: dict[str, Any]  # the forwarded request, after rewriting
+    choices: list[ChoiceCapture] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    model: str | None = None
+    token_ids_source: str | None = None  # "token_ids" | "logprob_tokens" | None
+    token_ids_missing_reason: str | None = None
+    fallback: str | None = None  # how a rejected capture parameter was worked around
+    malformed_chunks: int = 0
+    synthetic_answer: str | None = None  # the gateway answered itself (e.g. "budget")
+
+    # Convenience views of choice 0, the one an agent continues with.
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.choices[0].token_ids if self.choices and self.choices[0].ids_complete else []
+
+    @property
+    def per_token_logps(self) -> list[float | None]:
+        return self.choices[0].logprobs if self.choices else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason if self.choices else None
+
+    @property
+    def completion_tokens(self) -> int | None:
+        if self.usage and isinstance(self.usage.get("completion_tokens"), int):
+            return self.usage["completion_tokens"]
+        return len(self.choices[0].tokens or self.choices[0].token_ids) if self.choices else None
+
+    def to_json(self) -> dict[str, Any]:
+        data = {k: v for k, v in vars(self).items() if k != "choices"}
+        data["choices"] = [vars(choice) | {"message": choice.message()} for choice in self.choices]
+        data["completion_token_ids"] = self.completion_token_ids
+        data["per_token_logps"] = self.per_token_logps
+        data["finish_reason"] = self.finish_reason
+        return data
+
+
+def sse_payloads(raw: bytes) -> list[bytes]:
+    """The `data:` payloads of an SSE body, without `[DONE]`."""
+    payloads = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if payload and payload != b"[DONE]":
+                payloads.append(payload)
+    return payloads
+
+
+def parse_chunks(payloads: list[bytes]) -> tuple[list[dict], int]:
+    """Parse every chunk in one call (much cheaper than one call per chunk); on a malformed
+    chunk fall back to one by one and count the bad ones."""
+    try:
+        return orjson.loads(b"[" + b",".join(payloads) + b"]"), 0
+    except orjson.JSONDecodeError:
+        chunks, bad = [], 0
+        for payload in payloads:
+            try:
+                chunks.append(orjson.loads(payload))
+            except orjson.JSONDecodeError:
+                bad += 1
+        return chunks, bad
+
+
+class Assembler:
+    """Builds a TurnCapture from a streamed (chunks) or non-streamed (body) answer."""
+
+    def __init__(self, capture: TurnCapture):
+        self.capture = capture
+        self._choices: dict[int, ChoiceCapture] = {}
+        self._tool_calls: dict[int, dict[int, dict]] = {}
+
+    def stream(self, raw: bytes) -> TurnCapture:
+        chunks, bad = parse_chunks(sse_payloads(raw))
+        self.capture.malformed_chunks = bad
+        for chunk in chunks:
+            if not isinstance(chunk, dict):
+                self.capture.malformed_chunks += 1
+                continue
+            self._envelope(chunk)
+            for choice in chunk.get("choices") or ():
+                self._choice(choice, choice.get("delta") or {})
+        return self._finish()
+
+    def body(self, body: dict) -> TurnCapture:
+        self._envelope(body)
+        for choice in body.get("choices") or ():
+            self._choice(choice, choice.get("message") or {})
+        return self._finish()
+
+    def _envelope(self, obj: dict) -> None:
+        capture = self.capture
+        if obj.get("prompt_token_ids") and not capture.prompt_token_ids:
+            capture.prompt_token_ids = list(obj["prompt_token_ids"])
+        if obj.get("usage"):
+            capture.usage = obj["usage"]
+        if obj.get("model") and not capture.model:
+            capture.model = obj["model"]
+
+    def _choice(self, raw: dict, delta: dict) -> None:
+        index = raw.get("index", 0)
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = ChoiceCapture(index=index)
+            self._tool_calls[index] = {}
+        if delta.get("content"):
+            choice.content += delta["content"]
+        if delta.get("reasoning_content"):
+            choice.reasoning_content += delta["reasoning_content"]
+        if delta.get("reasoning"):
+            choice.reasoning += delta["reasoning"]
+        for position, call in enumerate(delta.get("tool_calls") or ()):
+            self._tool_call(index, call.get("index", position), call)
+        if raw.get("finish_reason"):
+            choice.finish_reason = raw["finish_reason"]
+        self._tokens(choice, raw)
+
+    def _tool_call(self, choice_index: int, index: int, delta: dict) -> None:
+        calls = self._tool_calls[choice_index]
+        call = calls.get(index)
+        if call is None:
+            call = calls[index] = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        if delta.get("id"):
+            call["id"] = delta["id"]
+        function = delta.get("function") or {}
+        if function.get("name"):
+            call["function"]["name"] += function["name"]
+        if function.get("arguments"):
+            call["function"]["arguments"] += function["arguments"]
+
+    @staticmethod
+    def _tokens(choice: ChoiceCapture, raw: dict) -> None:
+        """Append one chunk's tokens, keeping ids and logprobs aligned 1:1."""
+        entries = (raw.get("logprobs") or {}).get("content") or []
+        ids = raw.get("token_ids")
+        if ids is None and entries:
+            parsed = [_token_id(entry.get("token")) for entry in entries]
+            ids = parsed if None not in parsed else None
+        if ids is None:
+            if entries:  # logprobs without ids: keep the logprobs, mark the ids incomplete
+                choice.ids_complete = False
+                for entry in entries:
+                    _append_entry(choice, entry)
+            return
+        if entries and len(entries) != len(ids):
+            choice.alignment_error = (f"a chunk carried {len(ids)} token ids but {len(entries)} logprobs; "
+                                      "its logprobs are recorded as null")
+            entries = []
+        choice.token_ids.extend(ids)
+        if entries:
+            for entry in entries:
+                _append_entry(choice, entry)
+        else:  # ids without logprobs: nulls in place, never dropped
+            choice.logprobs.extend([None] * len(ids))
+            choice.tokens.extend([""] * len(ids))
+            choice.top_logprobs.extend([[] for _ in ids])
+
+    def _finish(self) -> TurnCapture:
+        capture = self.capture
+        for index in sorted(self._choices):
+            choice = self._choices[index]
+            choice.tool_calls = [self._tool_calls[index][i] for i in sorted(self._tool_calls[index])]
+            capture.choices.append(choice)
+        first = capture.choices[0] if capture.choices else None
+        if first is None:
+            capture.token_ids_missing_reason = "the upstream answer had no choices"
+        elif first.token_ids and first.ids_complete:
+            capture.token_ids_source = "token_ids" if not _all_prefixed(first.tokens) else "logprob_tokens"
+        elif first.tokens:
+            capture.token_ids_missing_reason = ("the engine sent logprobs with text tokens but no token ids "
+                                                "(it does not support return_token_ids)")
+        else:
+            capture.token_ids_missing_reason = "the engine sent neither token ids nor logprobs"
+        if first is not None and not capture.prompt_token_ids and not capture.token_ids_missing_reason:
+            capture.token_ids_missing_reason = "the engine sent completion ids but no prompt_token_ids"
+        return capture
+
+
+def _append_entry(choice: ChoiceCapture, entry: dict) -> None:
+    logprob = entry.get("logprob")
+    choice.logprobs.append(float(logprob) if isinstance(logprob, (int, float)) else None)
+    choice.tokens.append(entry.get("token") or "")
+    choice.top_logprobs.append([{"token": top.get("token"), "logprob": top.get("logprob")}
+                                for top in entry.get("top_logprobs") or ()])
+
+
+def _token_id(token: Any) -> int | None:
+    if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
+        try:
+            return int(token[len(TOKEN_ID_PREFIX):])
+        except ValueError:
+            return None
+    return None
+
+
+def _all_prefixed(tokens: list[str]) -> bool:
+    return bool(tokens) and all(t.startswith(TOKEN_ID_PREFIX) for t in tokens)
+
+
+def sse_from_capture(capture: TurnCapture, *, include_usage: bool) -> bytes:
+    """A stream Pi accepts, rebuilt from a non-streamed answer (the fallback for an upstream
+    that cannot stream with capture): role, reasoning, content, tool calls with `index`,
+    finish reason, usage, [DONE]."""
+    envelope = {"id": "pi-env-fallback", "object": "chat.completion.chunk", "model": capture.model or ""}
+
+    def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
+        body = {**envelope, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    events = []
+    for choice in capture.choices:
+        events.append(chunk(choice.index, {"role": "assistant", "content": ""}))
+        if choice.reasoning_content:
+            events.append(chunk(choice.index, {"reasoning_content": choice.reasoning_content}))
+        if choice.reasoning:
+            events.append(chunk(choice.index, {"reasoning": choice.reasoning}))
+        if choice.content:
+            events.append(chunk(choice.index, {"content": choice.content}))
+        for position, call in enumerate(choice.tool_calls):
+            events.append(chunk(choice.index, {"tool_calls": [{"index": position, **call}]}))
+        events.append(chunk(choice.index, {}, choice.finish_reason or "stop"))
+    if include_usage and capture.usage:
+        events.append(b"data: " + orjson.dumps({**envelope, "choices": [], "usage": capture.usage}) + b"\n\n")
+    return b"".join(events) + b"data: [DONE]\n\n"

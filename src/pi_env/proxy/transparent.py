@@ -1,0 +1,122 @@
+"""transparent_proxy: rewrite each request for capture, stream the answer to the agent as it
+arrives, and assemble the turn (ids, logprobs, message) on the side, after the agent has its
+answer, so capture costs the agent no latency.
+
+An upstream that rejects a capture parameter gets one well-defined fallback, remembered for
+the rest of the session and recorded in every turn it affects:
+  1. "non_streaming": the same request unstreamed, with capture, replayed to the agent as SSE
+     (llama.cpp: "logprobs is not supported with tools + stream");
+  2. "without_capture": the request without logprobs/top_logprobs/return_token_ids, streamed
+     (Groq rejects logprobs); the capture then says why it has no ids.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from pi_env.proxy.capture import Assembler, TurnCapture, sse_from_capture
+from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, json_error
+from pi_env.proxy.rewrite import rejects_capture, rewrite_request, without_capture
+
+NON_STREAMING = "non_streaming"
+WITHOUT_CAPTURE = "without_capture"
+
+
+class TransparentProxy:
+    def __init__(self, session: GatewaySession):
+        self.session = session
+        self.options = session.capture_options
+        self.fallback: str | None = None  # sticky for the session once needed
+        self.fallback_reason: str | None = None
+
+    async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse:
+        try:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            request = None
+        if not isinstance(request, dict):
+            return json_error(400, "pi-env gateway: the request body is not a JSON object", "invalid_request")
+        rewritten = rewrite_request(request, self.options)
+        turn.capture = capture = TurnCapture(request=rewritten)
+        streaming = rewritten.get("stream") is True
+        if self.fallback == NON_STREAMING and streaming:
+            return await self._non_streaming(call, rewritten, capture, turn)
+        if self.fallback == WITHOUT_CAPTURE:
+            rewritten = without_capture(rewritten)
+        capture.fallback = self.fallback and f"{self.fallback}: {self.fallback_reason}"
+
+        answer = await call.open(orjson.dumps(rewritten), turn)
+        if isinstance(answer, web.Response):
+            return answer
+        if answer.status >= 400:
+            error = await call.read_error(answer, turn)
+            if self.fallback is None and rejects_capture(answer.status, error.decode(errors="replace")):
+                self.fallback_reason = f"upstream answered {answer.status}: {error[:300].decode(errors='replace')}"
+                return await self._fall_back(call, rewritten, capture, turn, streaming)
+            return _error_answer(answer.status, error, answer.content_type)
+        raw = bytearray()
+        response = await call.stream(answer, turn, keep=raw, finish=True)
+        self._assemble(capture, turn, bytes(raw), streaming)
+        return response
+
+    async def _fall_back(self, call: Call, rewritten: dict, capture: TurnCapture, turn: TurnRecord,
+                         streaming: bool) -> web.StreamResponse:
+        if streaming:
+            self.fallback = NON_STREAMING
+            response = await self._non_streaming(call, rewritten, capture, turn)
+            if turn.upstream_status is not None and turn.upstream_status < 400:
+                return response
+            if not rejects_capture(turn.upstream_status or 0, turn.upstream_error or ""):
+                return response
+        self.fallback = WITHOUT_CAPTURE
+        capture.fallback = f"{WITHOUT_CAPTURE}: {self.fallback_reason}"
+        plain = without_capture(rewritten)
+        turn.upstream_error = None
+        answer = await call.open(orjson.dumps(plain), turn)
+        if isinstance(answer, web.Response):
+            return answer
+        if answer.status >= 400:
+            return _error_answer(answer.status, await call.read_error(answer, turn), answer.content_type)
+        raw = bytearray()
+        response = await call.stream(answer, turn, keep=raw, finish=True)
+        self._assemble(capture, turn, bytes(raw), streaming)
+        return response
+
+    async def _non_streaming(self, call: Call, rewritten: dict, capture: TurnCapture,
+                             turn: TurnRecord) -> web.StreamResponse:
+        """Ask unstreamed with capture, answer the agent with an SSE stream rebuilt from it."""
+        capture.fallback = f"{NON_STREAMING}: {self.fallback_reason}"
+        body = {k: v for k, v in rewritten.items() if k not in ("stream", "stream_options")}
+        turn.upstream_error = None
+        answer = await call.open(orjson.dumps(body), turn)
+        if isinstance(answer, web.Response):
+            return answer
+        if answer.status >= 400:
+            return _error_answer(answer.status, await call.read_error(answer, turn), answer.content_type)
+        raw = await answer.read()
+        answer.release()
+        turn.upstream_status = answer.status
+        turn.response_bytes = len(raw)
+        self._assemble(capture, turn, raw, streaming=False)
+        include_usage = bool((rewritten.get("stream_options") or {}).get("include_usage"))
+        return web.Response(body=sse_from_capture(capture, include_usage=include_usage),
+                            content_type="text/event-stream")
+
+    @staticmethod
+    def _assemble(capture: TurnCapture, turn: TurnRecord, raw: bytes, streaming: bool) -> None:
+        """Never lets a capture problem break the agent's turn: it is recorded instead."""
+        try:
+            if streaming:
+                Assembler(capture).stream(raw)
+            else:
+                Assembler(capture).body(orjson.loads(raw))
+        except Exception as exc:  # noqa: BLE001 - any malformed answer: record why, keep going
+            capture.token_ids_missing_reason = f"the answer could not be assembled: {type(exc).__name__}: {exc}"
+        if capture.usage and isinstance(capture.usage.get("total_tokens"), int):
+            turn.total_tokens = capture.usage["total_tokens"]
+
+
+def _error_answer(status: int, body: bytes, content_type: str | None) -> web.Response:
+    """The upstream's error, as the agent should see it (same status, same body)."""
+    return web.Response(status=status, body=body, content_type=content_type or "application/json")
