@@ -16,9 +16,64 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
+import msgspec
 
 TOKEN_ID_PREFIX = "token_id:"
+
+
+# The wire shapes, only the fields capture reads. Decoding into them skips everything else
+# (logprob `bytes` arrays, ids, timestamps) in C, about 2.5x faster than building dicts.
+class TopLogprob(msgspec.Struct):
+    token: str | None = None
+    logprob: float | None = None
+
+
+class LogprobEntry(msgspec.Struct):
+    token: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
+
+
+class Logprobs(msgspec.Struct):
+    content: list[LogprobEntry] | None = None
+
+
+class FunctionDelta(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct):
+    index: int | None = None
+    id: str | None = None
+    function: FunctionDelta | None = None
+
+
+class MessageDelta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class WireChoice(msgspec.Struct):
+    index: int = 0
+    delta: MessageDelta | None = None  # streamed
+    message: MessageDelta | None = None  # not streamed
+    logprobs: Logprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class WireChunk(msgspec.Struct):
+    choices: list[WireChoice] | None = None
+    prompt_token_ids: list[int] | None = None
+    usage: dict[str, Any] | None = None
+    model: str | None = None
+
+
+_chunks = msgspec.json.Decoder(list[WireChunk])
+_chunk = msgspec.json.Decoder(WireChunk)
 
 
 @dataclass
@@ -32,7 +87,7 @@ class ChoiceCapture:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)  # aligned with token_ids / tokens
     tokens: list[str] = field(default_factory=list)  # each token's text, as the engine gave it
-    top_logprobs: list[list[dict[str, Any]]] = field(default_factory=list)
+    top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
     ids_complete: bool = True  # every generated token came with its id
     alignment_error: str | None = None
 
@@ -84,7 +139,8 @@ class TurnCapture:
 
     def to_json(self) -> dict[str, Any]:
         data = {k: v for k, v in vars(self).items() if k != "choices"}
-        data["choices"] = [vars(choice) | {"message": choice.message()} for choice in self.choices]
+        data["choices"] = [msgspec.to_builtins(vars(choice)) | {"message": choice.message()}
+                           for choice in self.choices]
         data["completion_token_ids"] = self.completion_token_ids
         data["per_token_logps"] = self.per_token_logps
         data["finish_reason"] = self.finish_reason
@@ -92,7 +148,8 @@ class TurnCapture:
 
 
 def sse_payloads(raw: bytes) -> list[bytes]:
-    """The `data:` payloads of an SSE body, without `[DONE]`."""
+    """The `data:` payloads of an SSE body, without `[DONE]`. (Splitting lines beats a
+    regex scan here by about 9x.)"""
     payloads = []
     for line in raw.split(b"\n"):
         if line.startswith(b"data:"):
@@ -102,17 +159,17 @@ def sse_payloads(raw: bytes) -> list[bytes]:
     return payloads
 
 
-def parse_chunks(payloads: list[bytes]) -> tuple[list[dict], int]:
+def parse_chunks(payloads: list[bytes]) -> tuple[list[WireChunk], int]:
     """Parse every chunk in one call (much cheaper than one call per chunk); on a malformed
-    chunk fall back to one by one and count the bad ones."""
+    or oddly typed chunk fall back to one by one and count the bad ones."""
     try:
-        return orjson.loads(b"[" + b",".join(payloads) + b"]"), 0
-    except orjson.JSONDecodeError:
+        return _chunks.decode(b"[" + b",".join(payloads) + b"]"), 0
+    except msgspec.DecodeError:
         chunks, bad = [], 0
         for payload in payloads:
             try:
-                chunks.append(orjson.loads(payload))
-            except orjson.JSONDecodeError:
+                chunks.append(_chunk.decode(payload))
+            except msgspec.DecodeError:
                 bad += 1
         return chunks, bad
 
@@ -129,73 +186,75 @@ class Assembler:
         chunks, bad = parse_chunks(sse_payloads(raw))
         self.capture.malformed_chunks = bad
         for chunk in chunks:
-            if not isinstance(chunk, dict):
-                self.capture.malformed_chunks += 1
-                continue
             self._envelope(chunk)
-            for choice in chunk.get("choices") or ():
-                self._choice(choice, choice.get("delta") or {})
+            for choice in chunk.choices or ():
+                self._choice(choice, choice.delta)
         return self._finish()
 
-    def body(self, body: dict) -> TurnCapture:
+    def body(self, raw: bytes) -> TurnCapture:
+        try:
+            body = _chunk.decode(raw)
+        except msgspec.DecodeError as exc:
+            self.capture.malformed_chunks = 1
+            self.capture.token_ids_missing_reason = f"the answer is not a chat.completion: {exc}"
+            return self.capture
         self._envelope(body)
-        for choice in body.get("choices") or ():
-            self._choice(choice, choice.get("message") or {})
+        for choice in body.choices or ():
+            self._choice(choice, choice.message)
         return self._finish()
 
-    def _envelope(self, obj: dict) -> None:
+    def _envelope(self, chunk: WireChunk) -> None:
         capture = self.capture
-        if obj.get("prompt_token_ids") and not capture.prompt_token_ids:
-            capture.prompt_token_ids = list(obj["prompt_token_ids"])
-        if obj.get("usage"):
-            capture.usage = obj["usage"]
-        if obj.get("model") and not capture.model:
-            capture.model = obj["model"]
+        if chunk.prompt_token_ids and not capture.prompt_token_ids:
+            capture.prompt_token_ids = chunk.prompt_token_ids
+        if chunk.usage:
+            capture.usage = chunk.usage
+        if chunk.model and not capture.model:
+            capture.model = chunk.model
 
-    def _choice(self, raw: dict, delta: dict) -> None:
-        index = raw.get("index", 0)
-        choice = self._choices.get(index)
+    def _choice(self, raw: WireChoice, delta: MessageDelta | None) -> None:
+        choice = self._choices.get(raw.index)
         if choice is None:
-            choice = self._choices[index] = ChoiceCapture(index=index)
-            self._tool_calls[index] = {}
-        if delta.get("content"):
-            choice.content += delta["content"]
-        if delta.get("reasoning_content"):
-            choice.reasoning_content += delta["reasoning_content"]
-        if delta.get("reasoning"):
-            choice.reasoning += delta["reasoning"]
-        for position, call in enumerate(delta.get("tool_calls") or ()):
-            self._tool_call(index, call.get("index", position), call)
-        if raw.get("finish_reason"):
-            choice.finish_reason = raw["finish_reason"]
+            choice = self._choices[raw.index] = ChoiceCapture(index=raw.index)
+            self._tool_calls[raw.index] = {}
+        if delta is not None:
+            if delta.content:
+                choice.content += delta.content
+            if delta.reasoning_content:
+                choice.reasoning_content += delta.reasoning_content
+            if delta.reasoning:
+                choice.reasoning += delta.reasoning
+            for position, call in enumerate(delta.tool_calls or ()):
+                self._tool_call(raw.index, position if call.index is None else call.index, call)
+        if raw.finish_reason:
+            choice.finish_reason = raw.finish_reason
         self._tokens(choice, raw)
 
-    def _tool_call(self, choice_index: int, index: int, delta: dict) -> None:
+    def _tool_call(self, choice_index: int, index: int, delta: ToolCallDelta) -> None:
         calls = self._tool_calls[choice_index]
         call = calls.get(index)
         if call is None:
             call = calls[index] = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
-        if delta.get("id"):
-            call["id"] = delta["id"]
-        function = delta.get("function") or {}
-        if function.get("name"):
-            call["function"]["name"] += function["name"]
-        if function.get("arguments"):
-            call["function"]["arguments"] += function["arguments"]
+        if delta.id:
+            call["id"] = delta.id
+        if delta.function is not None:
+            if delta.function.name:
+                call["function"]["name"] += delta.function.name
+            if delta.function.arguments:
+                call["function"]["arguments"] += delta.function.arguments
 
     @staticmethod
-    def _tokens(choice: ChoiceCapture, raw: dict) -> None:
+    def _tokens(choice: ChoiceCapture, raw: WireChoice) -> None:
         """Append one chunk's tokens, keeping ids and logprobs aligned 1:1."""
-        entries = (raw.get("logprobs") or {}).get("content") or []
-        ids = raw.get("token_ids")
+        entries = (raw.logprobs.content if raw.logprobs is not None else None) or []
+        ids = raw.token_ids
         if ids is None and entries:
-            parsed = [_token_id(entry.get("token")) for entry in entries]
+            parsed = [_token_id(entry.token) for entry in entries]
             ids = parsed if None not in parsed else None
         if ids is None:
             if entries:  # logprobs without ids: keep the logprobs, mark the ids incomplete
                 choice.ids_complete = False
-                for entry in entries:
-                    _append_entry(choice, entry)
+                _append_entries(choice, entries)
             return
         if entries and len(entries) != len(ids):
             choice.alignment_error = (f"a chunk carried {len(ids)} token ids but {len(entries)} logprobs; "
@@ -203,8 +262,7 @@ class Assembler:
             entries = []
         choice.token_ids.extend(ids)
         if entries:
-            for entry in entries:
-                _append_entry(choice, entry)
+            _append_entries(choice, entries)
         else:  # ids without logprobs: nulls in place, never dropped
             choice.logprobs.extend([None] * len(ids))
             choice.tokens.extend([""] * len(ids))
@@ -217,8 +275,14 @@ class Assembler:
             choice.tool_calls = [self._tool_calls[index][i] for i in sorted(self._tool_calls[index])]
             capture.choices.append(choice)
         first = capture.choices[0] if capture.choices else None
+        if capture.malformed_chunks:  # a chunk that could not be read may have carried tokens
+            for choice in capture.choices:
+                choice.ids_complete = False
         if first is None:
             capture.token_ids_missing_reason = "the upstream answer had no choices"
+        elif capture.malformed_chunks and (first.token_ids or first.tokens):
+            capture.token_ids_missing_reason = (f"{capture.malformed_chunks} chunk(s) of the answer could not be read; "
+                                                "the token ids may have gaps there, so none are claimed")
         elif first.token_ids and first.ids_complete:
             capture.token_ids_source = "token_ids" if not _all_prefixed(first.tokens) else "logprob_tokens"
         elif first.tokens:
@@ -231,12 +295,11 @@ class Assembler:
         return capture
 
 
-def _append_entry(choice: ChoiceCapture, entry: dict) -> None:
-    logprob = entry.get("logprob")
-    choice.logprobs.append(float(logprob) if isinstance(logprob, (int, float)) else None)
-    choice.tokens.append(entry.get("token") or "")
-    choice.top_logprobs.append([{"token": top.get("token"), "logprob": top.get("logprob")}
-                                for top in entry.get("top_logprobs") or ()])
+def _append_entries(choice: ChoiceCapture, entries: list[LogprobEntry]) -> None:
+    for entry in entries:
+        choice.logprobs.append(entry.logprob)
+        choice.tokens.append(entry.token or "")
+        choice.top_logprobs.append(entry.top_logprobs or [])
 
 
 def _token_id(token: Any) -> int | None:
@@ -260,7 +323,7 @@ def sse_from_capture(capture: TurnCapture, *, include_usage: bool) -> bytes:
 
     def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
         body = {**envelope, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
-        return b"data: " + orjson.dumps(body) + b"\n\n"
+        return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
     events = []
     for choice in capture.choices:
@@ -275,5 +338,5 @@ def sse_from_capture(capture: TurnCapture, *, include_usage: bool) -> bytes:
             events.append(chunk(choice.index, {"tool_calls": [{"index": position, **call}]}))
         events.append(chunk(choice.index, {}, choice.finish_reason or "stop"))
     if include_usage and capture.usage:
-        events.append(b"data: " + orjson.dumps({**envelope, "choices": [], "usage": capture.usage}) + b"\n\n")
+        events.append(b"data: " + msgspec.json.encode({**envelope, "choices": [], "usage": capture.usage}) + b"\n\n")
     return b"".join(events) + b"data: [DONE]\n\n"

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import IO, Protocol
 
 import aiohttp
-import orjson
+import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
@@ -195,7 +195,7 @@ class GatewaySession:
         self.tokens_used += turn.total_tokens or 0
         with self._trace_lock:
             if self._trace is not None:
-                self._trace.write(orjson.dumps(turn.to_json()).decode() + "\n")
+                self._trace.write(msgspec.json.encode(turn.to_json()).decode() + "\n")
                 self._trace.flush()
         with self._idle:
             self._in_flight -= 1
@@ -500,8 +500,8 @@ def usage_total_tokens(raw_tail: bytes) -> int | None:
     for payload in reversed(sse_payloads(raw_tail) or [raw_tail]):
         if b'"usage"' in payload:
             try:
-                usage = orjson.loads(payload).get("usage") or {}
-            except (orjson.JSONDecodeError, AttributeError):
+                usage = msgspec.json.decode(payload).get("usage") or {}
+            except (msgspec.DecodeError, AttributeError):
                 continue
             total = usage.get("total_tokens")
             return total if isinstance(total, int) else None
@@ -512,9 +512,9 @@ def budget_answer(body: bytes, reason: str) -> web.Response:
     """A clean, empty final answer (finish_reason "stop"), streamed if the agent asked for a
     stream, marked as the gateway's own in `system_fingerprint`."""
     try:
-        request = orjson.loads(body)
+        request = msgspec.json.decode(body)
         streaming = isinstance(request, dict) and request.get("stream") is True
-    except orjson.JSONDecodeError:
+    except msgspec.DecodeError:
         streaming = False
     envelope = {"id": f"pi-env-budget-{secrets.token_hex(6)}", "created": int(time.time()), "model": "pi-env-gateway",
                 "system_fingerprint": f"pi-env-budget:{reason}"}
@@ -526,7 +526,7 @@ def budget_answer(body: bytes, reason: str) -> web.Response:
                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
               {**envelope, "object": "chat.completion.chunk",
                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
-    sse = b"".join(b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
+    sse = b"".join(b"data: " + msgspec.json.encode(chunk) + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
     return web.Response(body=sse, content_type="text/event-stream", headers=headers)
 
 

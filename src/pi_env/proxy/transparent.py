@@ -12,7 +12,7 @@ the rest of the session and recorded in every turn it affects:
 
 from __future__ import annotations
 
-import orjson
+import msgspec
 from aiohttp import web
 
 from pi_env.proxy.capture import Assembler, TurnCapture, sse_from_capture
@@ -32,8 +32,8 @@ class TransparentProxy:
 
     async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse:
         try:
-            request = orjson.loads(body)
-        except orjson.JSONDecodeError:
+            request = msgspec.json.decode(body)
+        except msgspec.DecodeError:
             request = None
         if not isinstance(request, dict):
             return json_error(400, "pi-env gateway: the request body is not a JSON object", "invalid_request")
@@ -46,7 +46,7 @@ class TransparentProxy:
             rewritten = without_capture(rewritten)
         capture.fallback = self.fallback and f"{self.fallback}: {self.fallback_reason}"
 
-        answer = await call.open(orjson.dumps(rewritten), turn)
+        answer = await call.open(msgspec.json.encode(rewritten), turn)
         if isinstance(answer, web.Response):
             return answer
         if answer.status >= 400:
@@ -73,7 +73,7 @@ class TransparentProxy:
         capture.fallback = f"{WITHOUT_CAPTURE}: {self.fallback_reason}"
         plain = without_capture(rewritten)
         turn.upstream_error = None
-        answer = await call.open(orjson.dumps(plain), turn)
+        answer = await call.open(msgspec.json.encode(plain), turn)
         if isinstance(answer, web.Response):
             return answer
         if answer.status >= 400:
@@ -89,7 +89,7 @@ class TransparentProxy:
         capture.fallback = f"{NON_STREAMING}: {self.fallback_reason}"
         body = {k: v for k, v in rewritten.items() if k not in ("stream", "stream_options")}
         turn.upstream_error = None
-        answer = await call.open(orjson.dumps(body), turn)
+        answer = await call.open(msgspec.json.encode(body), turn)
         if isinstance(answer, web.Response):
             return answer
         if answer.status >= 400:
@@ -110,7 +110,7 @@ class TransparentProxy:
             if streaming:
                 Assembler(capture).stream(raw)
             else:
-                Assembler(capture).body(orjson.loads(raw))
+                Assembler(capture).body(raw)
         except Exception as exc:  # noqa: BLE001 - any malformed answer: record why, keep going
             capture.token_ids_missing_reason = f"the answer could not be assembled: {type(exc).__name__}: {exc}"
         if capture.usage and isinstance(capture.usage.get("total_tokens"), int):

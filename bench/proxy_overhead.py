@@ -1,12 +1,16 @@
-"""What the gateway adds to a streamed model call: direct vs through the gateway, side by side.
+"""What the gateway adds to a streamed model call, per mode: direct vs through the gateway.
 
 N streamed answers of T synthetic tokens (one SSE chunk per token, written one by one like an
 engine does) from the scripted server, fetched directly and through the gateway's TCP
-listener, at each concurrency. The scripted server and the gateway run in their own processes
-so the client, the gateway and the "engine" do not share a GIL. Direct and gateway rounds
-alternate to even out drift on a busy machine. Prints a table, then ONE JSON line.
+listener, at each concurrency, for black_box (relay only) and transparent_proxy (request
+rewriting + capture of ids, logprobs and top-5 logprobs). The direct fetch sends the same
+(rewritten) request, so both paths move the same bytes. The scripted server and the gateway
+run in their own processes so the client, the gateway and the "engine" do not share a GIL.
+Direct and gateway rounds alternate to even out drift on a busy machine. Prints a table, then
+ONE JSON line. Targets (transparent_proxy): added median <= 2 ms, throughput >= 0.9 of direct,
+at 1 and at 32 concurrent streams.
 
-    .venv/bin/python bench/gateway_overhead.py [--n 200] [--tokens 1000] [--concurrency 1 16]
+    .venv/bin/python bench/proxy_overhead.py [--n 200] [--tokens 1000] [--concurrency 1 32]
 """
 
 from __future__ import annotations
@@ -26,14 +30,38 @@ import aiohttp
 ROUNDS = 4  # direct/gateway alternations per concurrency level
 
 
+MODES = ("black_box", "transparent_proxy")
+
+
+def capture_options():
+    from pi_env.proxy.rewrite import CaptureOptions
+
+    return CaptureOptions(logprobs=True, top_logprobs=5, return_token_ids=True, model="bench")
+
+
 def serve_gateway(upstream_url: str, api_key: str) -> None:
-    """Child process: run a gateway with one session; print its URL and token; exit on EOF."""
+    """Child process: run a gateway with one session per mode; print its URL and the tokens;
+    exit on EOF. Capture records are kept in memory only by the session (no trace file)."""
     from pi_env.proxy import Upstream, get_gateway
 
     gateway = get_gateway()
-    session = gateway.open_session(Upstream(upstream_url, api_key))
-    print(json.dumps({"base_url": gateway.tcp_base_url, "token": session.token}), flush=True)
+    tokens = {}
+    for mode in MODES:
+        session = gateway.open_session(Upstream(upstream_url, api_key, "bench"), mode=mode,
+                                       capture=capture_options())
+        session.turns = BoundedTurns()  # a long benchmark must not grow the session without bound
+        tokens[mode] = session.token
+    print(json.dumps({"base_url": gateway.tcp_base_url, "tokens": tokens}), flush=True)
     sys.stdin.read()
+
+
+class BoundedTurns(list):
+    """Keeps only the last few records (the benchmark checks capture happened, not history)."""
+
+    def append(self, item) -> None:
+        super().append(item)
+        if len(self) > 8:
+            del self[0]
 
 
 def spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -104,6 +132,7 @@ def summarize(phases: list[dict], n_calls: int) -> dict:
     return {
         "median_ms": statistics.median(totals) * 1e3,
         "p90_ms": statistics.quantiles(totals, n=10)[-1] * 1e3,
+        "p99_ms": statistics.quantiles(totals, n=100)[-1] * 1e3,
         "ttfb_median_ms": statistics.median(ttfbs) * 1e3,
         "req_per_s": n_calls / sum(p["wall"] for p in phases),
     }
@@ -113,7 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=200, help="calls per path and concurrency")
     parser.add_argument("--tokens", type=int, default=1000, help="streamed tokens per answer")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--serve-gateway", nargs=2, metavar=("UPSTREAM_URL", "KEY"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
@@ -128,33 +157,42 @@ def main() -> None:
     direct_url = line.rsplit(" ", 1)[1]
     gateway, line = spawn([__file__, "--serve-gateway", direct_url, "bench-key"])
     gateway_info = json.loads(line)
-    body = json.dumps({
+    from pi_env.proxy.rewrite import rewrite_request
+
+    agent_body = {
         "model": "bench", "stream": True, "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "Write a thousand tokens."}],
-    }).encode()  # fmt: skip
+    }  # fmt: skip
+    bodies = {"black_box": json.dumps(agent_body).encode(),
+              # What the gateway forwards in transparent_proxy: the direct path asks the same.
+              "transparent_proxy": json.dumps(rewrite_request(agent_body, capture_options())).encode()}
 
     report = {"n": args.n, "tokens": args.tokens, "cpus": os.cpu_count(), "levels": []}
     try:
-        for c in args.concurrency:
-            per_round = max(args.n // ROUNDS, c)
-            direct, through = [], []
-            for _ in range(ROUNDS):
-                direct.append(asyncio.run(run_phase(direct_url, "bench-key", per_round, c, body)))
-                through.append(asyncio.run(run_phase(
-                    gateway_info["base_url"], gateway_info["token"], per_round, c, body, gateway.pid)))  # fmt: skip
-            calls = per_round * ROUNDS
-            gateway_cpu = sum(p["cpu"] for p in through)
-            d, g = summarize(direct, calls), summarize(through, calls)
-            report["levels"].append({
-                "concurrency": c,
-                "direct": d,
-                "gateway": g,
-                "added_median_ms": g["median_ms"] - d["median_ms"],
-                "added_ttfb_ms": g["ttfb_median_ms"] - d["ttfb_median_ms"],
-                "throughput_ratio": g["req_per_s"] / d["req_per_s"],
-                "gateway_cpu_ms_per_call": gateway_cpu / calls * 1e3,
-                "gateway_cpu_us_per_token": gateway_cpu / calls / args.tokens * 1e6,
-            })  # fmt: skip
+        for mode in MODES:
+            for c in args.concurrency:
+                per_round = max(args.n // ROUNDS, c)
+                direct, through = [], []
+                for _ in range(ROUNDS):
+                    direct.append(asyncio.run(run_phase(direct_url, "bench-key", per_round, c, bodies[mode])))
+                    through.append(asyncio.run(run_phase(
+                        gateway_info["base_url"], gateway_info["tokens"][mode], per_round, c,
+                        bodies["black_box"], gateway.pid)))  # fmt: skip
+                calls = per_round * ROUNDS
+                gateway_cpu = sum(p["cpu"] for p in through)
+                d, g = summarize(direct, calls), summarize(through, calls)
+                report["levels"].append({
+                    "mode": mode,
+                    "concurrency": c,
+                    "direct": d,
+                    "gateway": g,
+                    "added_median_ms": g["median_ms"] - d["median_ms"],
+                    "added_p99_ms": g["p99_ms"] - d["p99_ms"],
+                    "added_ttfb_ms": g["ttfb_median_ms"] - d["ttfb_median_ms"],
+                    "throughput_ratio": g["req_per_s"] / d["req_per_s"],
+                    "gateway_cpu_ms_per_call": gateway_cpu / calls * 1e3,
+                    "gateway_cpu_us_per_token": gateway_cpu / calls / args.tokens * 1e6,
+                })  # fmt: skip
     finally:
         gateway.stdin.close()  # it exits on EOF, removing its socket directory
         gateway.wait(10)
@@ -164,17 +202,21 @@ def main() -> None:
 
     print(f"{args.n} streamed answers of {args.tokens} tokens per path and level, "
           f"{os.cpu_count()} CPUs")  # fmt: skip
-    header = f"{'c':>3} {'path':8} {'median ms':>10} {'p90 ms':>8} {'ttfb ms':>8} {'req/s':>8}"
+    header = f"{'mode':17} {'c':>3} {'path':8} {'median ms':>10} {'p99 ms':>8} {'ttfb ms':>8} {'req/s':>8}"
     print(header)
     for level in report["levels"]:
         for path in ("direct", "gateway"):
             s = level[path]
-            print(f"{level['concurrency']:>3} {path:8} {s['median_ms']:>10.2f} {s['p90_ms']:>8.2f} "
-                  f"{s['ttfb_median_ms']:>8.2f} {s['req_per_s']:>8.1f}")  # fmt: skip
-        print(f"    gateway adds {level['added_median_ms']:+.2f} ms median, "
+            print(f"{level['mode']:17} {level['concurrency']:>3} {path:8} {s['median_ms']:>10.2f} "
+                  f"{s['p99_ms']:>8.2f} {s['ttfb_median_ms']:>8.2f} {s['req_per_s']:>8.1f}")  # fmt: skip
+        print(f"    gateway adds {level['added_median_ms']:+.2f} ms median, {level['added_p99_ms']:+.2f} ms p99, "
               f"{level['added_ttfb_ms']:+.2f} ms ttfb; throughput x{level['throughput_ratio']:.2f}; "
               f"gateway CPU {level['gateway_cpu_ms_per_call']:.2f} ms/call "
               f"({level['gateway_cpu_us_per_token']:.2f} us/token)")  # fmt: skip
+    capture = [lv for lv in report["levels"] if lv["mode"] == "transparent_proxy"]
+    report["targets"] = {"added_median_ms_max": 2.0, "throughput_ratio_min": 0.9}
+    report["transparent_proxy_meets_targets"] = all(
+        lv["added_median_ms"] <= 2.0 and lv["throughput_ratio"] >= 0.9 for lv in capture)
     print(json.dumps(report))
 
 
