@@ -286,3 +286,59 @@ def test_legacy_pi_073_on_system_node(scripted):
                          scripted_config(scripted, key, **legacy))
     assert result.reward == 1.0  # the task's files are back for verification
     assert "PWNED" not in json.dumps([r.body for r in scripted.requests if r.api_key == key])
+
+
+# -- transparent_proxy through the real Pi ------------------------------------------------------
+
+
+def test_transparent_proxy_captures_every_turn_with_engine_ids(scripted, tmp_path):
+    """Against an engine-like upstream: each turn's ids and logprobs are exactly what the
+    upstream sent, the training view is one append-only sequence, and the trace file holds a
+    line per turn without the real key."""
+    upstream_key = "sk-upstream-never-in-trace"
+    turns = [bash("echo hi > a.txt"), ScriptedTurn(reasoning="checking", text="All done.")]
+    scripted.add_script(turns, api_key=upstream_key)
+    config = scripted_config(scripted, upstream_key, mode="transparent_proxy", trace_dir=str(tmp_path),
+                             proxy_sampling={"temperature": 0.0, "seed": 7}, proxy_top_logprobs=3)
+    result = run_rollout(PiTask(instruction="write a.txt", verify=["test -f a.txt"]), config)
+    assert result.reward == 1.0 and result.error_kind is None
+    assert len(result.proxy_turns) == 2
+    requests = [r.body for r in scripted.requests if r.api_key == upstream_key]
+    for turn, request in zip(result.proxy_turns, requests):
+        assert request["logprobs"] is True and request["top_logprobs"] == 3 and request["return_token_ids"] is True
+        assert request["temperature"] == 0.0 and request["seed"] == 7 and request["model"] == "scripted-model"
+        direct = _direct_answer(scripted, upstream_key, request)
+        assert turn.prompt_token_ids == direct["prompt_token_ids"]
+        assert turn.completion_token_ids == direct["choices"][0]["token_ids"]
+        assert turn.per_token_logps == [e["logprob"] for e in direct["choices"][0]["logprobs"]["content"]]
+        assert all(len(top) == 3 for top in turn.top_logprobs) and turn.token_ids_source == "token_ids"
+    assert result.proxy_turns[0].message["tool_calls"][0]["function"]["name"] == "bash"
+    assert result.proxy_turns[1].message["reasoning_content"] == "checking"
+    training = result.training
+    assert training.append_only and training.segments[0].turns == [0, 1]
+    segment = training.segments[0]
+    generated = [tid for tid, mask in zip(segment.token_ids, segment.loss_mask) if mask]
+    assert generated == result.proxy_turns[0].completion_token_ids + result.proxy_turns[1].completion_token_ids
+    lines = Path(result.trace_path).read_text().splitlines()
+    assert len(lines) == 2 and upstream_key not in "".join(lines)
+    assert json.loads(lines[0])["capture"]["completion_token_ids"] == result.proxy_turns[0].completion_token_ids
+
+
+def _direct_answer(server, key, body):
+    """The same request sent straight to the upstream, unstreamed: what the engine says."""
+    import urllib.request
+
+    request = urllib.request.Request(server.base_url + "/chat/completions",
+                                     data=json.dumps({**body, "stream": False}).encode(),
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def test_token_budget_ends_the_rollout_cleanly(scripted):
+    key = scripted.add_script([bash(f"echo {i} >> log.txt") for i in range(5)] + [ScriptedTurn(text="done")])
+    config = scripted_config(scripted, key, mode="transparent_proxy", max_total_tokens=1)
+    result = run_rollout(PiTask(instruction="x", verify=["test -f log.txt"]), config)
+    assert result.stop_reason == "budget" and result.budget_exhausted == "max_total_tokens"
+    assert result.error_kind is None and result.reward == 1.0  # what the agent did is still scored
+    assert len(result.proxy_turns) == 1 and result.files["log.txt"] == "0\n"
