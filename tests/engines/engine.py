@@ -1,0 +1,137 @@
+"""Start, reach and stop the real engines of the engine tier, for fixtures and for people.
+
+Everything lives in .engines/ (or $PI_ENV_ENGINES_DIR), installed by
+scripts/engines/install.sh. The shell scripts in scripts/engines/ hold the engines' command
+lines; this module only calls them, so a person and the tests start the same server.
+
+Reuse for other tests (e.g. the proxy tier): take the session fixture ``vllm_engine`` from
+tests/engines/conftest.py, an :class:`Engine` with ``base_url``, ``model`` and ``model_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts" / "engines"
+ENGINES_DIR = Path(os.environ.get("PI_ENV_ENGINES_DIR") or ROOT / ".engines")
+MODEL_NAME = "smollm2-135m-instruct"
+MODEL_DIR = ENGINES_DIR / "models" / MODEL_NAME
+VLLM_VENV = ENGINES_DIR / "vllm-venv"
+# The engine venv's python: it has torch + transformers, which the main venv does not.
+ENGINE_PYTHON = VLLM_VENV / "bin" / "python"
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A running OpenAI-compatible engine serving MODEL_NAME."""
+
+    kind: str  # "vllm" or "llama.cpp"
+    base_url: str  # http://127.0.0.1:PORT/v1, what a client (or the gateway) is pointed at
+    model: str  # the served model name, for the request's "model" field
+    model_dir: Path  # config + tokenizer + safetensors + chat_template.jinja (scoring, templates)
+    pid: int | None  # None when the engine was started elsewhere (ENGINE_BASE_URL)
+    log: Path | None = None
+
+    @property
+    def root_url(self) -> str:
+        """The server root (for /health, /tokenize, /detokenize)."""
+        return self.base_url.removesuffix("/v1")
+
+
+def eos_token_ids(model_dir: Path = MODEL_DIR) -> set[int]:
+    """The ids that end a turn (generation_config's eos_token_id, an int or a list)."""
+    eos = json.loads((Path(model_dir) / "generation_config.json").read_text())["eos_token_id"]
+    return set(eos if isinstance(eos, list) else [eos])
+
+
+def vllm_missing() -> str | None:
+    """Why the vLLM engine cannot be started here, or None when it is installed."""
+    if not (VLLM_VENV / ".installed").is_file():
+        return f"vLLM is not installed in {VLLM_VENV} (run: make test-engines, or bash scripts/engines/install.sh)"
+    if not (MODEL_DIR / ".installed").is_file():
+        return f"the converted model is not in {MODEL_DIR} (run: bash scripts/engines/install.sh)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_vllm(port: int | None = None, timeout_s: int = 300) -> Engine:
+    """Start vLLM via serve_vllm.sh and return once /health answers. Stop it with :func:`stop`."""
+    port = port or free_port()
+    log = ENGINES_DIR / "logs" / f"vllm-{port}.log"
+    proc = subprocess.run(
+        ["bash", str(SCRIPTS / "serve_vllm.sh"), "--port", str(port), "--timeout", str(timeout_s), "--log", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=timeout_s + 60,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM did not start (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+    pid = int(proc.stdout.strip().splitlines()[-1])
+    return Engine("vllm", f"http://127.0.0.1:{port}/v1", MODEL_NAME, MODEL_DIR, pid, log)
+
+
+def stop(engine: Engine) -> None:
+    """Stop an engine this process started, by its PID (and its process group)."""
+    if engine.pid is None:
+        return
+    subprocess.run(["bash", str(SCRIPTS / "stop_engine.sh"), str(engine.pid)], check=False, timeout=120)
+
+
+# --- a small OpenAI-compatible HTTP client (stdlib only: runs in the main venv) ------------
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"POST {url} -> {exc.code}: {exc.read().decode(errors='replace')[:2000]}") from None
+
+
+def get_json(url: str, timeout: float = 30) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def stream_sse(url: str, body: dict[str, Any], timeout: float = 300) -> Iterator[dict[str, Any]]:
+    """POST a streaming request; yield each `data:` event's JSON until `[DONE]`."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"POST {url} -> {exc.code}: {exc.read().decode(errors='replace')[:2000]}") from None
+    with resp:
+        for raw in resp:
+            line = raw.decode().rstrip("\r\n")
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+    raise AssertionError(f"stream from {url} ended without [DONE]")
+
+
+# Lines the tests want shown at the end of the run (measured numbers); conftest prints them.
+NOTES: list[str] = []
