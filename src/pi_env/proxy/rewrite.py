@@ -27,6 +27,8 @@ class CaptureOptions:
     def __post_init__(self):
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be within 0-20, got {self.top_logprobs}")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap must be at least 1 (or None: no cap), got {self.max_tokens_cap}")
         unknown = set(self.sampling) - set(SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"unknown forced sampling parameters {sorted(unknown)}; allowed: {list(SAMPLING_KEYS)}")
@@ -68,5 +70,9 @@ def without_capture(body: dict[str, Any]) -> dict[str, Any]:
 
 def rejects_capture(status: int, error_body: str) -> bool:
     """Does an upstream error say it cannot do a capture parameter? (llama.cpp: "logprobs is
-    not supported with tools + stream"; Groq rejects logprobs; some reject return_token_ids.)"""
-    return status in (400, 422) and bool(re.search(r"logprob|return_token_ids|token_ids", error_body, re.I))
+    not supported with tools + stream", a 400 (older builds: a 500); Groq
+    rejects logprobs; some reject return_token_ids.) A 500 counts only when it says "not
+    supported", so an engine that crashed while computing logprobs is not mistaken for one."""
+    if not re.search(r"logprob|return_token_ids|token_ids", error_body, re.I):
+        return False
+    return status in (400, 422) or (status == 500 and bool(re.search(r"not supported|unsupported", error_body, re.I)))

@@ -3,7 +3,7 @@ arrives, and assemble the turn (ids, logprobs, message) on the side, after the a
 answer, so capture costs the agent no latency.
 
 An upstream that rejects a capture parameter gets one well-defined fallback, remembered for
-the rest of the session and recorded in every turn it affects:
+the rest of the session once it worked, and recorded in every turn it affects:
   1. "non_streaming": the same request unstreamed, with capture, replayed to the agent as SSE
      (llama.cpp: "logprobs is not supported with tools + stream");
   2. "without_capture": the request without logprobs/top_logprobs/return_token_ids, streamed
@@ -12,11 +12,15 @@ the rest of the session and recorded in every turn it affects:
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import aiohttp
 import msgspec
 from aiohttp import web
 
 from pi_env.proxy.capture import Assembler, TurnCapture, sse_from_capture
-from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, json_error
+from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, describe, json_error
 from pi_env.proxy.rewrite import rejects_capture, rewrite_request, without_capture
 
 NON_STREAMING = "non_streaming"
@@ -27,7 +31,7 @@ class TransparentProxy:
     def __init__(self, session: GatewaySession):
         self.session = session
         self.options = session.capture_options
-        self.fallback: str | None = None  # sticky for the session once needed
+        self.fallback: str | None = None  # sticky for the session once it worked
         self.fallback_reason: str | None = None
 
     async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse:
@@ -43,8 +47,8 @@ class TransparentProxy:
         if self.fallback == NON_STREAMING and streaming:
             return await self._non_streaming(call, rewritten, capture, turn)
         if self.fallback == WITHOUT_CAPTURE:
-            rewritten = without_capture(rewritten)
-        capture.fallback = self.fallback and f"{self.fallback}: {self.fallback_reason}"
+            rewritten = capture.request = without_capture(rewritten)
+            capture.fallback = f"{WITHOUT_CAPTURE}: {self.fallback_reason}"
 
         answer = await call.open(msgspec.json.encode(rewritten), turn)
         if isinstance(answer, web.Response):
@@ -62,22 +66,24 @@ class TransparentProxy:
 
     async def _fall_back(self, call: Call, rewritten: dict, capture: TurnCapture, turn: TurnRecord,
                          streaming: bool) -> web.StreamResponse:
+        # A fallback sticks only once the upstream accepted it: an error that merely mentions
+        # logprobs, whatever the request, must not cost the rest of the session its capture.
         if streaming:
-            self.fallback = NON_STREAMING
             response = await self._non_streaming(call, rewritten, capture, turn)
             if turn.upstream_status is not None and turn.upstream_status < 400:
+                self.fallback = NON_STREAMING
                 return response
             if not rejects_capture(turn.upstream_status or 0, turn.upstream_error or ""):
                 return response
-        self.fallback = WITHOUT_CAPTURE
         capture.fallback = f"{WITHOUT_CAPTURE}: {self.fallback_reason}"
-        plain = without_capture(rewritten)
-        turn.upstream_error = None
+        plain = capture.request = without_capture(rewritten)
+        turn.upstream_status = turn.upstream_error = None
         answer = await call.open(msgspec.json.encode(plain), turn)
         if isinstance(answer, web.Response):
             return answer
         if answer.status >= 400:
             return _error_answer(answer.status, await call.read_error(answer, turn), answer.content_type)
+        self.fallback = WITHOUT_CAPTURE
         raw = bytearray()
         response = await call.stream(answer, turn, keep=raw, finish=True)
         self._assemble(capture, turn, bytes(raw), streaming)
@@ -87,16 +93,22 @@ class TransparentProxy:
                              turn: TurnRecord) -> web.StreamResponse:
         """Ask unstreamed with capture, answer the agent with an SSE stream rebuilt from it."""
         capture.fallback = f"{NON_STREAMING}: {self.fallback_reason}"
-        body = {k: v for k, v in rewritten.items() if k not in ("stream", "stream_options")}
-        turn.upstream_error = None
+        body = capture.request = {k: v for k, v in rewritten.items() if k not in ("stream", "stream_options")}
+        turn.upstream_status = turn.upstream_error = None
         answer = await call.open(msgspec.json.encode(body), turn)
         if isinstance(answer, web.Response):
             return answer
         if answer.status >= 400:
             return _error_answer(answer.status, await call.read_error(answer, turn), answer.content_type)
-        raw = await answer.read()
-        answer.release()
         turn.upstream_status = answer.status
+        try:
+            raw = await answer.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            answer.close()
+            turn.upstream_error = f"upstream answer broken: {describe(exc)}"
+            return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_error")
+        answer.release()
+        turn.ttfb_s = time.perf_counter() - call.started  # the agent's first byte leaves only now
         turn.response_bytes = len(raw)
         self._assemble(capture, turn, raw, streaming=False)
         include_usage = bool((rewritten.get("stream_options") or {}).get("include_usage"))

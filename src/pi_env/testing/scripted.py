@@ -11,6 +11,14 @@ EVERYTHING it emits is synthetic and marked so: the `x-pi-env-synthetic: 1` head
 (`logprobs`, `prompt_token_ids`, `token_ids`) come from a made-up tokenizer, documented at
 `synthetic_tokens`; they are deterministic so tests can assert exact values.
 
+Engine-like modes (imitations of what real engines and providers do, still synthetic):
+  - per turn: `ScriptedTurn.null_logprob_every=k` sends every k-th logprob as `null`;
+  - per server (`EngineQuirks`): vLLM's `--return-tokens-as-token-ids` ("token_id:N" logprob
+    tokens), an engine that ignores `logprobs` (ids without logprobs) or `return_token_ids`
+    (logprobs without ids), one that rejects logprobs always (Groq) or only with tools + stream
+    (llama.cpp), and answers whose id/created derive from the request, so identical requests get
+    byte-identical answers.
+
 CLI: `python -m pi_env.testing.scripted --port P --script FILE.json` (see `load_script_file`).
 """
 
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import secrets
 import signal
@@ -39,6 +48,10 @@ SCRIPT_FINISHED_TEXT = "(script finished)"
 TOKEN_CHARS = 4  # the synthetic tokenizer: every 4 characters are one token
 MAX_RECORDED_REQUESTS = 1000
 SYNTHETIC_VLLM_VERSION = "0.11.0+pi-env-synthetic"
+SYNTHETIC_CREATED = 1_700_000_000  # `created` of answers under EngineQuirks(deterministic_ids=True)
+TOKEN_ID_PREFIX = "token_id:"  # vLLM --return-tokens-as-token-ids
+GROQ_LOGPROBS_ERROR = "`logprobs` is not supported with this model"
+LLAMA_CPP_LOGPROBS_ERROR = "logprobs is not supported with tools + stream"
 
 
 # --------------------------------------------------------------------------------- the script
@@ -67,6 +80,9 @@ class Fault(BaseModel):
     malformed_chunk: bool = False  # a non-JSON `data:` line in the middle of the stream
     disconnect_after_chunks: int | None = None  # close the connection after N SSE events
     delay_s: float = 0.0  # sleep between consecutive SSE events
+    # Non-streamed answers only: send the first N bytes of the body (Content-Length announces
+    # all of it), then close, like an engine that died while sending its answer.
+    truncate_body_at: int | None = Field(default=None, ge=0)
 
 
 class ScriptedTurn(BaseModel):
@@ -81,6 +97,8 @@ class ScriptedTurn(BaseModel):
     chunk_chars: int = Field(default=16, ge=1)  # stream text/reasoning/arguments in these pieces
     finish_reason: str | None = None  # default: "tool_calls" if tool_calls else "stop"
     fault: Fault | None = None
+    # Engine-like: the logprob of every k-th generated token (positions k-1, 2k-1, ...) is null.
+    null_logprob_every: int | None = Field(default=None, ge=1)
 
     def effective_finish_reason(self) -> str:
         return self.finish_reason or ("tool_calls" if self.tool_calls else "stop")
@@ -88,6 +106,33 @@ class ScriptedTurn(BaseModel):
 
 Script = list[ScriptedTurn]
 FINISHED_TURN = ScriptedTurn(text=SCRIPT_FINISHED_TEXT)
+
+
+@dataclass(frozen=True)
+class EngineQuirks:
+    """Server-wide imitations of real engines' and providers' behaviour (all off by default)."""
+
+    tokens_as_token_ids: bool = False  # vLLM --return-tokens-as-token-ids: tokens are "token_id:N"
+    ignore_logprobs: bool = False  # never sends logprobs (some providers drop them silently)
+    ignore_return_token_ids: bool = False  # no token_ids/prompt_token_ids (OpenAI, vLLM < 0.10.2)
+    # Answer `reject_status` with the engine's own message when logprobs are asked for:
+    # "always" like Groq, "tools_stream" only with tools + stream like llama.cpp.
+    reject_logprobs: Literal["always", "tools_stream"] | None = None
+    reject_status: int = 400  # llama.cpp answers 400; older builds answered 500
+    deterministic_ids: bool = False  # id and created derive from the request body
+
+    def rejection(self, body: dict[str, Any]) -> web.Response | None:
+        """The error this engine answers `body` with, if it refuses a logprobs parameter."""
+        if self.reject_logprobs == "always" and (body.get("logprobs") is True
+                                                 or body.get("top_logprobs") is not None):
+            message, error_type = GROQ_LOGPROBS_ERROR, "invalid_request_error"
+        elif (self.reject_logprobs == "tools_stream" and body.get("logprobs") is True
+              and body.get("stream") is True and body.get("tools")):
+            message = LLAMA_CPP_LOGPROBS_ERROR
+            error_type = "invalid_request_error" if self.reject_status < 500 else "server_error"
+        else:
+            return None
+        return openai_error(self.reject_status, message, error_type)
 
 
 def coerce_script(turns: list[ScriptedTurn | dict]) -> Script:
@@ -112,14 +157,24 @@ def synthetic_logprob(token: str, position: int) -> float:
     return -(zlib.crc32(f"{position}:{token}".encode()) % 4000) / 1000
 
 
-def logprob_entry(token: str, position: int, top_n: int) -> dict[str, Any]:
-    """One OpenAI/vLLM `logprobs.content` entry; the sampled token is always the top-1."""
+def logprob_entry(token: str, position: int, top_n: int, *, as_token_id: bool = False,
+                  null: bool = False) -> dict[str, Any]:
+    """One OpenAI/vLLM `logprobs.content` entry; the sampled token is always the top-1.
+    `as_token_id`: tokens are spelled "token_id:N" (vLLM --return-tokens-as-token-ids);
+    `null`: the logprob is missing (null, with no alternatives)."""
+
+    def spelled(text: str) -> str:
+        return f"{TOKEN_ID_PREFIX}{synthetic_token_id(text)}" if as_token_id else text
+
+    shown = spelled(token)
+    if null:
+        return {"token": shown, "logprob": None, "bytes": list(shown.encode()), "top_logprobs": []}
     logprob = synthetic_logprob(token, position)
-    top = [{"token": token, "logprob": logprob, "bytes": list(token.encode())}]
+    top = [{"token": shown, "logprob": logprob, "bytes": list(shown.encode())}]
     for k in range(1, top_n):
-        alt = f"<alt{k}>"
+        alt = spelled(f"<alt{k}>")
         top.append({"token": alt, "logprob": logprob - k, "bytes": list(alt.encode())})
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": top}
+    return {"token": shown, "logprob": logprob, "bytes": list(shown.encode()), "top_logprobs": top}
 
 
 def render_message(message: dict[str, Any]) -> str:
@@ -160,21 +215,25 @@ class TokenOptions:
     logprobs: bool
     top_logprobs: int
     return_token_ids: bool
+    tokens_as_token_ids: bool = False
 
     @classmethod
-    def from_body(cls, body: dict[str, Any]) -> TokenOptions:
+    def from_body(cls, body: dict[str, Any], quirks: EngineQuirks | None = None) -> TokenOptions:
+        quirks = quirks or EngineQuirks()
         return cls(
-            logprobs=body.get("logprobs") is True,
+            logprobs=body.get("logprobs") is True and not quirks.ignore_logprobs,
             top_logprobs=int(body.get("top_logprobs") or 0),
-            return_token_ids=body.get("return_token_ids") is True,
+            return_token_ids=body.get("return_token_ids") is True and not quirks.ignore_return_token_ids,
+            tokens_as_token_ids=quirks.tokens_as_token_ids,
         )
 
-    def fields(self, tokens: list[str], first_position: int) -> dict[str, Any]:
+    def fields(self, tokens: list[str], first_position: int, null_every: int | None = None) -> dict[str, Any]:
         """A choice's `logprobs` / `token_ids`, aligned 1:1 with `tokens` (vLLM's shape)."""
         fields: dict[str, Any] = {}
         if self.logprobs:
             entries = [
-                logprob_entry(tok, first_position + i, self.top_logprobs)
+                logprob_entry(tok, first_position + i, self.top_logprobs, as_token_id=self.tokens_as_token_ids,
+                              null=null_every is not None and (first_position + i + 1) % null_every == 0)
                 for i, tok in enumerate(tokens)
             ]
             fields["logprobs"] = {"content": entries} if entries else None
@@ -232,7 +291,7 @@ def render_stream(turn: ScriptedTurn, turn_index: int, opts: TokenOptions) -> Re
     choices, position = [], 0
     for delta, tokens, finish in parts:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        choice.update(opts.fields(tokens, position))
+        choice.update(opts.fields(tokens, position, turn.null_logprob_every))
         choices.append(json.dumps(choice).encode())
         position += len(tokens)
     return RenderedStream(choices, position)
@@ -262,16 +321,20 @@ class Answer:
     """One request's answer to one scripted turn, as SSE events or a chat.completion body."""
 
     def __init__(self, turn: ScriptedTurn, turn_index: int, body: dict[str, Any], cache: RenderCache,
-                 script: Script | None = None):
+                 script: Script | None = None, quirks: EngineQuirks | None = None):
+        quirks = quirks or EngineQuirks()
         self.turn = turn
         self.cache = cache
         self.turn_index = turn_index
         self.model = str(body.get("model") or "scripted")
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.token_options = TokenOptions.from_body(body)
+        self.token_options = TokenOptions.from_body(body, quirks)
         self.prompt_token_ids = synthetic_prompt_token_ids(body.get("messages") or [], script)
-        self.id = f"chatcmpl-synthetic-{secrets.token_hex(8)}"
-        self.created = int(time.time())
+        if quirks.deterministic_ids:
+            digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+            self.id, self.created = f"chatcmpl-synthetic-{digest[:16]}", SYNTHETIC_CREATED
+        else:
+            self.id, self.created = f"chatcmpl-synthetic-{secrets.token_hex(8)}", int(time.time())
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {
@@ -331,7 +394,7 @@ class Answer:
             "logprobs": None,
             "finish_reason": turn.effective_finish_reason(),
         }
-        choice.update(self.token_options.fields(tokens, 0))
+        choice.update(self.token_options.fields(tokens, 0, turn.null_logprob_every))
         body = {
             **self._envelope("chat.completion"),
             "choices": [choice],
@@ -374,8 +437,10 @@ class ScriptedServer:
     Runs on pi-env's background event loop; use as a context manager or call start()/stop().
     """
 
-    def __init__(self, *, port: int = 0, default: list[ScriptedTurn | dict] | None = None):
+    def __init__(self, *, port: int = 0, default: list[ScriptedTurn | dict] | None = None,
+                 quirks: EngineQuirks | None = None):
         self._port = port
+        self.quirks = quirks or EngineQuirks()  # may be replaced between requests
         self._scripts: dict[str, Script] = {}
         self._default: Script | None = coerce_script(default) if default is not None else None
         self._received: deque[ReceivedRequest] = deque(maxlen=MAX_RECORDED_REQUESTS)
@@ -470,6 +535,10 @@ class ScriptedServer:
             return openai_error(401, "Incorrect API key provided", "invalid_request_error",
                                 "invalid_api_key")  # fmt: skip
 
+        rejection = self.quirks.rejection(body)
+        if rejection is not None:
+            return rejection
+
         messages = body.get("messages") or []
         turn_index = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
         turn = script[turn_index] if turn_index < len(script) else FINISHED_TURN
@@ -480,8 +549,10 @@ class ScriptedServer:
         if fault.http_status is not None:
             return fault_response(fault)
 
-        answer = Answer(turn, turn_index, body, self._render_cache, script)
+        answer = Answer(turn, turn_index, body, self._render_cache, script, self.quirks)
         if not body.get("stream"):
+            if fault.truncate_body_at is not None:
+                return await self._truncated(request, json.dumps(answer.completion()).encode(), fault.truncate_body_at)
             return web.json_response(answer.completion(), headers=SYNTHETIC_HEADERS)
         return await self._stream(request, answer.sse_events(), fault)
 
@@ -510,6 +581,15 @@ class ScriptedServer:
             request.transport.close()
         return response
 
+    @staticmethod
+    async def _truncated(request: web.Request, body: bytes, length: int) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json", **SYNTHETIC_HEADERS})
+        response.content_length = len(body)
+        await response.prepare(request)
+        await response.write(body[:length])
+        request.transport.close()
+        return response
+
     def _record(self, request: web.Request, body: Any) -> None:
         self._received.append(
             ReceivedRequest(
@@ -535,11 +615,13 @@ def fault_response(fault: Fault) -> web.Response:
 
 def load_script_file(server: ScriptedServer, path: str) -> None:
     """A JSON file holding either a list of turns (served to any key) or
-    `{"default": [turns], "scripts": {"<api key>": [turns], ...}}`."""
+    `{"default": [turns], "scripts": {"<api key>": [turns], ...}, "quirks": {EngineQuirks fields}}`."""
     with open(path) as f:
         spec = json.load(f)
     if isinstance(spec, list):
         spec = {"default": spec}
+    if "quirks" in spec:
+        server.quirks = EngineQuirks(**spec["quirks"])
     if "default" in spec:
         server.set_default(spec["default"])
     for key, turns in (spec.get("scripts") or {}).items():
