@@ -96,6 +96,7 @@ def test_endpoint_catalog_precedence(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_x")
     hf = resolve_endpoint(PiConfig(endpoint="hf_router", model="org/model"))
     assert hf.api_key == "hf_x" and hf.base_url == "https://router.huggingface.co/v1"
+    assert hf.max_top_logprobs == 5 and hf.return_token_ids is False
     raw = resolve_endpoint(PiConfig(endpoint="http://127.0.0.1:5000", model="m"))
     assert raw.base_url == "http://127.0.0.1:5000/v1"
     with pytest.raises(EndpointError, match="unknown endpoint"):

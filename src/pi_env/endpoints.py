@@ -43,6 +43,7 @@ class Endpoint:
     disable_thinking: bool = False
     synthetic: bool = False  # outputs come from a test double, not a model
     return_token_ids: bool | None = None  # does it honour `return_token_ids`? None: probe once
+    max_top_logprobs: int = 20  # what it accepts for `top_logprobs`
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class CatalogEntry:
     compat: dict
     disable_thinking: bool = False
     return_token_ids: bool | None = None
+    max_top_logprobs: int = 20
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -66,7 +68,7 @@ CATALOG: dict[str, CatalogEntry] = {
     "hf_router": CatalogEntry("HF_ROUTER_URL", ("HF_ROUTER_API_KEY", "HF_TOKEN"), "HF_ROUTER_MODEL",
                               "https://router.huggingface.co/v1", None, {"supportsDeveloperRole": False,
                                                                          "supportsStore": False},
-                              return_token_ids=False),
+                              return_token_ids=False, max_top_logprobs=5),  # the router caps at 5
 }
 ORACLE = "oracle"
 
@@ -106,7 +108,8 @@ def resolve_endpoint(config: PiConfig) -> Endpoint:
     disable_thinking = entry.disable_thinking if config.proxy_disable_thinking is None else config.proxy_disable_thinking
     return Endpoint(name=name, base_url=normalize_base_url(base_url), api_key=api_key,
                     model=_require_model(model, f"endpoint {name!r} (or set {entry.model_env})"),
-                    compat=entry.compat, disable_thinking=disable_thinking, return_token_ids=entry.return_token_ids)
+                    compat=entry.compat, disable_thinking=disable_thinking, return_token_ids=entry.return_token_ids,
+                    max_top_logprobs=entry.max_top_logprobs)
 
 
 _probed: dict[str, tuple[bool, str]] = {}

@@ -134,7 +134,8 @@ class PiSession:
         self._result.proxy_log_tail = f"return_token_ids={return_token_ids} ({why})"
         disable_thinking = endpoint.disable_thinking if config.proxy_disable_thinking is None \
             else config.proxy_disable_thinking
-        return CaptureOptions(logprobs=config.proxy_logprobs, top_logprobs=config.proxy_top_logprobs,
+        top_logprobs = min(config.proxy_top_logprobs, endpoint.max_top_logprobs)
+        return CaptureOptions(logprobs=config.proxy_logprobs, top_logprobs=top_logprobs,
                               return_token_ids=return_token_ids, max_tokens_cap=config.proxy_max_tokens_cap,
                               disable_thinking=disable_thinking, model=endpoint.model,
                               sampling=dict(config.proxy_sampling))

@@ -257,8 +257,11 @@ class Assembler:
                 _append_entries(choice, entries)
             return
         if entries and len(entries) != len(ids):
+            # One side lost tokens (vLLM's streaming tool parser once dropped ids): which one is
+            # unknowable, so the chunk's logprobs become null and no ids are claimed.
             choice.alignment_error = (f"a chunk carried {len(ids)} token ids but {len(entries)} logprobs; "
-                                      "its logprobs are recorded as null")
+                                      "its logprobs are recorded as null and the turn's ids are not claimed")
+            choice.ids_complete = False
             entries = []
         choice.token_ids.extend(ids)
         if entries:
@@ -283,6 +286,8 @@ class Assembler:
         elif capture.malformed_chunks and (first.token_ids or first.tokens):
             capture.token_ids_missing_reason = (f"{capture.malformed_chunks} chunk(s) of the answer could not be read; "
                                                 "the token ids may have gaps there, so none are claimed")
+        elif first.alignment_error:
+            capture.token_ids_missing_reason = first.alignment_error
         elif first.token_ids and first.ids_complete:
             capture.token_ids_source = "token_ids" if not _all_prefixed(first.tokens) else "logprob_tokens"
         elif first.tokens:

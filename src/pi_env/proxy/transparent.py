@@ -59,10 +59,7 @@ class TransparentProxy:
                 self.fallback_reason = f"upstream answered {answer.status}: {error[:300].decode(errors='replace')}"
                 return await self._fall_back(call, rewritten, capture, turn, streaming)
             return _error_answer(answer.status, error, answer.content_type)
-        raw = bytearray()
-        response = await call.stream(answer, turn, keep=raw, finish=True)
-        self._assemble(capture, turn, bytes(raw), streaming)
-        return response
+        return await self._stream(call, answer, capture, turn, streaming)
 
     async def _fall_back(self, call: Call, rewritten: dict, capture: TurnCapture, turn: TurnRecord,
                          streaming: bool) -> web.StreamResponse:
@@ -84,10 +81,7 @@ class TransparentProxy:
         if answer.status >= 400:
             return _error_answer(answer.status, await call.read_error(answer, turn), answer.content_type)
         self.fallback = WITHOUT_CAPTURE
-        raw = bytearray()
-        response = await call.stream(answer, turn, keep=raw, finish=True)
-        self._assemble(capture, turn, bytes(raw), streaming)
-        return response
+        return await self._stream(call, answer, capture, turn, streaming)
 
     async def _non_streaming(self, call: Call, rewritten: dict, capture: TurnCapture,
                              turn: TurnRecord) -> web.StreamResponse:
@@ -114,6 +108,14 @@ class TransparentProxy:
         include_usage = bool((rewritten.get("stream_options") or {}).get("include_usage"))
         return web.Response(body=sse_from_capture(capture, include_usage=include_usage),
                             content_type="text/event-stream")
+
+    async def _stream(self, call: Call, answer, capture: TurnCapture, turn: TurnRecord,
+                      streaming: bool) -> web.StreamResponse:
+        raw = bytearray()
+        try:
+            return await call.stream(answer, turn, keep=raw, finish=True)
+        finally:  # also when the agent hung up and the handler was cancelled: keep what came
+            self._assemble(capture, turn, bytes(raw), streaming)
 
     @staticmethod
     def _assemble(capture: TurnCapture, turn: TurnRecord, raw: bytes, streaming: bool) -> None:
