@@ -185,6 +185,15 @@ def test_upstream_silent_past_the_read_timeout_is_a_502(gateway, server):
     gateway.close_session(session)
 
 
+def test_a_sessions_own_read_timeout_wins(gateway, server):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="late", fault=Fault(hang_s=5))],
+                                            read_timeout_s=0.5))
+    started = time.monotonic()
+    status, _, _ = call(gateway, session)
+    assert status == 502 and time.monotonic() - started < 1.5  # 0.5 s, not the gateway's 2 s
+    gateway.close_session(session)
+
+
 def test_upstream_dying_mid_stream_fails_the_agent_call(gateway, server):
     turns = [ScriptedTurn(text="x" * 50, chunk_chars=1, fault=Fault(disconnect_after_chunks=5))]
     session = gateway.open_session(upstream(server, turns))

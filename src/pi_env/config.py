@@ -56,6 +56,8 @@ class PiConfig(BaseModel):
     runtime_cache_dir: str | None = None  # default: $PI_ENV_CACHE or ~/.cache/pi-env
 
     max_total_tokens: int | None = Field(None, gt=0)  # usage.total_tokens summed over calls
+    upstream_connect_timeout_s: float = Field(30, gt=0)
+    upstream_read_timeout_s: float = Field(600, gt=0)  # each wait for upstream bytes (prefill included)
 
     # transparent_proxy knobs (reference names first).
     proxy_max_tokens_cap: int = Field(4096, gt=0)

@@ -102,7 +102,9 @@ class PiSession:
             result.pi_version = runtime.pi_version
             gateway = get_gateway()
             self.gateway_session = gateway.open_session(
-                Upstream(self.endpoint.base_url, self.endpoint.api_key, self.endpoint.model),
+                Upstream(self.endpoint.base_url, self.endpoint.api_key, self.endpoint.model,
+                         connect_timeout_s=config.upstream_connect_timeout_s,
+                         read_timeout_s=config.upstream_read_timeout_s),
                 mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
                 capture=self._capture_options(), trace_path=self._trace_path())
             result.trace_path = self.gateway_session.trace_path

@@ -77,6 +77,15 @@ class Upstream:
     api_key: str | None = field(default=None, repr=False)
     model: str | None = None
     headers: dict[str, str] = field(default_factory=dict, repr=False)
+    # Per session; None: the gateway's defaults. read bounds each wait for upstream bytes,
+    # headers included: long enough for a slow prefill, short enough to free a stuck agent.
+    connect_timeout_s: float | None = None
+    read_timeout_s: float | None = None
+
+    def timeout(self) -> aiohttp.ClientTimeout | None:
+        if self.connect_timeout_s is None and self.read_timeout_s is None:
+            return None
+        return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s)
 
     @property
     def host(self) -> str:
@@ -425,8 +434,9 @@ class Call:
                   encoded=True)  # fmt: skip
         headers = upstream_request_headers(request.headers, upstream)
         try:
+            timeout = upstream.timeout() or self.gateway._timeout
             return await self.gateway._client.request(request.method, url, data=body, headers=headers,
-                                                       allow_redirects=False)  # fmt: skip
+                                                       allow_redirects=False, timeout=timeout)  # fmt: skip
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             turn.upstream_error = f"upstream {upstream.host} unreachable: {describe(exc)}"
             return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_unreachable")
