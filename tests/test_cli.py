@@ -68,3 +68,14 @@ def test_doctor_reports_each_check():
     assert "[ok]   sandbox" in done.stdout and "[ok]   runtime" in done.stdout and "[ok]   endpoint" in done.stdout
     failing = pi_env("doctor", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m")
     assert failing.returncode == 3 and "[FAIL] endpoint" in failing.stdout
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_transparent_proxy_from_the_cli_writes_traces(tmp_path):
+    done = pi_env("run", "examples/fizzbuzz.json", "--mode", "transparent_proxy", "--trace-dir", str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["mode"] == "transparent_proxy" and result["reward"] == 1.0
+    assert all(turn["completion_token_ids"] for turn in result["proxy_turns"])
+    assert result["training"]["segments"] and Path(result["trace_path"]).parent == tmp_path

@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     _endpoint_arguments(run)
     run.add_argument("--mode", default="black_box", choices=["black_box", "transparent_proxy"])
     run.add_argument("--max-turns", type=int, default=None, help="model calls per rollout (default 50)")
+    run.add_argument("--max-total-tokens", type=int, default=None, help="usage.total_tokens budget per rollout")
+    run.add_argument("--trace-dir", default=None, help="where transparent_proxy writes per-turn trace files")
     run.add_argument("--agent-timeout", type=float, default=None, help="seconds for the agent phase")
     run.add_argument("--backend", default="local", help="sandbox backend: local (bubblewrap) or unsafe-local")
     run.add_argument("--json", action="store_true", help="print each RolloutResult as JSON on stdout")
@@ -64,7 +66,8 @@ def _run(args) -> int:
 
     try:
         tasks = load_tasks(args.tasks)
-        config = _config(args, mode=args.mode, max_turns=args.max_turns, agent_timeout_s=args.agent_timeout)
+        config = _config(args, mode=args.mode, max_turns=args.max_turns, agent_timeout_s=args.agent_timeout,
+                         max_total_tokens=args.max_total_tokens, trace_dir=args.trace_dir)
         factory = PiSessionFactory(config)
     except (TaskError, EndpointError, ValidationError, ValueError, NotImplementedError) as error:
         return _bad_input(error)
