@@ -69,10 +69,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_vllm(port: int | None = None, timeout_s: int = 300) -> Engine:
-    """Start vLLM via serve_vllm.sh and return once /health answers. Stop it with :func:`stop`."""
+def start_vllm(port: int | None = None, timeout_s: int = 300, log: Path | None = None) -> Engine:
+    """Start vLLM via serve_vllm.sh and return once /health answers. Stop it with :func:`stop`.
+
+    The log goes to .engines/logs/vllm-tier.log unless ``log`` says otherwise (overwritten at
+    each start)."""
     port = port or free_port()
-    log = ENGINES_DIR / "logs" / f"vllm-{port}.log"
+    log = log or ENGINES_DIR / "logs" / "vllm-tier.log"
     proc = subprocess.run(
         ["bash", str(SCRIPTS / "serve_vllm.sh"), "--port", str(port), "--timeout", str(timeout_s), "--log", str(log)],
         stdout=subprocess.PIPE,
