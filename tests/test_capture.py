@@ -148,7 +148,7 @@ def test_token_ids_and_logprobs_are_aligned_one_to_one():
     assert choice.token_ids == capture.completion_token_ids == [40, 41, 42, 43]
     assert choice.logprobs == capture.per_token_logps == [-0.25, -0.5, -1.0, -0.125]
     assert choice.tokens == ["hm", "Hel", "lo", "<eos>"]
-    assert choice_json(capture)["top_logprobs"] == [
+    assert choice.decoded_top_logprobs() == [
         [{"token": "hm", "logprob": -0.25}, {"token": "ah", "logprob": -2.0}],
         [{"token": "Hel", "logprob": -0.5}], [{"token": "lo", "logprob": -1.0}], [{"token": "<eos>", "logprob": -0.125}],
     ]

@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import aiohttp
+import msgspec
 import pytest
 from test_gateway import REAL_KEY, _call, call, free_port, sse_json, wait_for
 
@@ -212,7 +213,10 @@ def test_captured_ids_and_logprobs_are_exactly_what_the_engine_sent(gateway, ser
     else:
         assert capture.per_token_logps == sent["logprobs"]
         assert None in sent["logprobs"]  # the engine's nulls, kept in place
-        assert first["top_logprobs"] == sent["top_logprobs"]
+        assert capture.choices[0].decoded_top_logprobs() == sent["top_logprobs"]
+        # The trace keeps each token's alternatives exactly as the engine sent them.
+        traced = json.loads(msgspec.json.encode(first["top_logprobs"]))
+        assert [[{"token": t["token"], "logprob": t["logprob"]} for t in tops] for tops in traced] == sent["top_logprobs"]
 
 
 def test_reasoning_and_parallel_tool_calls_are_assembled(gateway, server, open_session):

@@ -16,8 +16,6 @@ import uuid
 from importlib import resources
 from pathlib import Path
 
-import msgspec
-
 from .agent.pi import AGENT_DIR, FORWARDER_PATH, HERMETIC_SETTINGS, PROMPT_PATH, SESSION_DIR, models_json, \
     parse_session, pi_command, pi_env
 from .agent.runtime import SANDBOX_RUNTIME_DIR, PiRuntime, RuntimeInstallError, ensure_runtime
@@ -349,7 +347,7 @@ def _rollout_turn(record: TurnRecord) -> RolloutTurn:
         turn.prompt_token_ids = capture.prompt_token_ids
         turn.completion_token_ids = capture.completion_token_ids
         turn.per_token_logps = capture.per_token_logps
-        turn.top_logprobs = msgspec.to_builtins(first.top_logprobs) if first else []
+        turn.top_logprobs = first.decoded_top_logprobs() if first else []
         turn.token_ids_source = capture.token_ids_source
         turn.token_ids_missing_reason = capture.token_ids_missing_reason
         turn.capture_fallback = capture.fallback

@@ -31,7 +31,9 @@ class TopLogprob(msgspec.Struct):
 class LogprobEntry(msgspec.Struct):
     token: str | None = None
     logprob: float | None = None
-    top_logprobs: list[TopLogprob] | None = None
+    # Kept as the engine's raw JSON: decoding 5-20 alternatives per token is most of the cost of
+    # capture, and only a reader of the trace needs them (see ChoiceCapture.decoded_top_logprobs).
+    top_logprobs: msgspec.Raw = msgspec.Raw(b"[]")  # a JSON null arrives as Raw(b"null")
 
 
 class Logprobs(msgspec.Struct):
@@ -74,6 +76,8 @@ class WireChunk(msgspec.Struct):
 
 _chunks = msgspec.json.Decoder(list[WireChunk])
 _chunk = msgspec.json.Decoder(WireChunk)
+_top_logprobs = msgspec.json.Decoder(list[list[TopLogprob] | None])
+NO_TOP_LOGPROBS = msgspec.Raw(b"[]")
 
 
 @dataclass
@@ -87,9 +91,17 @@ class ChoiceCapture:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)  # aligned with token_ids / tokens
     tokens: list[str] = field(default_factory=list)  # each token's text, as the engine gave it
-    top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
+    top_logprobs: list[msgspec.Raw] = field(default_factory=list)  # per token, the engine's JSON
     ids_complete: bool = True  # every generated token came with its id
     alignment_error: str | None = None
+
+    def decoded_top_logprobs(self) -> list[list[dict[str, Any]]]:
+        """Per token, its alternatives as {"token", "logprob"} (one decode call for all)."""
+        if not self.top_logprobs:
+            return []
+        joined = b"[" + b",".join(bytes(raw) for raw in self.top_logprobs) + b"]"
+        return [[{"token": top.token, "logprob": top.logprob} for top in tops or ()]
+                for tops in _top_logprobs.decode(joined)]
 
     def message(self) -> dict[str, Any]:
         """The assembled assistant message (OpenAI shape)."""
@@ -139,8 +151,8 @@ class TurnCapture:
 
     def to_json(self) -> dict[str, Any]:
         data = {k: v for k, v in vars(self).items() if k != "choices"}
-        data["choices"] = [msgspec.to_builtins(vars(choice)) | {"message": choice.message()}
-                           for choice in self.choices]
+        # top_logprobs stay the engine's raw JSON: msgspec.json.encode embeds them verbatim.
+        data["choices"] = [vars(choice) | {"message": choice.message()} for choice in self.choices]
         data["completion_token_ids"] = self.completion_token_ids
         data["per_token_logps"] = self.per_token_logps
         data["finish_reason"] = self.finish_reason
@@ -269,7 +281,7 @@ class Assembler:
         else:  # ids without logprobs: nulls in place, never dropped
             choice.logprobs.extend([None] * len(ids))
             choice.tokens.extend([""] * len(ids))
-            choice.top_logprobs.extend([[] for _ in ids])
+            choice.top_logprobs.extend([NO_TOP_LOGPROBS] * len(ids))
 
     def _finish(self) -> TurnCapture:
         capture = self.capture
@@ -304,7 +316,7 @@ def _append_entries(choice: ChoiceCapture, entries: list[LogprobEntry]) -> None:
     for entry in entries:
         choice.logprobs.append(entry.logprob)
         choice.tokens.append(entry.token or "")
-        choice.top_logprobs.append(entry.top_logprobs or [])
+        choice.top_logprobs.append(entry.top_logprobs or NO_TOP_LOGPROBS)
 
 
 def _token_id(token: Any) -> int | None:
