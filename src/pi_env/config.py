@@ -58,6 +58,9 @@ class PiConfig(BaseModel):
     max_total_tokens: int | None = Field(None, gt=0)  # usage.total_tokens summed over calls
     upstream_connect_timeout_s: float = Field(30, gt=0)
     upstream_read_timeout_s: float = Field(600, gt=0)  # each wait for upstream bytes (prefill included)
+    # interception_gate: a held call the trainer has not answered this long ends the rollout
+    # (the agent gets a clean stop; the result is unscored, error_kind "gate_timeout").
+    gate_timeout_s: float = Field(600, gt=0)
 
     # transparent_proxy knobs (reference names first).
     proxy_max_tokens_cap: int = Field(4096, gt=0)

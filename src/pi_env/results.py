@@ -14,6 +14,7 @@ ErrorKind = Literal[
     "agent_error",  # Pi ended with an error (a rejected request, a crash, a bad config)
     "agent_timeout",  # the agent phase ran past its limit and was killed
     "endpoint_error",  # the model endpoint was unreachable or answered 5xx
+    "gate_timeout",  # interception_gate: the trainer did not deliver a held call within gate_timeout_s
     "invalid_reward",  # a verify command wrote a reward file that is not a finite number
     "no_verify",  # nothing to score: no verify commands and no reward file
     "infra",  # the sandbox, runtime or harness failed

@@ -15,12 +15,13 @@ import time
 import uuid
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .agent.pi import AGENT_DIR, FORWARDER_PATH, HERMETIC_SETTINGS, PROMPT_PATH, SESSION_DIR, models_json, \
     parse_session, pi_command, pi_env
 from .agent.runtime import SANDBOX_RUNTIME_DIR, PiRuntime, RuntimeInstallError, ensure_runtime
 from .config import Mode, PiConfig
-from .endpoints import ORACLE, Endpoint, resolve_endpoint, supports_return_token_ids
+from .endpoints import OPEN_SERVER_COMPAT, ORACLE, Endpoint, resolve_endpoint, supports_return_token_ids
 from .oracle import oracle_endpoint, release_oracle
 from .proxy.gateway import GatewaySession, TurnRecord, Upstream, get_gateway
 from .proxy.rewrite import CaptureOptions
@@ -29,6 +30,9 @@ from .sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, San
     SandboxProcess, SandboxSpec, get_backend
 from .task import PiTask
 from .training import TrainingTrace, build_training_trace
+
+if TYPE_CHECKING:
+    from .proxy.gate import GateCompletion, GateRequest
 
 REWARD_FILE = f"{SANDBOX_HOME}/logs/verifier/reward.txt"
 VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"
@@ -44,8 +48,6 @@ class PiSessionFactory:
         config = config or PiConfig()
         if mode is not None:
             config = config.model_copy(update={"mode": mode})
-        if config.mode not in ("black_box", "transparent_proxy"):
-            raise NotImplementedError(f"mode {config.mode!r} is not available yet; use black_box or transparent_proxy")
         self.config = config
         backend = sandbox_backend or config.sandbox_backend
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -92,7 +94,12 @@ class PiSession:
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
         config, task, result = self.config, self.task, self._result
-        self.endpoint = oracle_endpoint(task) if config.endpoint == ORACLE else resolve_endpoint(config)
+        if config.mode == "interception_gate":  # the trainer is the model: no upstream at all
+            self.endpoint = Endpoint(name="interception_gate", base_url="http://interception-gate.invalid/v1",
+                                     model=config.model or "trainer", compat=OPEN_SERVER_COMPAT,
+                                     return_token_ids=False)
+        else:
+            self.endpoint = oracle_endpoint(task) if config.endpoint == ORACLE else resolve_endpoint(config)
         result.endpoint, result.model, result.synthetic = self.endpoint.name, self.endpoint.model, self.endpoint.synthetic
         try:
             with self._phase("runtime"):
@@ -106,6 +113,8 @@ class PiSession:
                 mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
                 capture=self._capture_options(), trace_path=self._trace_path())
             result.trace_path = self.gateway_session.trace_path
+            if config.mode == "interception_gate":
+                self.gateway_session.strategy.timeout_s = config.gate_timeout_s
             with self._phase("sandbox_create"):
                 self.sandbox = self.factory.backend.create(self._sandbox_spec(runtime, gateway.socket_path))
                 result.sandbox_id = self.sandbox.id
@@ -203,6 +212,9 @@ class PiSession:
         if outcome.timed_out:
             result.stop_reason = "timeout"
             return self._fail("agent_timeout", f"the agent ran past its {self._agent_limit():g} s limit and was killed")
+        if getattr(gateway.strategy, "stop_reason", None):  # interception_gate: the trainer never answered
+            result.stop_reason = gateway.strategy.stop_reason
+            return self._fail("gate_timeout", gateway.strategy.stop_message)
         if gateway.budget_exhausted:
             # A budget, not a failure: the gateway ended the turn cleanly, and what the agent
             # did is scored.
@@ -256,7 +268,7 @@ class PiSession:
             result.proxy_log_tail = "\n".join([result.proxy_log_tail] + [
                 f"turn {t.turn}: status {t.upstream_status} in {t.latency_s or 0:.3f} s"
                 + (f" error {t.upstream_error[:200]}" if t.upstream_error else "") for t in result.proxy_turns]).strip()
-            if config.mode == "transparent_proxy":
+            if config.mode in ("transparent_proxy", "interception_gate"):
                 result.training = build_training_trace(result.proxy_turns)
         if self.sandbox is not None and config.result_max_files:
             try:
@@ -277,6 +289,60 @@ class PiSession:
     def fetch_training_trace(self) -> TrainingTrace:
         """The token-level training view of the calls so far (see pi_env.training)."""
         return build_training_trace(self.fetch_proxy_trace())
+
+    # -- interception_gate: the trainer generates ---------------------------------------------
+    def next_request(self, timeout_s: float | None = None) -> GateRequest | None:
+        """The agent's next model call, held until `deliver()`. None once the agent has exited
+        (or its time is up, or the session is closed): then call wait_for_completion().
+        TimeoutError when `timeout_s` passes first with the agent still working."""
+        gate, wait = self._gate_wait(timeout_s)
+        if gate is None:
+            return None
+        try:
+            return gate.next_request(wait, alive=self._agent_alive)
+        except TimeoutError:
+            if timeout_s is not None and timeout_s <= wait:
+                raise
+            return None  # the agent's own time is up: wait_for_completion() kills it and says so
+
+    async def anext_request(self, timeout_s: float | None = None) -> GateRequest | None:
+        """`next_request` for async code (any event loop)."""
+        gate, wait = self._gate_wait(timeout_s)
+        if gate is None:
+            return None
+        try:
+            return await gate.anext_request(wait, alive=self._agent_alive)
+        except TimeoutError:
+            if timeout_s is not None and timeout_s <= wait:
+                raise
+            return None
+
+    def deliver(self, request: GateRequest | str, completion: GateCompletion | dict | str) -> None:
+        """Answer a held call with the trainer's completion (see pi_env.proxy.gate). Raises
+        RequestNotPending or CompletionInvalid; returns at once."""
+        self._gate().deliver(request, completion)
+
+    async def adeliver(self, request: GateRequest | str, completion: GateCompletion | dict | str) -> None:
+        self.deliver(request, completion)
+
+    def _gate(self):
+        if self.config.mode != "interception_gate":
+            raise RuntimeError(f"next_request/deliver need mode='interception_gate', not {self.config.mode!r}")
+        if self.gateway_session is None:
+            raise RuntimeError("the session failed before its gateway session opened: there is nothing to answer")
+        return self.gateway_session.strategy
+
+    def _gate_wait(self, timeout_s: float | None):
+        """The gate (None: no agent ever ran) and how long to wait: never past the agent's deadline."""
+        if self.config.mode != "interception_gate":
+            self._gate()  # raises: not a gate session
+        if self.gateway_session is None or self._agent is None:
+            return None, 0.0
+        left = max(0.0, self._agent_deadline - time.monotonic())
+        return self.gateway_session.strategy, left if timeout_s is None else min(timeout_s, left)
+
+    def _agent_alive(self) -> bool:
+        return self._agent is not None and self._agent.poll() is None
 
     def close(self) -> None:
         """Kill everything, delete the sandbox, end the gateway session. Idempotent."""

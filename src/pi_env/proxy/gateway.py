@@ -146,9 +146,16 @@ def _transparent_proxy(session: "GatewaySession") -> Strategy:
     return TransparentProxy(session)
 
 
+def _interception_gate(session: "GatewaySession") -> Strategy:
+    from pi_env.proxy.gate import InterceptionGate  # loaded only when used
+
+    return InterceptionGate(session)
+
+
 STRATEGIES: dict[str, Callable[["GatewaySession"], Strategy]] = {
     "black_box": BlackBox,
     "transparent_proxy": _transparent_proxy,
+    "interception_gate": _interception_gate,
 }
 
 
@@ -210,6 +217,13 @@ class GatewaySession:
             self._in_flight -= 1
             self._idle.notify_all()
 
+    def set_waiting(self, waiting: bool) -> None:
+        """A call held for someone outside the gateway (interception_gate's trainer) is not in
+        flight for wait_idle(): nothing can be recorded until it is answered."""
+        with self._idle:
+            self._in_flight += -1 if waiting else 1
+            self._idle.notify_all()
+
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until no call is in flight. A capturing mode finishes its record after the agent
         saw the answer's end, so read `turns` only after this."""
@@ -217,6 +231,9 @@ class GatewaySession:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout_s)
 
     def close(self) -> None:
+        release = getattr(self.strategy, "close", None)
+        if release is not None:  # interception_gate: answer every held call
+            release()
         with self._trace_lock:
             if self._trace is not None:
                 self._trace.close()
