@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,10 +45,12 @@ class PiSessionFactory:
     first use (once per machine) and shared by every session."""
 
     def __init__(self, config: PiConfig | None = None, sandbox_backend: str | SandboxBackend | None = None,
-                 mode: Mode | None = None):
+                 mode: Mode | None = None, *, sampling: Mapping[str, float | int] | None = None):
         config = config or PiConfig()
         if mode is not None:
             config = config.model_copy(update={"mode": mode})
+        if sampling:
+            config = _with_forced_sampling(config, sampling, explicit_mode=mode is not None)
         self.config = config
         backend = sandbox_backend or config.sandbox_backend
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -62,11 +65,16 @@ class PiSessionFactory:
                                                self.config.node_version, self.config.runtime_cache_dir)
             return self._runtime
 
-    def create(self, task: str | dict | PiTask) -> "PiSession":
+    def create(self, task: str | dict | PiTask, seed: int | None = None, episode_id: str | None = None) -> "PiSession":
         """Create the sandbox, stage files, run setup and start the agent. Bad input (a
         malformed task, an unknown endpoint) raises; infrastructure failures are reported by
-        `wait_for_completion()` as a result with reward None and an error kind."""
-        session = PiSession(self, PiTask.coerce(task))
+        `wait_for_completion()` as a result with reward None and an error kind.
+
+        `seed` and `episode_id` follow openenv's `ResourceSessionFactory.create`: `episode_id`
+        names the rollout (`session.episode_id`, and its trace file); `seed` is kept as
+        `session.seed` and changes nothing in the rollout (Pi has no seed; a sampling seed is
+        `proxy_sampling["seed"]`). `pi_env.harness` chooses a task by it."""
+        session = PiSession(self, PiTask.coerce(task), seed=seed, episode_id=episode_id)
         try:
             session._start()
         except BaseException:
@@ -76,10 +84,13 @@ class PiSessionFactory:
 
 
 class PiSession:
-    def __init__(self, factory: PiSessionFactory, task: PiTask):
+    def __init__(self, factory: PiSessionFactory, task: PiTask, seed: int | None = None,
+                 episode_id: str | None = None):
         self.factory = factory
         self.config = factory.config
         self.task = task
+        self.seed = seed
+        self.episode_id = episode_id or uuid.uuid4().hex
         self.sandbox: Sandbox | None = None
         self.endpoint: Endpoint | None = None
         self.gateway_session: GatewaySession | None = None
@@ -153,8 +164,9 @@ class PiSession:
         if self.config.mode == "black_box":
             return None
         directory = Path(self.config.trace_dir or Path(tempfile.gettempdir()) / "pi-env-traces")
-        safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", self.task.task_id)[:80]
-        return str(directory / f"{safe_id}-{uuid.uuid4().hex[:12]}.jsonl")
+        safe_id, safe_episode = (re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80]
+                                 for name in (self.task.task_id, self.episode_id))
+        return str(directory / f"{safe_id}-{safe_episode}-{uuid.uuid4().hex[:8]}.jsonl")
 
     def _sandbox_spec(self, runtime: PiRuntime, gateway_socket: str) -> SandboxSpec:
         config = self.config
@@ -209,6 +221,8 @@ class PiSession:
         result.stop_reason = pi.stop_reason
         gateway = self.gateway_session
         gateway.wait_idle()  # a capturing mode records a turn just after Pi has its answer
+        if self._closed:  # close() from another thread killed the agent: not the agent's failure
+            return self._fail("infra", "the session was closed while the agent ran")
         if outcome.timed_out:
             result.stop_reason = "timeout"
             return self._fail("agent_timeout", f"the agent ran past its {self._agent_limit():g} s limit and was killed")
@@ -419,6 +433,22 @@ def _rollout_turn(record: TurnRecord) -> RolloutTurn:
         turn.capture_fallback = capture.fallback
         turn.message = first.message() if first else None
     return turn
+
+
+def _with_forced_sampling(config: PiConfig, sampling: Mapping[str, float | int], *, explicit_mode: bool) -> PiConfig:
+    """`sampling=` (what a trainer passes, e.g. openenv's `training_sampling(...)`) over
+    `proxy_sampling`: forced on every model call. black_box relays requests untouched and so
+    cannot force it: a mode nobody chose becomes transparent_proxy, a chosen black_box is refused."""
+    mode = config.mode
+    if mode == "black_box":
+        if explicit_mode or "mode" in config.model_fields_set:
+            raise ValueError("sampling= is forced on model calls by the gateway in transparent_proxy; black_box "
+                             "relays requests untouched: use mode='transparent_proxy'")
+        mode = "transparent_proxy"
+    config = config.model_copy()
+    config.mode = mode  # validate_assignment: checked like any PiConfig field
+    config.proxy_sampling = {**config.proxy_sampling, **dict(sampling)}
+    return config
 
 
 def _wait_until_exit(process: SandboxProcess, timeout_s: float) -> bool:
