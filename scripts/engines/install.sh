@@ -4,7 +4,7 @@
 # safetensors. Idempotent: each step leaves a marker and is skipped when its marker is current.
 #
 #   bash scripts/engines/install.sh            # vLLM + the model
-#   bash scripts/engines/install.sh llama      # also llama.cpp's llama-server (builds ~8 min)
+#   bash scripts/engines/install.sh llama      # also llama.cpp's llama-server (builds 10-25 min)
 #
 # Nothing is fetched at run time afterwards; the engines start with HF_HUB_OFFLINE=1.
 set -euo pipefail

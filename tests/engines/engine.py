@@ -29,6 +29,9 @@ MODEL_DIR = ENGINES_DIR / "models" / MODEL_NAME
 VLLM_VENV = ENGINES_DIR / "vllm-venv"
 # The engine venv's python: it has torch + transformers, which the main venv does not.
 ENGINE_PYTHON = VLLM_VENV / "bin" / "python"
+LLAMA_VENV = ENGINES_DIR / "llama-venv"
+# What llama.cpp serves: the Q4_1 GGUF that MODEL_DIR was dequantized from.
+GGUF = ENGINES_DIR / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,15 @@ def vllm_missing() -> str | None:
     return None
 
 
+def llama_missing() -> str | None:
+    """Why llama-server cannot be started here, or None when it is built."""
+    if not (LLAMA_VENV / ".installed").is_file():
+        return f"llama-server is not built in {LLAMA_VENV} (run: bash scripts/engines/install.sh llama)"
+    if not GGUF.is_file():
+        return f"{GGUF} is missing (run: bash scripts/engines/install.sh)"
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,19 +86,29 @@ def start_vllm(port: int | None = None, timeout_s: int = 300, log: Path | None =
 
     The log goes to .engines/logs/vllm-tier.log unless ``log`` says otherwise (overwritten at
     each start)."""
+    return _start("vllm", "serve_vllm.sh", port, timeout_s, log or ENGINES_DIR / "logs" / "vllm-tier.log")
+
+
+def start_llama(port: int | None = None, timeout_s: int = 120, log: Path | None = None) -> Engine:
+    """Start llama.cpp's llama-server via serve_llama.sh (log: .engines/logs/llama-tier.log).
+
+    Its ``model_dir`` is the converted model: the same weights, dequantized, for scoring."""
+    return _start("llama.cpp", "serve_llama.sh", port, timeout_s, log or ENGINES_DIR / "logs" / "llama-tier.log")
+
+
+def _start(kind: str, script: str, port: int | None, timeout_s: int, log: Path) -> Engine:
     port = port or free_port()
-    log = log or ENGINES_DIR / "logs" / "vllm-tier.log"
     proc = subprocess.run(
-        ["bash", str(SCRIPTS / "serve_vllm.sh"), "--port", str(port), "--timeout", str(timeout_s), "--log", str(log)],
+        ["bash", str(SCRIPTS / script), "--port", str(port), "--timeout", str(timeout_s), "--log", str(log)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         timeout=timeout_s + 60,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"vLLM did not start (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise RuntimeError(f"{kind} did not start (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
     pid = int(proc.stdout.strip().splitlines()[-1])
-    return Engine("vllm", f"http://127.0.0.1:{port}/v1", MODEL_NAME, MODEL_DIR, pid, log)
+    return Engine(kind, f"http://127.0.0.1:{port}/v1", MODEL_NAME, MODEL_DIR, pid, log)
 
 
 def stop(engine: Engine) -> None:
