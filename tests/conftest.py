@@ -4,6 +4,7 @@ import shutil
 import pytest
 
 from pi_env.config import PiConfig
+from pi_env.proxy import Gateway
 from pi_env.testing import ScriptedServer
 
 
@@ -16,12 +17,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def scripted():
+def server():
     """A fresh scripted OpenAI-compatible server (the sanctioned test double)."""
-    server = ScriptedServer()
-    server.start()
-    yield server
-    server.stop()
+    with ScriptedServer() as scripted:
+        yield scripted
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    """A gateway of the test module's own (2 s upstream read timeout, so hangs end quickly)."""
+    gw = Gateway(read_timeout_s=2.0).start()
+    yield gw
+    gw.close()
 
 
 def scripted_config(server: ScriptedServer, key: str, **overrides) -> PiConfig:

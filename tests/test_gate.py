@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 from test_gateway import call, sse_json, wait_for
 
-from pi_env import PiConfig, PiSessionFactory, PiTask
-from pi_env.proxy import Gateway, Upstream
+from pi_env import PiConfig, PiSessionFactory
+from pi_env.proxy import Upstream
 from pi_env.proxy.capture import Assembler, TurnCapture
 from pi_env.proxy.gate import CompletionInvalid, GateCompletion, GateRequest, RequestNotPending, parse_hermes
 from pi_env.proxy.rewrite import CaptureOptions
@@ -25,13 +25,6 @@ from pi_env.training import build_training_trace
 USER = {"role": "user", "content": "Make the file."}
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 NOWHERE = Upstream("http://interception-gate.invalid/v1", None, "trainer-model")
-
-
-@pytest.fixture(scope="module")
-def gateway():
-    gw = Gateway().start()
-    yield gw
-    gw.close()
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ import pytest
 
 import pi_env.proxy
 from pi_env._aio import background_loop, run_sync
-from pi_env.proxy import Gateway, Upstream
-from pi_env.testing import Fault, ScriptedServer, ScriptedTurn
+from pi_env.proxy import Upstream
+from pi_env.testing import Fault, ScriptedTurn
 
 FORWARDER = Path(pi_env.proxy.__file__).with_name("forward.mjs")
 REAL_KEY = "sk-real-upstream-key-0123456789"
@@ -28,19 +28,6 @@ BODY = {
     "stream_options": {"include_usage": True},
     "messages": [{"role": "user", "content": "hi"}],
 }
-
-
-@pytest.fixture(scope="module")
-def gateway():
-    gw = Gateway(read_timeout_s=2.0).start()
-    yield gw
-    gw.close()
-
-
-@pytest.fixture
-def server():
-    with ScriptedServer() as s:
-        yield s
 
 
 def upstream(server, turns, **kwargs):

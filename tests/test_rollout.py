@@ -1,5 +1,5 @@
 """End to end: the real Pi CLI in the real bubblewrap sandbox, against the oracle or the
-scripted server. Each test is one or two real rollouts (about a second each)."""
+server server. Each test is one or two real rollouts (about a second each)."""
 
 import json
 import os
@@ -109,19 +109,19 @@ def test_hanging_agent_is_killed_at_its_timeout_with_nothing_left():
     assert processes_of_uid(uid) == []
 
 
-def test_hanging_endpoint_is_an_agent_timeout(scripted):
-    key = scripted.add_script([ScriptedTurn(text="late", fault=Fault(hang_s=60))])
+def test_hanging_endpoint_is_an_agent_timeout(server):
+    key = server.add_script([ScriptedTurn(text="late", fault=Fault(hang_s=60))])
     result, uid = rollout_with_uid(PiTask(instruction="x", verify=["true"], timeouts={"agent_s": 3}),
-                                   scripted_config(scripted, key))
+                                   scripted_config(server, key))
     assert result.reward is None and result.error_kind == "agent_timeout"
     assert processes_of_uid(uid) == []
 
 
 @pytest.mark.parametrize("status, kind", [(400, "agent_error"), (500, "endpoint_error")])
-def test_llm_error_is_reported_not_scored(scripted, status, kind):
+def test_llm_error_is_reported_not_scored(server, status, kind):
     """Pi exits 0 in json mode when the LLM call fails; we judge from its session instead."""
-    key = scripted.add_script([ScriptedTurn(fault=Fault(http_status=status, body={"error": {"message": f"boom {status}"}}))])
-    result = run_rollout(PiTask(instruction="x", verify=["true"]), scripted_config(scripted, key))
+    key = server.add_script([ScriptedTurn(fault=Fault(http_status=status, body={"error": {"message": f"boom {status}"}}))])
+    result = run_rollout(PiTask(instruction="x", verify=["true"]), scripted_config(server, key))
     assert result.reward is None and result.error_kind == kind, (result.error, result.agent_log_tail)
     assert result.stop_reason == "error" and f"{status}" in result.error
     assert result.proxy_turns[0].upstream_status == status
@@ -147,23 +147,23 @@ def test_max_turns_budget_stops_the_agent_and_still_scores():
     assert len(result.proxy_turns) == 2  # the refused third call never reached the upstream
 
 
-def test_long_prompt_reaches_the_model_intact(scripted):
+def test_long_prompt_reaches_the_model_intact(server):
     instruction = "Implement the spec below.\n" + "".join(f"line {i}: {'x' * 60}\n" for i in range(3000))
-    key = scripted.add_script([ScriptedTurn(text="ok")])
-    result = run_rollout(PiTask(instruction=instruction, verify=["true"]), scripted_config(scripted, key))
+    key = server.add_script([ScriptedTurn(text="ok")])
+    result = run_rollout(PiTask(instruction=instruction, verify=["true"]), scripted_config(server, key))
     assert result.reward == 1.0
-    request = next(r for r in scripted.requests if r.api_key == key)
+    request = next(r for r in server.requests if r.api_key == key)
     user = next(m for m in request.body["messages"] if m["role"] == "user")
     text = user["content"] if isinstance(user["content"], str) else "".join(p.get("text", "") for p in user["content"])
     assert text == instruction.strip() and len(instruction) > 128 * 1024  # beyond one argv string
 
 
-def test_task_pi_dir_cannot_change_pi_settings(scripted):
+def test_task_pi_dir_cannot_change_pi_settings(server):
     files = {".pi/settings.json": json.dumps({"retry": {"enabled": True, "maxRetries": 5}}),
              ".pi/SYSTEM.md": "PWNED-SYSTEM-PROMPT", "AGENTS.md": "PWNED-AGENTS-FILE"}
-    key = scripted.add_script([ScriptedTurn(fault=Fault(http_status=503))])
-    result = run_rollout(PiTask(instruction="x", files=files, verify=["true"]), scripted_config(scripted, key))
-    requests = [r for r in scripted.requests if r.api_key == key]
+    key = server.add_script([ScriptedTurn(fault=Fault(http_status=503))])
+    result = run_rollout(PiTask(instruction="x", files=files, verify=["true"]), scripted_config(server, key))
+    requests = [r for r in server.requests if r.api_key == key]
     assert len(requests) == 1, "retries stay off whatever the task's .pi/settings.json says"
     assert "PWNED" not in json.dumps(requests[0].body)
     assert result.error_kind == "endpoint_error"
@@ -188,7 +188,7 @@ class HostListener:
             conn.close()
 
 
-def test_hostile_agent_gets_nothing(scripted, tmp_path):
+def test_hostile_agent_gets_nothing(server, tmp_path):
     upstream_key = "sk-upstream-DO-NOT-LEAK-7f3a9"
     secret_file = Path.home() / ".pi-env-test-host-secret"
     secret_file.write_text("HOST-SECRET-c0ffee\n")
@@ -203,9 +203,9 @@ def test_hostile_agent_gets_nothing(scripted, tmp_path):
         "echo pwned > /etc/pwned-by-agent; echo pwned > /usr/pwned-by-agent; echo pwned > /opt/pi-env/runtime/pwned; "
         "touch /tmp/ok-in-tmpfs && echo tmp-ok",
     ]
-    key = scripted.add_script([bash(p) for p in probes] + [ScriptedTurn(text="done")], api_key=upstream_key)
+    key = server.add_script([bash(p) for p in probes] + [ScriptedTurn(text="done")], api_key=upstream_key)
     try:
-        result = run_rollout(PiTask(instruction="x", verify=["true"]), scripted_config(scripted, upstream_key))
+        result = run_rollout(PiTask(instruction="x", verify=["true"]), scripted_config(server, upstream_key))
     finally:
         secret_file.unlink()
         listener.sock.close()
@@ -218,7 +218,7 @@ def test_hostile_agent_gets_nothing(scripted, tmp_path):
     assert listener.connections == 0
     assert not Path("/etc/pwned-by-agent").exists() and not Path("/usr/pwned-by-agent").exists()
     # The upstream saw the real key; the sandbox only ever held the session token.
-    assert all(r.api_key == upstream_key for r in scripted.requests if r.api_key == key)
+    assert all(r.api_key == upstream_key for r in server.requests if r.api_key == key)
 
 
 def test_fork_bomb_is_contained():
@@ -272,7 +272,7 @@ def test_host_environment_does_not_leak(monkeypatch):
     assert os.environ["PI_ENV_TEST_HOST_SECRET"] == "leaky-value-123"
 
 
-def test_legacy_pi_073_on_system_node(scripted):
+def test_legacy_pi_073_on_system_node(server):
     """An older pin (the pre-rename package, node >= 20.6) runs the same way; it has no -na, so
     the task's .pi/ is masked instead."""
     from pi_env.config import LEGACY_PI_PACKAGE
@@ -281,33 +281,33 @@ def test_legacy_pi_073_on_system_node(scripted):
     result = run_rollout(EXAMPLES[0], PiConfig(**legacy))
     assert result.reward == 1.0 and result.pi_version == "0.73.1", (result.error, result.agent_log_tail)
     files = {".pi/settings.json": json.dumps({"retry": {"enabled": True}}), ".pi/SYSTEM.md": "PWNED-SYSTEM-PROMPT"}
-    key = scripted.add_script([ScriptedTurn(text="ok")])
+    key = server.add_script([ScriptedTurn(text="ok")])
     result = run_rollout(PiTask(instruction="x", files=files, verify=["test -f .pi/SYSTEM.md"]),
-                         scripted_config(scripted, key, **legacy))
+                         scripted_config(server, key, **legacy))
     assert result.reward == 1.0  # the task's files are back for verification
-    assert "PWNED" not in json.dumps([r.body for r in scripted.requests if r.api_key == key])
+    assert "PWNED" not in json.dumps([r.body for r in server.requests if r.api_key == key])
 
 
 # -- transparent_proxy through the real Pi ------------------------------------------------------
 
 
-def test_transparent_proxy_captures_every_turn_with_engine_ids(scripted, tmp_path):
+def test_transparent_proxy_captures_every_turn_with_engine_ids(server, tmp_path):
     """Against an engine-like upstream: each turn's ids and logprobs are exactly what the
     upstream sent, the training view is one append-only sequence, and the trace file holds a
     line per turn without the real key."""
     upstream_key = "sk-upstream-never-in-trace"
     turns = [bash("echo hi > a.txt"), ScriptedTurn(reasoning="checking", text="All done.")]
-    scripted.add_script(turns, api_key=upstream_key)
-    config = scripted_config(scripted, upstream_key, mode="transparent_proxy", trace_dir=str(tmp_path),
+    server.add_script(turns, api_key=upstream_key)
+    config = scripted_config(server, upstream_key, mode="transparent_proxy", trace_dir=str(tmp_path),
                              proxy_sampling={"temperature": 0.0, "seed": 7}, proxy_top_logprobs=3)
     result = run_rollout(PiTask(instruction="write a.txt", verify=["test -f a.txt"]), config)
     assert result.reward == 1.0 and result.error_kind is None
     assert len(result.proxy_turns) == 2
-    requests = [r.body for r in scripted.requests if r.api_key == upstream_key]
+    requests = [r.body for r in server.requests if r.api_key == upstream_key]
     for turn, request in zip(result.proxy_turns, requests):
         assert request["logprobs"] is True and request["top_logprobs"] == 3 and request["return_token_ids"] is True
         assert request["temperature"] == 0.0 and request["seed"] == 7 and request["model"] == "scripted-model"
-        direct = _direct_answer(scripted, upstream_key, request)
+        direct = _direct_answer(server, upstream_key, request)
         assert turn.prompt_token_ids == direct["prompt_token_ids"]
         assert turn.completion_token_ids == direct["choices"][0]["token_ids"]
         assert turn.per_token_logps == [e["logprob"] for e in direct["choices"][0]["logprobs"]["content"]]
@@ -335,9 +335,9 @@ def _direct_answer(server, key, body):
         return json.loads(response.read())
 
 
-def test_token_budget_ends_the_rollout_cleanly(scripted):
-    key = scripted.add_script([bash(f"echo {i} >> log.txt") for i in range(5)] + [ScriptedTurn(text="done")])
-    config = scripted_config(scripted, key, mode="transparent_proxy", max_total_tokens=1)
+def test_token_budget_ends_the_rollout_cleanly(server):
+    key = server.add_script([bash(f"echo {i} >> log.txt") for i in range(5)] + [ScriptedTurn(text="done")])
+    config = scripted_config(server, key, mode="transparent_proxy", max_total_tokens=1)
     result = run_rollout(PiTask(instruction="x", verify=["test -f log.txt"]), config)
     assert result.stop_reason == "budget" and result.budget_exhausted == "max_total_tokens"
     assert result.error_kind is None and result.reward == 1.0  # what the agent did is still scored

@@ -10,16 +10,10 @@ import time
 import aiohttp
 import pytest
 
-from pi_env.testing import Fault, ScriptedServer, ScriptedToolCall, ScriptedTurn
+from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
 from pi_env.testing.scripted import SCRIPT_FINISHED_TEXT, synthetic_token_id
 
 USER = {"role": "user", "content": "Fix the bug."}
-
-
-@pytest.fixture
-def server():
-    with ScriptedServer() as s:
-        yield s
 
 
 def chat_body(messages=None, *, stream=True, **extra):

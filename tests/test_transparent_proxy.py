@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from test_gateway import REAL_KEY, _call, call, free_port, sse_json, wait_for
 
-from pi_env.proxy import Gateway, Upstream
+from pi_env.proxy import Upstream
 from pi_env.proxy.capture import Assembler, TurnCapture
 from pi_env.proxy.rewrite import CaptureOptions
 from pi_env.testing.scripted import (
@@ -22,7 +22,6 @@ from pi_env.testing.scripted import (
     LLAMA_CPP_LOGPROBS_ERROR,
     EngineQuirks,
     Fault,
-    ScriptedServer,
     ScriptedToolCall,
     ScriptedTurn,
     answer_deltas,
@@ -39,19 +38,6 @@ THINK_AND_CALL = ScriptedTurn(
     tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls -la"}),
                 ScriptedToolCall(name="read", arguments={"path": "a.py"}, id="call_read")],
 )
-
-
-@pytest.fixture(scope="module")
-def gateway():
-    gw = Gateway(read_timeout_s=2.0).start()
-    yield gw
-    gw.close()
-
-
-@pytest.fixture
-def server():
-    with ScriptedServer() as s:
-        yield s
 
 
 @pytest.fixture

@@ -40,7 +40,8 @@ from aiohttp import web
 
 from pi_env._aio import background_loop
 from pi_env.proxy.capture import ChoiceCapture, TurnCapture, sse_from_capture
-from pi_env.proxy.gateway import Call, GatewaySession, RelayedResponse, TurnRecord, describe, json_error
+from pi_env.proxy.gateway import Call, GatewaySession, RelayedResponse, TurnRecord, agent_request, describe, \
+    not_a_json_object
 from pi_env.proxy.rewrite import SAMPLING_KEYS, CaptureOptions
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -330,12 +331,9 @@ class InterceptionGate:
     # -- the agent's side (on the gateway's loop)
 
     async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse:
-        try:
-            request = msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            request = None
-        if not isinstance(request, dict):
-            return json_error(400, "pi-env gateway: the request body is not a JSON object", "invalid_request")
+        request = agent_request(body)
+        if request is None:
+            return not_a_json_object()
         if self.stop_reason or self.ended:  # after a timeout or the end: stop at once
             reason = self.stop_reason or self.ended
             turn.upstream_error = self.stop_message or f"interception_gate: the session ended ({reason})"

@@ -244,6 +244,20 @@ def json_error(status: int, message: str, error_type: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": error_type}}, status=status)
 
 
+def agent_request(body: bytes) -> dict | None:
+    """The agent's chat/completions body as a JSON object; None when it is not one (answer
+    with `not_a_json_object()`)."""
+    try:
+        request = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    return request if isinstance(request, dict) else None
+
+
+def not_a_json_object() -> web.Response:
+    return json_error(400, "pi-env gateway: the request body is not a JSON object", "invalid_request")
+
+
 def bearer_token(request: web.Request) -> str | None:
     value = request.headers.get("Authorization", "")
     return value[7:].strip() if value[:7].lower() == "bearer " else None

@@ -20,7 +20,8 @@ import msgspec
 from aiohttp import web
 
 from pi_env.proxy.capture import Assembler, TurnCapture, sse_from_capture
-from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, describe, json_error
+from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, agent_request, describe, json_error, \
+    not_a_json_object
 from pi_env.proxy.rewrite import rejects_capture, rewrite_request, without_capture
 
 NON_STREAMING = "non_streaming"
@@ -35,12 +36,9 @@ class TransparentProxy:
         self.fallback_reason: str | None = None
 
     async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse:
-        try:
-            request = msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            request = None
-        if not isinstance(request, dict):
-            return json_error(400, "pi-env gateway: the request body is not a JSON object", "invalid_request")
+        request = agent_request(body)
+        if request is None:
+            return not_a_json_object()
         rewritten = rewrite_request(request, self.options)
         turn.capture = capture = TurnCapture(request=rewritten)
         streaming = rewritten.get("stream") is True
