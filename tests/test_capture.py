@@ -519,3 +519,15 @@ def test_capture_views_feed_the_training_view():
     turn = Turn(0, capture.prompt_token_ids, capture.completion_token_ids, capture.per_token_logps)
     (segment,) = build_training_trace([turn]).segments
     assert segment.token_ids == [1, 2, 10, 11] and segment.logprobs == [None, None, -1.0, None]
+
+
+def test_llama_cpp_ids_on_logprob_entries_are_used():
+    """llama.cpp names each token's id in its logprob entry (`id`), with no token_ids field."""
+    body = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Hi!"},
+                         "logprobs": {"content": [{**lp("Hi", -0.5), "id": 17}, {**lp("!", -0.25), "id": 0}]}}]}
+    capture = assemble_body(body)
+    assert capture.completion_token_ids == [17, 0] and capture.per_token_logps == [-0.5, -0.25]
+    assert capture.token_ids_source == "logprob_tokens"
+    one_missing = {"choices": [{**body["choices"][0], "logprobs": {"content": [{**lp("Hi", -0.5), "id": 17},
+                                                                              lp("!", -0.25)]}}]}
+    assert assemble_body(one_missing).completion_token_ids == []  # never half a sequence

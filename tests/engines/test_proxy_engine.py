@@ -67,7 +67,7 @@ def test_captured_ids_and_logprobs_equal_the_engines(vllm_engine):
     assert capture.per_token_logps == pytest.approx([e["logprob"] for e in direct["logprobs"]], abs=1e-6)
     assert capture.prompt_token_ids == direct["prompt_token_ids"]
     assert capture.token_ids_source == "token_ids" and capture.token_ids_missing_reason is None
-    assert all(len(top) == TOP for top in capture.choices[0].top_logprobs)
+    assert all(len(top) == TOP for top in capture.choices[0].decoded_top_logprobs())
 
 
 def test_captured_prompt_ids_equal_the_engines_tokenize(vllm_engine):
@@ -140,3 +140,33 @@ def test_engine_request_rewrite_is_what_the_engine_received(vllm_engine):
     unstreamed = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     answer = post_json(vllm_engine.base_url + "/chat/completions", unstreamed)
     assert answer["choices"][0]["token_ids"] and answer["prompt_token_ids"]
+
+
+def test_llama_cpp_rejecting_logprobs_with_tools_and_stream_falls_back_keeping_ids(llama_engine):
+    """llama.cpp answers 400 "logprobs is not supported with tools + stream": the gateway asks
+    unstreamed with capture, replays the answer to the agent as SSE, and keeps the ids."""
+    gateway = get_gateway()
+    options = CaptureOptions(logprobs=True, top_logprobs=TOP, model=llama_engine.model, max_tokens_cap=32,
+                             sampling={"temperature": 0.0, "seed": SEED})
+    session = gateway.open_session(Upstream(llama_engine.base_url, None, llama_engine.model),
+                                   mode="transparent_proxy", capture=options)
+
+    async def call() -> bytes:
+        async with aiohttp.ClientSession() as client:
+            async with client.post(gateway.tcp_base_url + "/chat/completions", json=agent_body(tools=[WEATHER_TOOL]),
+                                   headers={"Authorization": f"Bearer {session.token}"}) as response:
+                assert response.status == 200, await response.text()
+                return await response.read()
+
+    try:
+        raw = asyncio.run(call())
+        assert session.wait_idle(60)
+        (turn,) = session.turns
+    finally:
+        gateway.close_session(session)
+    capture = turn.capture
+    assert capture.fallback and capture.fallback.startswith("non_streaming")
+    assert raw.startswith(b"data: ") and raw.endswith(b"data: [DONE]\n\n")
+    assert capture.completion_token_ids and len(capture.per_token_logps) == len(capture.completion_token_ids)
+    assert capture.token_ids_source == "logprob_tokens"
+    NOTES.append(f"llama.cpp fallback: {capture.fallback[:60]}..., {len(capture.completion_token_ids)} ids kept")

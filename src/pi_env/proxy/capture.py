@@ -4,7 +4,8 @@ and the engine's own token ids and logprobs, aligned 1:1, never re-tokenised or 
 Where ids come from, in order of preference:
   - `token_ids` on each choice (vLLM >= 0.10.2 with `return_token_ids: true`), with
     `prompt_token_ids` on the first chunk (or the body);
-  - logprob tokens of the form "token_id:N" (vLLM `--return-tokens-as-token-ids`, llama.cpp).
+  - ids on the logprob entries: an `id` field (llama.cpp), or tokens of the form
+    "token_id:N" (vLLM `--return-tokens-as-token-ids`).
 When neither is there, the capture says why in `token_ids_missing_reason`.
 
 Parsing happens once per answer, after its bytes were relayed (see gateway): the hot path only
@@ -31,6 +32,7 @@ class TopLogprob(msgspec.Struct):
 class LogprobEntry(msgspec.Struct):
     token: str | None = None
     logprob: float | None = None
+    id: int | None = None  # llama.cpp names each token's id here
     # Kept as the engine's raw JSON: decoding 5-20 alternatives per token is most of the cost of
     # capture, and only a reader of the trace needs them (see ChoiceCapture.decoded_top_logprobs).
     top_logprobs: msgspec.Raw = msgspec.Raw(b"[]")  # a JSON null arrives as Raw(b"null")
@@ -93,6 +95,7 @@ class ChoiceCapture:
     tokens: list[str] = field(default_factory=list)  # each token's text, as the engine gave it
     top_logprobs: list[msgspec.Raw] = field(default_factory=list)  # per token, the engine's JSON
     ids_complete: bool = True  # every generated token came with its id
+    ids_from_logprobs: bool = False  # ids read off logprob entries ("id" or "token_id:N" tokens)
     alignment_error: str | None = None
 
     def decoded_top_logprobs(self) -> list[list[dict[str, Any]]]:
@@ -261,8 +264,10 @@ class Assembler:
         entries = (raw.logprobs.content if raw.logprobs is not None else None) or []
         ids = raw.token_ids
         if ids is None and entries:
-            parsed = [_token_id(entry.token) for entry in entries]
+            parsed = [entry.id if entry.id is not None else _token_id(entry.token) for entry in entries]
             ids = parsed if None not in parsed else None
+            if ids is not None:
+                choice.ids_from_logprobs = True
         if ids is None:
             if entries:  # logprobs without ids: keep the logprobs, mark the ids incomplete
                 choice.ids_complete = False
@@ -301,7 +306,7 @@ class Assembler:
         elif first.alignment_error:
             capture.token_ids_missing_reason = first.alignment_error
         elif first.token_ids and first.ids_complete:
-            capture.token_ids_source = "token_ids" if not _all_prefixed(first.tokens) else "logprob_tokens"
+            capture.token_ids_source = "logprob_tokens" if first.ids_from_logprobs else "token_ids"
         elif first.tokens:
             capture.token_ids_missing_reason = ("the engine sent logprobs with text tokens but no token ids "
                                                 "(it does not support return_token_ids)")
@@ -327,9 +332,6 @@ def _token_id(token: Any) -> int | None:
             return None
     return None
 
-
-def _all_prefixed(tokens: list[str]) -> bool:
-    return bool(tokens) and all(t.startswith(TOKEN_ID_PREFIX) for t in tokens)
 
 
 def sse_from_capture(capture: TurnCapture, *, include_usage: bool) -> bytes:
