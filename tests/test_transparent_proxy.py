@@ -481,3 +481,21 @@ def test_32_concurrent_sessions_keep_their_traces_apart(gateway, server, open_se
         assert view.append_only, f"session {i}"
     assert len(server.requests) == 2 * n
     assert elapsed < 5, f"32 concurrent sessions took {elapsed:.1f} s"
+
+
+def test_a_large_answer_is_assembled_in_the_worker_process_exactly(gateway, server, open_session):
+    """Answers past OFFLOAD_MIN_BYTES are parsed off the event loop, in a worker process; the
+    capture is the same as the inline path's."""
+    from pi_env.proxy import transparent
+
+    long_turn = ScriptedTurn(text="abcd" * 3000, chunk_chars=4)
+    session = open_session([long_turn])
+    status, _, raw = call(gateway, session, body=chat())
+    assert status == 200 and len(raw) > transparent.OFFLOAD_MIN_BYTES
+    capture = only_turns(session).capture
+    assert transparent._pool is not None  # the worker process was used
+    assert capture.completion_token_ids == script_ids(long_turn, 0)
+    assert capture.choices[0].content == long_turn.text and capture.request["logprobs"] is True
+    inline = assembled(raw)
+    assert capture.per_token_logps == inline.per_token_logps and capture.usage == inline.usage
+    assert session.turns[0].total_tokens == capture.usage["total_tokens"]

@@ -317,6 +317,20 @@ class Assembler:
         return capture
 
 
+def assemble_answer(raw: bytes, streaming: bool) -> TurnCapture:
+    """A capture of one answer (without its request). Never raises: a problem is recorded. A
+    plain function of bytes, so it can run in a worker process."""
+    capture = TurnCapture(request={})
+    try:
+        if streaming:
+            Assembler(capture).stream(raw)
+        else:
+            Assembler(capture).body(raw)
+    except Exception as exc:  # noqa: BLE001 - any malformed answer: record why, keep going
+        capture.token_ids_missing_reason = f"the answer could not be assembled: {type(exc).__name__}: {exc}"
+    return capture
+
+
 def _append_entries(choice: ChoiceCapture, entries: list[LogprobEntry]) -> None:
     for entry in entries:
         choice.logprobs.append(entry.logprob)

@@ -26,7 +26,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
@@ -432,17 +432,21 @@ class Gateway:
             return budget_answer(body, session.budget_exhausted)
         turn = TurnRecord(turn=index, started_at=time.time())
         started = time.perf_counter()
+        call = Call(self, session, request, started)
         try:
             body = await request.read()
             turn.request_bytes = len(body)
-            return await session.strategy.chat_completions(Call(self, session, request, started), body, turn)
+            return await session.strategy.chat_completions(call, body, turn)
         except asyncio.CancelledError:
             turn.client_disconnected = True  # handler cancelled: the agent hung up
             raise
         finally:
             if turn.latency_s is None:
                 turn.latency_s = time.perf_counter() - started
-            session.record(turn)
+            if call.finishing is None:
+                session.record(turn)
+            else:  # the strategy finishes the record after the agent has its answer
+                call.finishing.add_done_callback(lambda _: session.record(turn))
 
 
 class Call:
@@ -450,6 +454,14 @@ class Call:
 
     def __init__(self, gateway: Gateway, session: GatewaySession, request: web.Request, started: float):
         self.gateway, self.session, self.request, self.started = gateway, session, request, started
+        self.finishing: asyncio.Task | None = None  # see finish_record_later
+
+    def finish_record_later(self, work: Awaitable[None]) -> None:
+        """Complete the turn's record in a task of its own, after the handler returned: work done
+        once the agent has its whole answer must neither delay the agent nor be cut short when
+        the agent then closes its connection (which cancels the handler). The turn is recorded
+        when `work` ends; GatewaySession.wait_idle() waits for it."""
+        self.finishing = asyncio.ensure_future(work)
 
     async def relay(self, body: bytes, turn: TurnRecord, *, keep: bytearray | None = None) -> web.StreamResponse:
         """Forward the body upstream and stream the answer back as it arrives."""

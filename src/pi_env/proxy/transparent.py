@@ -13,13 +13,18 @@ the rest of the session once it worked, and recorded in every turn it affects:
 from __future__ import annotations
 
 import asyncio
+import atexit
+import multiprocessing
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from pi_env.proxy.capture import Assembler, TurnCapture, sse_from_capture
+from pi_env.proxy.capture import TurnCapture, assemble_answer, sse_from_capture
 from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, agent_request, describe, json_error, \
     not_a_json_object
 from pi_env.proxy.rewrite import rejects_capture, rewrite_request, without_capture
@@ -111,22 +116,66 @@ class TransparentProxy:
                       streaming: bool) -> web.StreamResponse:
         raw = bytearray()
         try:
-            return await call.stream(answer, turn, keep=raw, finish=True)
-        finally:  # also when the agent hung up and the handler was cancelled: keep what came
+            response = await call.stream(answer, turn, keep=raw, finish=True)
+        except asyncio.CancelledError:  # the agent hung up: keep what had arrived
             self._assemble(capture, turn, bytes(raw), streaming)
+            raise
+        data = bytes(raw)
+        if len(data) < OFFLOAD_MIN_BYTES:
+            self._assemble(capture, turn, data, streaming)
+        else:
+            call.finish_record_later(self._assemble_in_worker(capture, turn, data, streaming))
+        return response
+
+    async def _assemble_in_worker(self, capture: TurnCapture, turn: TurnRecord, raw: bytes,
+                                  streaming: bool) -> None:
+        """Large answers are parsed in a worker process: tens of milliseconds of decoding would
+        otherwise hold the gateway's event loop, and with it every other stream."""
+        pool = capture_pool()
+        try:
+            if pool is None:
+                raise RuntimeError("no worker process")
+            assembled = await asyncio.get_running_loop().run_in_executor(pool, assemble_answer, raw, streaming)
+        except (BrokenProcessPool, OSError, RuntimeError, asyncio.CancelledError):
+            return self._assemble(capture, turn, raw, streaming)  # inline, rather than lose it
+        _merge(capture, assembled)
+        _count_tokens(capture, turn)
 
     @staticmethod
     def _assemble(capture: TurnCapture, turn: TurnRecord, raw: bytes, streaming: bool) -> None:
-        """Never lets a capture problem break the agent's turn: it is recorded instead."""
-        try:
-            if streaming:
-                Assembler(capture).stream(raw)
-            else:
-                Assembler(capture).body(raw)
-        except Exception as exc:  # noqa: BLE001 - any malformed answer: record why, keep going
-            capture.token_ids_missing_reason = f"the answer could not be assembled: {type(exc).__name__}: {exc}"
-        if capture.usage and isinstance(capture.usage.get("total_tokens"), int):
-            turn.total_tokens = capture.usage["total_tokens"]
+        _merge(capture, assemble_answer(raw, streaming))
+        _count_tokens(capture, turn)
+
+
+def _merge(capture: TurnCapture, assembled: TurnCapture) -> None:
+    """Fill `capture` (which already holds the request and any fallback) from an assembly."""
+    for name, value in vars(assembled).items():
+        if name not in ("request", "fallback"):
+            setattr(capture, name, value)
+
+
+def _count_tokens(capture: TurnCapture, turn: TurnRecord) -> None:
+    if capture.usage and isinstance(capture.usage.get("total_tokens"), int):
+        turn.total_tokens = capture.usage["total_tokens"]
+
+
+OFFLOAD_MIN_BYTES = 64 << 10  # below this, a round trip to the worker costs more than parsing
+_pool: ProcessPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def capture_pool() -> ProcessPoolExecutor | None:
+    """One worker process per gateway process, started on first use (forkserver: the gateway's
+    process has threads, so plain fork is unsafe). None where processes cannot be started."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            try:
+                _pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("forkserver"))
+            except (OSError, ValueError):
+                return None
+            atexit.register(_pool.shutdown, wait=False, cancel_futures=True)
+        return _pool
 
 
 def _error_answer(status: int, body: bytes, content_type: str | None) -> web.Response:
