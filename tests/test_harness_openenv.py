@@ -58,13 +58,13 @@ def oe():
 
 
 @pytest.fixture
-def factory_for(scripted):
+def factory_for(server):
     """factory_for(script, **config) -> a HarnessSessionFactory against the scripted server."""
     from pi_env.harness import HarnessSessionFactory
 
     def make(script, *, tasks=TASKS, sampling=None, **overrides):
-        key = scripted.add_script(script)
-        return HarnessSessionFactory(scripted_config(scripted, key, **overrides), tasks=tasks, sampling=sampling)
+        key = server.add_script(script)
+        return HarnessSessionFactory(scripted_config(server, key, **overrides), tasks=tasks, sampling=sampling)
 
     return make
 
@@ -169,7 +169,7 @@ def _direct_answer(server, key, body):
 @pytest.mark.needs_bwrap
 @pytest.mark.slow
 @needs_openenv
-def test_sessions_satisfy_openenv_and_the_training_trace_passes_its_validation(oe, factory_for, scripted):
+def test_sessions_satisfy_openenv_and_the_training_trace_passes_its_validation(oe, factory_for, server):
     from openenv.core.harness.capture.upstream import training_sampling
     from openenv.core.harness.capture.validate import check_turn, validate_training_turn
 
@@ -192,12 +192,12 @@ def test_sessions_satisfy_openenv_and_the_training_trace_passes_its_validation(o
     rebuilt = oe.TrainingTrace.from_entries(entries)  # (it adds node_id to each turn's metadata)
     assert [t.model_dump(exclude={"metadata"}) for t in rebuilt.turns] == \
         [t.model_dump(exclude={"metadata"}) for t in trace.turns]
-    requests = [r.body for r in scripted.requests if r.api_key == key]
+    requests = [r.body for r in server.requests if r.api_key == key]
     assert len(requests) == 2
     for turn, request, pi_turn in zip(trace.turns, requests, result.proxy_turns):
         validate_training_turn(turn.prompt_token_ids, turn.completion_token_ids, turn.per_token_logps, turn.loss_mask)
         assert check_turn(turn.prompt_token_ids, turn.completion_token_ids, turn.per_token_logps).ok
-        direct = _direct_answer(scripted, key, request)  # what the engine itself says to this request
+        direct = _direct_answer(server, key, request)  # what the engine itself says to this request
         assert turn.prompt_token_ids == direct["prompt_token_ids"]
         assert turn.completion_token_ids == direct["choices"][0]["token_ids"] == pi_turn.completion_token_ids
         assert turn.per_token_logps == [e["logprob"] for e in direct["choices"][0]["logprobs"]["content"]]
@@ -222,7 +222,7 @@ def test_sessions_satisfy_openenv_and_the_training_trace_passes_its_validation(o
 @pytest.mark.needs_bwrap
 @pytest.mark.slow
 @needs_openenv
-def test_training_sampling_is_forced_on_every_model_call(factory_for, scripted):
+def test_training_sampling_is_forced_on_every_model_call(factory_for, server):
     from openenv.core.harness.capture.upstream import training_sampling
 
     sampling = training_sampling({"temperature": 0.3, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
@@ -230,7 +230,7 @@ def test_training_sampling_is_forced_on_every_model_call(factory_for, scripted):
     factory = factory_for(TWO_TURNS, sampling=sampling)
     with factory.create("write a.txt") as session:
         session.wait_for_completion(timeout_s=120)
-    requests = [r.body for r in scripted.requests if r.api_key == factory.config.api_key]
+    requests = [r.body for r in server.requests if r.api_key == factory.config.api_key]
     assert len(requests) == 2
     for body in requests:
         assert {k: body.get(k) for k in sampling} == sampling  # top_k 0 arrives as openenv's -1
@@ -326,13 +326,13 @@ def test_close_from_another_thread_ends_a_running_rollout_unscored(factory_for):
 @pytest.mark.slow
 @needs_openenv
 @pytest.mark.parametrize("case", ["no_ids", "null_logprobs", "black_box"])
-def test_a_capture_that_breaks_the_contract_raises(factory_for, scripted, case):
+def test_a_capture_that_breaks_the_contract_raises(factory_for, server, case):
     from pi_env.testing.scripted import EngineQuirks
 
     script = TWO_TURNS
     overrides = {}
     if case == "no_ids":
-        scripted.quirks = EngineQuirks(ignore_return_token_ids=True)  # an engine without return_token_ids
+        server.quirks = EngineQuirks(ignore_return_token_ids=True)  # an engine without return_token_ids
     elif case == "null_logprobs":
         script = [ScriptedTurn(text="a long enough answer", null_logprob_every=3)]
     else:
@@ -387,7 +387,7 @@ def _stand_in_tokenizer():
 @pytest.mark.needs_bwrap
 @pytest.mark.slow
 @needs_trl
-def test_trl_harness_rollout_worker_trains_on_pi_env_sessions(scripted, monkeypatch):
+def test_trl_harness_rollout_worker_trains_on_pi_env_sessions(server, monkeypatch):
     """TRL 1.16's `HarnessRolloutWorker`, for real: it spawns its child process, which builds our
     factory with `sampling=training_sampling(...)`, creates a session per rollout with the
     group's seed, waits, fetches and maps the training trace, verifies, reconciles sequences,
@@ -412,9 +412,9 @@ def test_trl_harness_rollout_worker_trains_on_pi_env_sessions(scripted, monkeypa
              f"print(int(u.urlopen('http://127.0.0.1:{counter.server_port}').read()) % 2)\" > .parity")
     tasks = [PiTask(task_id=f"parity-{i}", instruction=f"task {i}: write a.txt", setup=[fetch],
                     verify=["test -f a.txt", "test \"$(cat .parity)\" = 1"]) for i in range(2)]
-    key = scripted.add_script(TWO_TURNS)
+    key = server.add_script(TWO_TURNS)
     worker = HarnessRolloutWorker(
-        harness_session_factory=partial(HarnessSessionFactory, scripted_config(scripted, key), tasks=tasks),
+        harness_session_factory=partial(HarnessSessionFactory, scripted_config(server, key), tasks=tasks),
         model_name="scripted-model", dataset=Dataset.from_list(dataset_rows(tasks)), reward_funcs=[],
         processing_class=_stand_in_tokenizer(), eos_token_ids=[1], num_generations=2, max_inflight_tasks=2,
         temperature=0.9, top_p=1.0, top_k=0, child_ready_timeout=240)
@@ -438,7 +438,7 @@ def test_trl_harness_rollout_worker_trains_on_pi_env_sessions(scripted, monkeypa
     for sample in samples:
         by_group.setdefault(sample.group_id, []).append(sample)
     assert sorted(by_group) == [0, 1] and all(len(group) == 2 for group in by_group.values())
-    requests = [r.body for r in scripted.requests if r.api_key == key]
+    requests = [r.body for r in server.requests if r.api_key == key]
     assert requests and all(body["temperature"] == 0.9 and body["top_p"] == 1.0 and body["top_k"] == -1
                             for body in requests)  # TRL's policy, forced by the gateway
     for group_id, group in by_group.items():
@@ -450,7 +450,7 @@ def test_trl_harness_rollout_worker_trains_on_pi_env_sessions(scripted, monkeypa
         # what it generated then, with the mask on generated tokens and their logprobs.
         last = next(body for body in requests if tasks[group_id].instruction in json.dumps(body["messages"])
                     and any(m.get("role") == "assistant" for m in body["messages"]))
-        direct = _direct_answer(scripted, key, last)
+        direct = _direct_answer(server, key, last)
         for sample in group:
             assert math.isclose(sample.advantage, 1.0 if sample.metrics["reward"] == 1.0 else -1.0, abs_tol=1e-6)
             ids, mask, logps = sample.input_ids.tolist(), sample.completion_mask.tolist(), sample.old_log_probs.tolist()
