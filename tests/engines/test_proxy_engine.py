@@ -35,11 +35,11 @@ def agent_body(**extra) -> dict:
             "stream_options": {"include_usage": True}, "temperature": 1.3, "max_tokens": 4096, **extra}
 
 
-def through_gateway(engine, body: dict):
+def through_gateway(engine, body: dict, options: CaptureOptions | None = None):
     """One call through a transparent_proxy session; returns (session's turn record, SSE bytes)."""
     gateway = get_gateway()
     session = gateway.open_session(Upstream(engine.base_url, None, engine.model), mode="transparent_proxy",
-                                   capture=capture_options(engine))
+                                   capture=options or capture_options(engine))
 
     async def call() -> bytes:
         async with aiohttp.ClientSession() as client:
@@ -145,25 +145,9 @@ def test_engine_request_rewrite_is_what_the_engine_received(vllm_engine):
 def test_llama_cpp_rejecting_logprobs_with_tools_and_stream_falls_back_keeping_ids(llama_engine):
     """llama.cpp answers 400 "logprobs is not supported with tools + stream": the gateway asks
     unstreamed with capture, replays the answer to the agent as SSE, and keeps the ids."""
-    gateway = get_gateway()
     options = CaptureOptions(logprobs=True, top_logprobs=TOP, model=llama_engine.model, max_tokens_cap=32,
                              sampling={"temperature": 0.0, "seed": SEED})
-    session = gateway.open_session(Upstream(llama_engine.base_url, None, llama_engine.model),
-                                   mode="transparent_proxy", capture=options)
-
-    async def call() -> bytes:
-        async with aiohttp.ClientSession() as client:
-            async with client.post(gateway.tcp_base_url + "/chat/completions", json=agent_body(tools=[WEATHER_TOOL]),
-                                   headers={"Authorization": f"Bearer {session.token}"}) as response:
-                assert response.status == 200, await response.text()
-                return await response.read()
-
-    try:
-        raw = asyncio.run(call())
-        assert session.wait_idle(60)
-        (turn,) = session.turns
-    finally:
-        gateway.close_session(session)
+    turn, raw = through_gateway(llama_engine, agent_body(tools=[WEATHER_TOOL]), options)
     capture = turn.capture
     assert capture.fallback and capture.fallback.startswith("non_streaming")
     assert raw.startswith(b"data: ") and raw.endswith(b"data: [DONE]\n\n")
