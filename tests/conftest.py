@@ -1,5 +1,7 @@
+import json
 import os
 import shutil
+import urllib.request
 
 import pytest
 
@@ -51,3 +53,12 @@ def processes_of_uid(uid: int) -> list[tuple[int, str]]:
         except (FileNotFoundError, ProcessLookupError, StopIteration):
             continue
     return found
+
+
+def direct_answer(server: ScriptedServer, key: str, body: dict) -> dict:
+    """The same request sent straight to the upstream, unstreamed: what the engine says."""
+    request = urllib.request.Request(server.base_url + "/chat/completions",
+                                     data=json.dumps({**body, "stream": False}).encode(),
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())

@@ -16,14 +16,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.util import find_spec
 
 import pytest
 
-from conftest import processes_of_uid, scripted_config
+from conftest import direct_answer, processes_of_uid, scripted_config
 from pi_env import PiConfig, PiTask, TaskError
 from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
 
@@ -157,15 +156,6 @@ def test_factory_is_openenv_and_picklable_as_trl_passes_it(oe):
 # -- real rollouts --------------------------------------------------------------------------
 
 
-def _direct_answer(server, key, body):
-    """The same request sent straight to the upstream, unstreamed: what the engine says."""
-    request = urllib.request.Request(server.base_url + "/chat/completions",
-                                     data=json.dumps({**body, "stream": False}).encode(),
-                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
-
-
 @pytest.mark.needs_bwrap
 @pytest.mark.slow
 @needs_openenv
@@ -197,7 +187,7 @@ def test_sessions_satisfy_openenv_and_the_training_trace_passes_its_validation(o
     for turn, request, pi_turn in zip(trace.turns, requests, result.proxy_turns):
         validate_training_turn(turn.prompt_token_ids, turn.completion_token_ids, turn.per_token_logps, turn.loss_mask)
         assert check_turn(turn.prompt_token_ids, turn.completion_token_ids, turn.per_token_logps).ok
-        direct = _direct_answer(server, key, request)  # what the engine itself says to this request
+        direct = direct_answer(server, key, request)  # what the engine itself says to this request
         assert turn.prompt_token_ids == direct["prompt_token_ids"]
         assert turn.completion_token_ids == direct["choices"][0]["token_ids"] == pi_turn.completion_token_ids
         assert turn.per_token_logps == [e["logprob"] for e in direct["choices"][0]["logprobs"]["content"]]
@@ -450,7 +440,7 @@ def test_trl_harness_rollout_worker_trains_on_pi_env_sessions(server, monkeypatc
         # what it generated then, with the mask on generated tokens and their logprobs.
         last = next(body for body in requests if tasks[group_id].instruction in json.dumps(body["messages"])
                     and any(m.get("role") == "assistant" for m in body["messages"]))
-        direct = _direct_answer(server, key, last)
+        direct = direct_answer(server, key, last)
         for sample in group:
             assert math.isclose(sample.advantage, 1.0 if sample.metrics["reward"] == 1.0 else -1.0, abs_tol=1e-6)
             ids, mask, logps = sample.input_ids.tolist(), sample.completion_mask.tolist(), sample.old_log_probs.tolist()

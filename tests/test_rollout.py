@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import processes_of_uid, scripted_config
+from conftest import direct_answer, processes_of_uid, scripted_config
 from pi_env import PiConfig, PiSessionFactory, PiTask, load_tasks, run_rollout
 from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
 
@@ -307,7 +307,7 @@ def test_transparent_proxy_captures_every_turn_with_engine_ids(server, tmp_path)
     for turn, request in zip(result.proxy_turns, requests):
         assert request["logprobs"] is True and request["top_logprobs"] == 3 and request["return_token_ids"] is True
         assert request["temperature"] == 0.0 and request["seed"] == 7 and request["model"] == "scripted-model"
-        direct = _direct_answer(server, upstream_key, request)
+        direct = direct_answer(server, upstream_key, request)
         assert turn.prompt_token_ids == direct["prompt_token_ids"]
         assert turn.completion_token_ids == direct["choices"][0]["token_ids"]
         assert turn.per_token_logps == [e["logprob"] for e in direct["choices"][0]["logprobs"]["content"]]
@@ -322,17 +322,6 @@ def test_transparent_proxy_captures_every_turn_with_engine_ids(server, tmp_path)
     lines = Path(result.trace_path).read_text().splitlines()
     assert len(lines) == 2 and upstream_key not in "".join(lines)
     assert json.loads(lines[0])["capture"]["completion_token_ids"] == result.proxy_turns[0].completion_token_ids
-
-
-def _direct_answer(server, key, body):
-    """The same request sent straight to the upstream, unstreamed: what the engine says."""
-    import urllib.request
-
-    request = urllib.request.Request(server.base_url + "/chat/completions",
-                                     data=json.dumps({**body, "stream": False}).encode(),
-                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
 
 
 def test_token_budget_ends_the_rollout_cleanly(server):
