@@ -78,11 +78,9 @@ class TransparentProxy:
         capture.fallback = f"{WITHOUT_CAPTURE}: {self.fallback_reason}"
         plain = capture.request = without_capture(rewritten)
         turn.upstream_status = turn.upstream_error = None
-        answer = await call.open(msgspec.json.encode(plain), turn)
+        answer = await _send(call, plain, turn)
         if isinstance(answer, web.Response):
             return answer
-        if answer.status >= 400:
-            return _error_answer(answer.status, await call.read_error(answer, turn), answer.content_type)
         self.fallback = WITHOUT_CAPTURE
         return await self._stream(call, answer, capture, turn, streaming)
 
@@ -92,11 +90,9 @@ class TransparentProxy:
         capture.fallback = f"{NON_STREAMING}: {self.fallback_reason}"
         body = capture.request = {k: v for k, v in rewritten.items() if k not in ("stream", "stream_options")}
         turn.upstream_status = turn.upstream_error = None
-        answer = await call.open(msgspec.json.encode(body), turn)
+        answer = await _send(call, body, turn)
         if isinstance(answer, web.Response):
             return answer
-        if answer.status >= 400:
-            return _error_answer(answer.status, await call.read_error(answer, turn), answer.content_type)
         turn.upstream_status = answer.status
         try:
             raw = await answer.read()
@@ -176,6 +172,15 @@ def capture_pool() -> ProcessPoolExecutor | None:
                 return None
             atexit.register(_pool.shutdown, wait=False, cancel_futures=True)
         return _pool
+
+
+async def _send(call: Call, body: dict, turn: TurnRecord) -> aiohttp.ClientResponse | web.Response:
+    """The upstream's 2xx answer to `body`, or what the agent gets instead (a 502 when the
+    upstream is unreachable, else the upstream's own error)."""
+    answer = await call.open(msgspec.json.encode(body), turn)
+    if isinstance(answer, web.Response) or answer.status < 400:
+        return answer
+    return _error_answer(answer.status, await call.read_error(answer, turn), answer.content_type)
 
 
 def _error_answer(status: int, body: bytes, content_type: str | None) -> web.Response:
