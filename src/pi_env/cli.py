@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -14,6 +15,11 @@ EXIT_BAD_INPUT = 2
 EXIT_INFRA = 3
 INFRA_KINDS = {"infra", "endpoint_error"}
 
+# Subcommands whose code lives with their room. Each module has `add_arguments(parser)` and
+# `run(args) -> exit code`, and imports its heavy dependencies only inside `run`.
+ROOM_COMMANDS: dict[str, tuple[str, str]] = {
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pi-env", description="Run the Pi coding agent on tasks in a sandbox.")
@@ -21,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run = commands.add_parser("run", help="run rollouts of a task file, a JSONL task set or a directory of tasks")
     run.add_argument("tasks", type=Path, help="TASK.json, TASKS.jsonl or a directory of task JSON files")
-    _endpoint_arguments(run)
+    endpoint_arguments(run)
     run.add_argument("--mode", default="black_box", choices=["black_box", "transparent_proxy"])
     run.add_argument("--max-turns", type=int, default=None, help="model calls per rollout (default 50)")
     run.add_argument("--max-total-tokens", type=int, default=None, help="usage.total_tokens budget per rollout")
@@ -32,17 +38,23 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", type=Path, help="write the results as JSON lines to this file")
 
     doctor = commands.add_parser("doctor", help="check bubblewrap, the Pi runtime and the endpoint")
-    _endpoint_arguments(doctor)
+    endpoint_arguments(doctor)
     doctor.add_argument("--backend", default="local")
+
+    for name, (module_name, help_text) in ROOM_COMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(commands.add_parser(name, help=help_text))
 
     args = parser.parse_args(argv)
     try:
+        if args.command in ROOM_COMMANDS:
+            return importlib.import_module(ROOM_COMMANDS[args.command][0]).run(args)
         return _run(args) if args.command == "run" else _doctor(args)
     except KeyboardInterrupt:
         return 130
 
 
-def _endpoint_arguments(parser: argparse.ArgumentParser) -> None:
+def endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", default="oracle",
                         help="vllm, openai, hf_router, oracle (replays the task's solution) or an http(s) URL")
     parser.add_argument("--base-url", default=None)
@@ -50,7 +62,7 @@ def _endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="upstream key (or the endpoint's env var)")
 
 
-def _config(args, **extra) -> PiConfig:
+def config_from_args(args, **extra) -> PiConfig:
     fields = dict(endpoint=args.endpoint, base_url=args.base_url, model=args.model, api_key=args.api_key,
                   sandbox_backend=args.backend, **extra)
     return PiConfig(**{k: v for k, v in fields.items() if v is not None})
@@ -66,7 +78,7 @@ def _run(args) -> int:
 
     try:
         tasks = load_tasks(args.tasks)
-        config = _config(args, mode=args.mode, max_turns=args.max_turns, agent_timeout_s=args.agent_timeout,
+        config = config_from_args(args, mode=args.mode, max_turns=args.max_turns, agent_timeout_s=args.agent_timeout,
                          max_total_tokens=args.max_total_tokens, trace_dir=args.trace_dir)
         factory = PiSessionFactory(config)
     except (TaskError, EndpointError, ValidationError, ValueError, NotImplementedError) as error:
@@ -133,7 +145,7 @@ def _doctor(args) -> int:
     from .sandbox import SandboxError, get_backend
     from .sandbox.base import SandboxSpec
 
-    config = _config(args)
+    config = config_from_args(args)
     ok = True
 
     def check(name: str, action) -> None:
