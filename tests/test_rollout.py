@@ -331,3 +331,38 @@ def test_token_budget_ends_the_rollout_cleanly(server):
     assert result.stop_reason == "budget" and result.budget_exhausted == "max_total_tokens"
     assert result.error_kind is None and result.reward == 1.0  # what the agent did is still scored
     assert len(result.proxy_turns) == 1 and result.files["log.txt"] == "0\n"
+
+
+def test_events_report_phases_and_each_model_call_live():
+    """on_event sees every phase open and close in lifecycle order, each model call as it is
+    recorded (before the rollout ends, with the turn's data), then "done" with the reward."""
+    task = PiTask(task_id="events", instruction="write x", verify=["grep -q hi x.txt"],
+                  solution=[{"tool": "write", "path": "x.txt", "content": "hi\n"},
+                            {"tool": "bash", "command": "cat x.txt"}])
+    events = []
+    result = run_rollout(task, on_event=events.append)
+    assert result.reward == 1.0
+    kinds = [e.kind for e in events]
+    assert kinds[-1] == "done" and kinds.count("done") == 1
+    assert events[-1].reward == 1.0 and events[-1].error_kind is None
+    started = [e.phase for e in events if e.kind == "phase_start"]
+    assert [e.phase for e in events if e.kind == "phase_end"] == started
+    assert started == ["runtime", "sandbox_create", "setup", "agent_start", "agent", "verify", "collect"]
+    turns = [e.turn for e in events if e.kind == "turn"]
+    assert [t.turn for t in turns] == [t.turn for t in result.proxy_turns] == [0, 1, 2]
+    assert all(t.upstream_status == 200 for t in turns)
+    position = {(e.kind, e.phase): i for i, e in enumerate(events)}
+    turn_positions = [i for i, e in enumerate(events) if e.kind == "turn"]
+    assert turn_positions[0] < position["phase_end", "agent"]  # live: while the agent runs
+    assert turn_positions[-1] < position["phase_start", "verify"]
+    assert [e.elapsed_s for e in events] == sorted(e.elapsed_s for e in events)
+
+
+def test_a_failing_event_listener_does_not_fail_the_rollout():
+    def listener(event):
+        raise RuntimeError("listener bug")
+
+    task = PiTask(task_id="bad-listener", instruction="write x", verify=["test -f x.txt"],
+                  solution=[{"tool": "write", "path": "x.txt", "content": "hi\n"}])
+    result = run_rollout(task, on_event=listener)
+    assert result.reward == 1.0 and result.error_kind is None

@@ -4,10 +4,10 @@ Kept light: heavy parts are imported where they are used.
 """
 
 from .config import PiConfig
-from .results import CommandResult, RolloutResult, RolloutTurn
+from .results import CommandResult, RolloutEvent, RolloutResult, RolloutTurn
 from .task import PiTask, TaskError, load_tasks
 
-__all__ = ["PiConfig", "PiTask", "TaskError", "load_tasks", "CommandResult", "RolloutResult", "RolloutTurn",
+__all__ = ["PiConfig", "PiTask", "TaskError", "load_tasks", "CommandResult", "RolloutEvent", "RolloutResult", "RolloutTurn",
            "PiSessionFactory", "PiSession", "run_rollout"]
 
 

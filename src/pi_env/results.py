@@ -57,6 +57,19 @@ class RolloutTurn(BaseModel):
     upstream_error: str | None = None
 
 
+class RolloutEvent(BaseModel):
+    """What a running rollout reports as it goes (`PiSessionFactory.create(..., on_event=)`):
+    a phase starting or ending (runtime, sandbox_create, setup, agent_start, agent, verify,
+    collect), each model call once the gateway has recorded it, and the end with the reward."""
+
+    kind: Literal["phase_start", "phase_end", "turn", "done"]
+    elapsed_s: float  # since the rollout started
+    phase: str | None = None
+    turn: RolloutTurn | None = None
+    reward: float | None = None  # "done" only
+    error_kind: ErrorKind | None = None  # "done" only
+
+
 class RolloutResult(BaseModel):
     task_id: str
     sandbox_id: str = ""

@@ -7,13 +7,14 @@ clear logs/verifier -> stage verify_files -> run every verify command -> reward 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from .endpoints import OPEN_SERVER_COMPAT, ORACLE, Endpoint, resolve_endpoint, s
 from .oracle import oracle_endpoint, release_oracle
 from .proxy.gateway import GatewaySession, TurnRecord, Upstream, get_gateway
 from .proxy.rewrite import CaptureOptions
-from .results import CommandResult, ErrorKind, RolloutResult, RolloutTurn
+from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, RolloutTurn
 from .sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, SandboxError, SandboxLimits, \
     SandboxProcess, SandboxSpec, get_backend
 from .task import PiTask
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 REWARD_FILE = f"{SANDBOX_HOME}/logs/verifier/reward.txt"
 VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"
 LOG_TAIL_CHARS = 8000
+log = logging.getLogger(__name__)
 
 
 class PiSessionFactory:
@@ -65,7 +67,8 @@ class PiSessionFactory:
                                                self.config.node_version, self.config.runtime_cache_dir)
             return self._runtime
 
-    def create(self, task: str | dict | PiTask, seed: int | None = None, episode_id: str | None = None) -> "PiSession":
+    def create(self, task: str | dict | PiTask, seed: int | None = None, episode_id: str | None = None, *,
+               on_event: Callable[[RolloutEvent], None] | None = None) -> "PiSession":
         """Create the sandbox, stage files, run setup and start the agent. Bad input (a
         malformed task, an unknown endpoint) raises; infrastructure failures are reported by
         `wait_for_completion()` as a result with reward None and an error kind.
@@ -73,8 +76,12 @@ class PiSessionFactory:
         `seed` and `episode_id` follow openenv's `ResourceSessionFactory.create`: `episode_id`
         names the rollout (`session.episode_id`, and its trace file); `seed` is kept as
         `session.seed` and changes nothing in the rollout (Pi has no seed; a sampling seed is
-        `proxy_sampling["seed"]`). `pi_env.harness` chooses a task by it."""
-        session = PiSession(self, PiTask.coerce(task), seed=seed, episode_id=episode_id)
+        `proxy_sampling["seed"]`). `pi_env.harness` chooses a task by it.
+
+        `on_event` is told of each phase, each model call and the end (`RolloutEvent`), on
+        whichever thread reached it (the caller's, or the gateway's for a model call): keep it
+        quick. An exception it raises is logged, never fails the rollout."""
+        session = PiSession(self, PiTask.coerce(task), seed=seed, episode_id=episode_id, on_event=on_event)
         try:
             session._start()
         except BaseException:
@@ -85,7 +92,7 @@ class PiSessionFactory:
 
 class PiSession:
     def __init__(self, factory: PiSessionFactory, task: PiTask, seed: int | None = None,
-                 episode_id: str | None = None):
+                 episode_id: str | None = None, on_event: Callable[[RolloutEvent], None] | None = None):
         self.factory = factory
         self.config = factory.config
         self.task = task
@@ -101,6 +108,7 @@ class PiSession:
         self._done = False
         self._closed = False
         self._lock = threading.Lock()
+        self._on_event = on_event
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -124,6 +132,8 @@ class PiSession:
                 mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
                 capture=self._capture_options(), trace_path=self._trace_path())
             result.trace_path = self.gateway_session.trace_path
+            if self._on_event is not None:
+                self.gateway_session.on_record = lambda record: self._emit("turn", turn=_rollout_turn(record))
             if config.mode == "interception_gate":
                 self.gateway_session.strategy.timeout_s = config.gate_timeout_s
             with self._phase("sandbox_create"):
@@ -207,6 +217,7 @@ class PiSession:
             self._done = True
             self._collect()
             self._result.wall_s = round(time.monotonic() - self._started, 4)
+            self._emit("done", reward=self._result.reward, error_kind=self._result.error_kind)
             return self._result
 
     def _finish_agent(self) -> None:
@@ -401,18 +412,31 @@ class PiSession:
         self._result.error = message
 
     def _phase(self, name: str):
-        return _Timer(self._result.timings, name)
+        return _Phase(self, name)
+
+    def _emit(self, kind: str, **fields) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(RolloutEvent(kind=kind, elapsed_s=round(time.monotonic() - self._started, 4), **fields))
+        except Exception:  # noqa: BLE001 - a listener's bug must not fail the rollout
+            log.exception("on_event listener failed on %s", kind)
 
 
-class _Timer:
-    def __init__(self, timings: dict[str, float], name: str):
-        self.timings, self.name = timings, name
+class _Phase:
+    """Times a phase into `result.timings` and reports its start and end."""
+
+    def __init__(self, session: PiSession, name: str):
+        self.session, self.name = session, name
 
     def __enter__(self):
         self.start = time.monotonic()
+        self.session._emit("phase_start", phase=self.name)
 
     def __exit__(self, *exc):
-        self.timings[self.name] = round(self.timings.get(self.name, 0.0) + time.monotonic() - self.start, 4)
+        timings = self.session._result.timings
+        timings[self.name] = round(timings.get(self.name, 0.0) + time.monotonic() - self.start, 4)
+        self.session._emit("phase_end", phase=self.name)
 
 
 def _rollout_turn(record: TurnRecord) -> RolloutTurn:
@@ -472,10 +496,11 @@ def _as_text(data: bytes) -> str:
 
 
 def run_rollout(task: str | dict | PiTask | Path, config: PiConfig | None = None,
-                sandbox_backend: str | SandboxBackend | None = None) -> RolloutResult:
+                sandbox_backend: str | SandboxBackend | None = None, *,
+                on_event: Callable[[RolloutEvent], None] | None = None) -> RolloutResult:
     """One scored rollout, start to finish. A Path loads a task JSON file."""
     if isinstance(task, Path):
         task = PiTask.from_file(task)
     factory = PiSessionFactory(config, sandbox_backend)
-    with factory.create(task) as session:
+    with factory.create(task, on_event=on_event) as session:
         return session.wait_for_completion()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
 import secrets
 import shutil
@@ -39,6 +40,8 @@ from yarl import URL
 from pi_env._aio import run_sync
 from pi_env.proxy.capture import TurnCapture, sse_payloads
 from pi_env.proxy.rewrite import CaptureOptions
+
+log = logging.getLogger(__name__)
 
 BASE_URL_PATH = "/v1"
 ERROR_BODY_LIMIT = 4096  # bytes of an upstream error body kept in the TurnRecord
@@ -178,6 +181,7 @@ class GatewaySession:
         self.strategy: Strategy = STRATEGIES[mode](self)
         self.trace_path = trace_path
         self.turns: list[TurnRecord] = []
+        self.on_record: Callable[[TurnRecord], None] | None = None  # told of each turn as it is recorded
         self.budget_exhausted: str | None = None  # why calls are refused: "max_turns" / "max_total_tokens"
         self.tokens_used = 0
         self._calls_started = 0
@@ -216,6 +220,11 @@ class GatewaySession:
         with self._idle:
             self._in_flight -= 1
             self._idle.notify_all()
+        if self.on_record is not None:
+            try:
+                self.on_record(turn)
+            except Exception:  # noqa: BLE001 - a listener's bug must not break the agent's call
+                log.exception("on_record listener failed for turn %s", turn.turn)
 
     def set_waiting(self, waiting: bool) -> None:
         """A call held for someone outside the gateway (interception_gate's trainer) is not in
