@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The OpenEnv/TRL harness tier: pi_env.harness against the real `openenv` and TRL 1.16
-# packages (tests/test_harness_openenv.py; without them the default suite skips it). Installs
+# packages (tests/test_harness_openenv.py; the default suite has openenv and runs all but the TRL test). Installs
 # pi-env with the `openenv` and `trl` extras into its own venv, .venv-harness (about 1.7 GB:
 # openenv pins gradio, TRL pulls torch). torch is installed first as the CPU build (2.13.0;
 # on this kind of machine pip takes it from a local file), so nothing pulls a CUDA build.

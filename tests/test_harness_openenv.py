@@ -22,6 +22,7 @@ from importlib.util import find_spec
 
 import pytest
 
+import pi_env
 from conftest import direct_answer, processes_of_uid, scripted_config
 from pi_env import PiConfig, PiTask, TaskError
 from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
@@ -58,12 +59,12 @@ def oe():
 
 @pytest.fixture
 def factory_for(server):
-    """factory_for(script, **config) -> a HarnessSessionFactory against the scripted server."""
-    from pi_env.harness import HarnessSessionFactory
+    """factory_for(script, **config) -> a PiSessionFactory against the scripted server."""
+    from pi_env.harness import PiSessionFactory
 
     def make(script, *, tasks=TASKS, sampling=None, **overrides):
         key = server.add_script(script)
-        return HarnessSessionFactory(scripted_config(server, key, **overrides), tasks=tasks, sampling=sampling)
+        return PiSessionFactory(scripted_config(server, key, **overrides), tasks=tasks, sampling=sampling)
 
     return make
 
@@ -77,10 +78,12 @@ def test_core_import_stays_free_of_openenv():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-@pytest.mark.skipif(HAVE_OPENENV, reason="openenv is installed: the missing-extra message cannot show")
 def test_harness_without_openenv_names_the_extra():
-    with pytest.raises(ImportError, match=r"pi-env\[openenv\]"):
-        import pi_env.harness  # noqa: F401
+    # A fresh interpreter where openenv cannot be imported, installed here or not.
+    code = "import sys; sys.modules['openenv'] = None; import pi_env.harness"
+    outcome = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert outcome.returncode != 0
+    assert "ImportError: pi_env.harness needs the openenv package: pip install 'pi-env[openenv]'" in outcome.stderr
 
 
 def test_core_factory_forces_sampling_only_where_it_can():
@@ -102,9 +105,9 @@ def test_core_factory_forces_sampling_only_where_it_can():
 
 @needs_openenv
 def test_create_argument_selects_the_task_and_a_seed_always_the_same_one():
-    from pi_env.harness import HarnessSessionFactory, dataset_rows
+    from pi_env.harness import PiSessionFactory, dataset_rows
 
-    factory = HarnessSessionFactory(PiConfig(), tasks=[t.model_dump() for t in TASKS])
+    factory = PiSessionFactory(PiConfig(), tasks=[t.model_dump() for t in TASKS])
     select = factory.select_task
     # A prompt that names no task: the seed chooses, the same seed always the same task.
     for seed in range(7):
@@ -131,7 +134,7 @@ def test_create_argument_selects_the_task_and_a_seed_always_the_same_one():
     with pytest.raises(TaskError, match="not among"):
         select({"prompt": "x", "task_id": "missing"})
     # Without a task list the prompt is the task (no verify: it will be unscored).
-    bare = HarnessSessionFactory(PiConfig())
+    bare = PiSessionFactory(PiConfig())
     assert bare.select_task([{"role": "user", "content": "do it"}], seed=3).instruction == "do it"
     with pytest.raises(TaskError):
         bare.select_task(42)
@@ -141,16 +144,17 @@ def test_create_argument_selects_the_task_and_a_seed_always_the_same_one():
 def test_factory_is_openenv_and_picklable_as_trl_passes_it(oe):
     from openenv.core.harness.capture.upstream import training_sampling
 
-    from pi_env.harness import HarnessSessionFactory
+    from pi_env.harness import PiSessionFactory
 
-    make = partial(HarnessSessionFactory, PiConfig(endpoint="http://127.0.0.1:9/v1", model="m"), tasks=TASKS)
+    make = partial(PiSessionFactory, PiConfig(endpoint="http://127.0.0.1:9/v1", model="m"), tasks=TASKS)
     factory = pickle.loads(pickle.dumps(make))(sampling=training_sampling({"temperature": 0.6}))  # TRL spawns
     assert isinstance(factory, oe.ResourceSessionFactory)
+    assert isinstance(factory, pi_env.PiSessionFactory)  # the core factory itself, with openenv's contract
     assert factory.config.mode == "transparent_proxy"
     assert factory.config.proxy_sampling == {"temperature": 0.6, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                                              "frequency_penalty": 0.0, "presence_penalty": 0.0,
                                              "repetition_penalty": 1.0}
-    assert HarnessSessionFactory(PiConfig(mode="black_box")).config.mode == "black_box"  # a chosen mode stays
+    assert PiSessionFactory(PiConfig(mode="black_box")).config.mode == "black_box"  # a chosen mode stays
 
 
 # -- real rollouts --------------------------------------------------------------------------
@@ -392,7 +396,7 @@ def test_trl_harness_rollout_worker_trains_on_pi_env_sessions(server, monkeypatc
     from trl.experimental.async_grpo import async_rollout_worker
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
-    from pi_env.harness import HarnessSessionFactory, dataset_rows
+    from pi_env.harness import PiSessionFactory, dataset_rows
 
     PartialState()  # what the trainer's Accelerator does before the worker logs
     monkeypatch.setattr(async_rollout_worker, "is_vllm_available", lambda: True)
@@ -404,7 +408,7 @@ def test_trl_harness_rollout_worker_trains_on_pi_env_sessions(server, monkeypatc
                     verify=["test -f a.txt", "test \"$(cat .parity)\" = 1"]) for i in range(2)]
     key = server.add_script(TWO_TURNS)
     worker = HarnessRolloutWorker(
-        harness_session_factory=partial(HarnessSessionFactory, scripted_config(server, key), tasks=tasks),
+        harness_session_factory=partial(PiSessionFactory, scripted_config(server, key), tasks=tasks),
         model_name="scripted-model", dataset=Dataset.from_list(dataset_rows(tasks)), reward_funcs=[],
         processing_class=_stand_in_tokenizer(), eos_token_ids=[1], num_generations=2, max_inflight_tasks=2,
         temperature=0.9, top_p=1.0, top_k=0, child_ready_timeout=240)

@@ -1,15 +1,15 @@
-"""pi-env as an OpenEnv harness: `HarnessSessionFactory` is an
-`openenv.core.harness.ResourceSessionFactory` whose sessions are `ResourceSession`s that also
+"""pi-env as an OpenEnv harness: `pi_env.harness.PiSessionFactory` is pi-env's
+`PiSessionFactory` that is also an `openenv.core.harness.ResourceSessionFactory`; its sessions are `ResourceSession`s that also
 satisfy openenv's `LoopOwningSession` and `TrainableSession` protocols. It is what TRL 1.16's
 `trl.experimental.async_grpo.openenv_harness.HarnessRolloutWorker` drives, with no glue:
 
     from functools import partial
     from pi_env import PiConfig, load_tasks
-    from pi_env.harness import HarnessSessionFactory, dataset_rows
+    from pi_env.harness import PiSessionFactory, dataset_rows
 
     tasks = load_tasks("tasks.jsonl")
     config = PiConfig(endpoint="vllm", model="Qwen/Qwen3-8B")
-    worker = HarnessRolloutWorker(harness_session_factory=partial(HarnessSessionFactory, config, tasks=tasks),
+    worker = HarnessRolloutWorker(harness_session_factory=partial(PiSessionFactory, config, tasks=tasks),
                                   dataset=Dataset.from_list(dataset_rows(tasks)), ...)
 
 What the worker does with it, and what pi-env does in turn:
@@ -35,6 +35,10 @@ Pi runs its own tools inside the sandbox, so these sessions expose no tools (`li
 empty): they are for loop-owning harnesses, not for a trainer that samples each turn itself.
 
 Needs the `openenv` extra (`pip install 'pi-env[openenv]'`); `import pi_env` never imports it.
+That is why there are two spellings of one factory: `pi_env.PiSessionFactory` (the core, whose
+sessions return pi-env's own `RolloutResult`/`RolloutTurn`/`TrainingTrace`) and this subclass,
+whose sessions speak openenv's types (TraceEntry, TrainingTrace, VerifyResult) and raise
+TimeoutError for a killed agent, as TRL's worker expects.
 """
 
 from __future__ import annotations
@@ -54,17 +58,18 @@ from .config import Mode, PiConfig
 from .proxy.gateway import TurnRecord
 from .proxy.rewrite import SAMPLING_KEYS
 from .results import RolloutResult
-from .rollout import PiSession, PiSessionFactory
+from . import rollout
+from .rollout import PiSession
 from .sandbox import SandboxBackend
 from .task import PiTask, TaskError, load_tasks
 
-__all__ = ["HarnessSessionFactory", "HarnessSession", "dataset_rows", "prompt_text"]
+__all__ = ["PiSessionFactory", "HarnessSession", "dataset_rows", "prompt_text"]
 
 
-class HarnessSessionFactory(ResourceSessionFactory["HarnessSession"]):
+class PiSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["HarnessSession"]):
     """Makes `HarnessSession`s: pi-env rollouts behind openenv's session contract.
 
-    `config`, `sandbox_backend` and `mode` are `PiSessionFactory`'s; the mode defaults to
+    `config`, `sandbox_backend` and `mode` are the core factory's; the mode defaults to
     transparent_proxy here (a trainable session needs token capture) unless the config or
     `mode=` chose one. `tasks` (PiTasks, task dicts, or a task-set path for `load_tasks`) is
     what `create` chooses from; `sampling` is forced on every model call."""
@@ -75,17 +80,17 @@ class HarnessSessionFactory(ResourceSessionFactory["HarnessSession"]):
         config = config or PiConfig()
         if mode is None and "mode" not in config.model_fields_set:
             mode = "transparent_proxy"
-        self.sessions = PiSessionFactory(config, sandbox_backend, mode, sampling=sampling)
-        self.config = self.sessions.config
+        super().__init__(config, sandbox_backend, mode, sampling=sampling)
         if isinstance(tasks, (str, Path)):
             tasks = load_tasks(tasks)
         self.tasks: list[PiTask] = [PiTask.coerce(task) for task in tasks or ()]
 
-    def create(self, task: Any = None, seed: int | None = None, episode_id: str | None = None) -> "HarnessSession":
+    def create(self, task: Any = None, seed: int | None = None, episode_id: str | None = None, *,
+               on_event=None) -> "HarnessSession":
         """Start one rollout of the task `task` names (see `select_task`). Bad input raises;
         infrastructure failures surface as an unscored rollout (`verify().env_reward` None)."""
         chosen = self.select_task(task, seed)
-        return HarnessSession(self.sessions.create(chosen, seed=seed, episode_id=episode_id))
+        return HarnessSession(super().create(chosen, seed=seed, episode_id=episode_id, on_event=on_event))
 
     def select_task(self, task: Any = None, seed: int | None = None) -> PiTask:
         """The task a `create` argument names. A `PiTask` or a task dict is itself; a dataset
@@ -251,7 +256,7 @@ class HarnessSession(ResourceSession):
 
 def dataset_rows(tasks: Iterable[PiTask | dict]) -> list[dict[str, Any]]:
     """Dataset rows for a trainer (TRL's conversational format) whose prompts select these
-    tasks in `HarnessSessionFactory.create`: one row per task, its instruction as the user
+    tasks in `PiSessionFactory.create`: one row per task, its instruction as the user
     message, plus its task_id."""
     rows = []
     for task in tasks:
