@@ -185,14 +185,21 @@ def _read_json(path: Path) -> Any:
 
 
 def load_tasks(path: str | Path) -> list[PiTask]:
-    """A task set: a JSONL file (one task per line), a JSON file (one task or a list), or a
-    directory of task JSON files (sorted by name). Task ids must be unique."""
+    """A task set: a JSONL file (one task per line), a JSON file (one task or a list), a
+    directory of task JSON files (sorted by name), or a Harbor task directory or a directory of
+    them (see pi_env.harbor). Task ids must be unique."""
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix == ".json")
-        if not files:
-            raise TaskError(f"{path}: directory holds no *.json task files")
-        tasks = [PiTask.from_file(p) for p in files]
+        if files:
+            tasks = [PiTask.from_file(p) for p in files]
+        else:
+            from .harbor import harbor_task_dirs, load_harbor_tasks
+
+            if not harbor_task_dirs(path):
+                raise TaskError(f"{path}: directory holds no *.json task files and no Harbor task "
+                                "(a directory with instruction.md and task.toml)")
+            tasks = load_harbor_tasks(path)
     elif path.suffix == ".jsonl":
         tasks = _load_jsonl(path)
     else:
