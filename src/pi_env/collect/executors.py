@@ -1,0 +1,162 @@
+"""Where rollouts run: threads of this process (`local`) or Ray tasks (`ray`), each running a
+whole rollout (sandbox, Pi, its own gateway, verify) and handing back a `RolloutResult`. The
+driver alone writes the store; an executor only runs jobs and reports them as they finish."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..config import PiConfig
+from ..results import RolloutResult
+from ..task import PiTask
+
+
+@dataclass
+class Job:
+    task: PiTask
+    group_index: int
+    attempt: int = 1
+    failed_attempts: list[dict] = field(default_factory=list)
+
+
+class BadInput(Exception):
+    """A rollout could not even start because of the input (unknown endpoint, a task the oracle
+    cannot replay): every other rollout would fail the same way, so the run stops."""
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def run_one(factory, task: PiTask) -> RolloutResult:
+    """One rollout. Anything unexpected is an infrastructure failure (retried, never scored)."""
+    from ..endpoints import EndpointError
+
+    try:
+        with factory.create(task) as session:
+            return session.wait_for_completion()
+    except (EndpointError, ValueError) as error:
+        raise BadInput(str(error)) from None
+    except Exception as error:  # noqa: BLE001 - whatever broke, it is not the agent's score
+        return RolloutResult(task_id=task.task_id, error_kind="infra",
+                             error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=5)}")
+
+
+class LocalExecutor:
+    """`concurrency` rollouts at once on threads of this process (one shared gateway)."""
+
+    name = "local"
+
+    def __init__(self, config: PiConfig, concurrency: int, sandbox_backend=None):
+        from ..rollout import PiSessionFactory
+
+        self.factory = PiSessionFactory(config, sandbox_backend)
+        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="pi-env-collect")
+        self.done: queue.Queue = queue.Queue()
+        self.worker = worker_name()
+
+    def submit(self, job: Job) -> None:
+        def work():
+            try:
+                outcome = run_one(self.factory, job.task)
+            except BaseException as error:  # noqa: BLE001 - handed to the driver, which decides
+                outcome = error
+            self.done.put((job, outcome, self.worker))
+
+        self.pool.submit(work)
+
+    def next_done(self, timeout_s: float) -> tuple[Job, RolloutResult | BaseException, str] | None:
+        try:
+            return self.done.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def close(self, *, wait: bool = True) -> None:
+        self.pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _ray_rollout(task_json: str, config_json: str, backend: str | None) -> dict:
+    """Runs in a Ray worker process: its own factory, gateway and (for the oracle) scripted
+    server, all process-wide and reused by the next rollout on that worker."""
+    global _worker_factory
+    from ..rollout import PiSessionFactory
+
+    config = PiConfig.model_validate_json(config_json)
+    key = (config_json, backend)
+    if _worker_factory is None or _worker_factory[0] != key:
+        _worker_factory = (key, PiSessionFactory(config, backend))
+    try:
+        result = run_one(_worker_factory[1], PiTask.model_validate_json(task_json))
+    except BadInput as error:
+        return {"bad_input": str(error), "worker": worker_name()}
+    return {"result": result.model_dump(mode="json"), "worker": worker_name()}
+
+
+_worker_factory = None
+
+
+class RayExecutor:
+    """Each rollout is a Ray task (`num_cpus` each, default 1: Pi itself is about a core while
+    it works); the driver keeps at most `concurrency` in flight. Every node needs pi-env, Pi's
+    runtime cache and bubblewrap, as for local runs. `address`: an existing cluster
+    ("auto", "HOST:PORT", "ray://..."); None starts a local one for this run."""
+
+    name = "ray"
+
+    def __init__(self, config: PiConfig, concurrency: int, sandbox_backend=None, *, address: str | None = None,
+                 num_cpus: float = 1.0):
+        import ray
+
+        self.ray = ray
+        self.started_here = not ray.is_initialized()
+        if self.started_here:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     ignore_reinit_error=True, configure_logging=False)
+        self.remote = ray.remote(num_cpus=num_cpus, max_retries=0)(_ray_rollout)
+        # The key must not travel in the task arguments' repr; it does travel to the workers
+        # (they call the endpoint), inside the serialised config.
+        self.config_json = config.model_dump_json()
+        self.backend = sandbox_backend if isinstance(sandbox_backend, str) or sandbox_backend is None else None
+        self.inflight: dict = {}
+
+    def submit(self, job: Job) -> None:
+        ref = self.remote.remote(job.task.model_dump_json(), self.config_json, self.backend)
+        self.inflight[ref] = job
+
+    def next_done(self, timeout_s: float):
+        if not self.inflight:
+            return None
+        ready, _ = self.ray.wait(list(self.inflight), num_returns=1, timeout=timeout_s)
+        if not ready:
+            return None
+        ref = ready[0]
+        job = self.inflight.pop(ref)
+        try:
+            payload = self.ray.get(ref)
+        except Exception as error:  # noqa: BLE001 - a worker or node died: infrastructure
+            result = RolloutResult(task_id=job.task.task_id, error_kind="infra",
+                                   error=f"ray: {type(error).__name__}: {str(error)[:2000]}")
+            return job, result, "ray"
+        if "bad_input" in payload:
+            return job, BadInput(payload["bad_input"]), payload["worker"]
+        return job, RolloutResult.model_validate(payload["result"]), payload["worker"]
+
+    def close(self, *, wait: bool = True) -> None:
+        for ref in list(self.inflight):
+            self.ray.cancel(ref, force=True)
+        self.inflight.clear()
+        if self.started_here:
+            self.ray.shutdown()
+
+
+def make_executor(name: str, config: PiConfig, concurrency: int, sandbox_backend=None, **options):
+    if name == "local":
+        return LocalExecutor(config, concurrency, sandbox_backend)
+    if name == "ray":
+        return RayExecutor(config, concurrency, sandbox_backend, **options)
+    raise ValueError(f"executor {name!r}: choose local or ray")

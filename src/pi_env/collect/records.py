@@ -1,0 +1,131 @@
+"""One line of `results.jsonl`: a `RolloutResult` as a dataset record.
+
+The conversation is in the shape TRL's SFTTrainer takes for tool calling: `messages` with
+`system`, `user`, `assistant` (`content`, optional `tool_calls` of OpenAI's
+`{id, type, function: {name, arguments}}` and `reasoning_content`) and `tool` results
+(`tool_call_id`, `name`, `content`), plus `tools`, the JSON schemas Pi offered, as a JSON
+string (TRL parses a string `tools` column). Tool-call arguments stay the JSON string the model
+wrote: a dict column would be widened by Arrow into one struct with every tool's keys.
+Every value keeps one type across records, so `datasets.load_dataset("json", ...)` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from ..results import RolloutResult
+
+RECORD_VERSION = 1
+VERIFY_OUTPUT_CHARS = 2000
+
+
+def record_id(task_id: str, group_index: int) -> str:
+    return f"{task_id}#{group_index}"
+
+
+def to_record(result: RolloutResult, *, task, group_index: int, attempt: int,
+              failed_attempts: list[dict] | None = None, worker: str = "") -> dict[str, Any]:
+    messages, tools = sft_messages(result.messages)
+    return {
+        "id": record_id(task.task_id, group_index),
+        "task_id": task.task_id,
+        "group_id": task.task_id,  # every sample of a task is one GRPO group
+        "group_index": group_index,
+        "attempt": attempt,
+        "failed_attempts": failed_attempts or [],  # infra failures retried before this attempt
+        "reward": result.reward,
+        "reward_source": result.reward_source,
+        "scored": result.reward is not None,
+        "error_kind": result.error_kind,
+        "error": result.error,
+        "stop_reason": result.stop_reason,
+        "instruction": task.instruction,
+        "messages": messages,
+        "tools": json.dumps(tools),
+        "turns": [_turn(turn) for turn in result.proxy_turns],
+        "training": result.training.model_dump() if result.training is not None else None,
+        "verify": [{"cmd": r.cmd[:500], "exit_code": r.exit_code, "duration_s": r.duration_s,
+                    "timed_out": r.timed_out, "output_tail": (r.stdout + r.stderr)[-VERIFY_OUTPUT_CHARS:]}
+                   for r in result.verify_results],
+        "timings": result.timings,
+        "wall_s": result.wall_s,
+        "endpoint": result.endpoint,
+        "model": result.model,
+        "mode": result.mode,
+        "pi_version": result.pi_version,
+        "synthetic": result.synthetic,
+        "sandbox_id": result.sandbox_id,
+        "worker": worker,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "record_version": RECORD_VERSION,
+    }
+
+
+def _turn(turn) -> dict[str, Any]:
+    # Prompt ids grow with every turn (quadratic in the rollout's length); the training view
+    # holds each sequence once, so a turn keeps only what it generated.
+    return {"turn": turn.turn, "finish_reason": turn.finish_reason, "completion_tokens": turn.completion_tokens,
+            "prompt_length": len(turn.prompt_token_ids), "completion_token_ids": turn.completion_token_ids,
+            "logprobs": turn.per_token_logps, "token_ids_source": turn.token_ids_source,
+            "token_ids_missing_reason": turn.token_ids_missing_reason, "upstream_status": turn.upstream_status,
+            "latency_s": turn.latency_s, "timestamp": turn.timestamp}
+
+
+def sft_messages(pi_messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Pi's session messages -> (OpenAI/TRL chat messages, tool schemas)."""
+    messages: list[dict] = []
+    tools: list[dict] = []
+    for message in pi_messages:
+        role = message.get("role")
+        if role == "system":
+            sections = message.get("sections") or {}
+            text = message.get("content") or "\n\n".join(str(v) for v in sections.values() if v)
+            if isinstance(text, list):
+                text = _text(text)
+            messages.append({"role": "system", "content": text})
+            tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                                       "parameters": t.get("parameters", {})}}
+                     for t in message.get("toolsAdded") or [] if isinstance(t, dict)]
+        elif role == "user":
+            messages.append({"role": "user", "content": _text(message.get("content"))})
+        elif role == "assistant":
+            blocks = message.get("content") if isinstance(message.get("content"), list) else []
+            out: dict[str, Any] = {"role": "assistant", "content": _text(message.get("content"))}
+            reasoning = "".join(b.get("thinking", "") for b in blocks if isinstance(b, dict) and b.get("type") == "thinking")
+            if reasoning:
+                out["reasoning_content"] = reasoning
+            calls = [{"id": b.get("id", ""), "type": "function",
+                      "function": {"name": b.get("name", ""), "arguments": _arguments(b.get("arguments"))}}
+                     for b in blocks if isinstance(b, dict) and b.get("type") == "toolCall"]
+            if calls:
+                out["tool_calls"] = calls
+            messages.append(out)
+        elif role == "toolResult":
+            messages.append({"role": "tool", "tool_call_id": message.get("toolCallId", ""),
+                             "name": message.get("toolName", ""), "content": _text(message.get("content"))})
+    return messages, tools
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content if isinstance(content, list) else [content]:
+        if isinstance(block, dict):
+            if block.get("type") == "text":
+                parts.append(block.get("text", ""))
+            elif block.get("type") == "image":
+                parts.append("[image]")
+        elif isinstance(block, str):
+            parts.append(block)
+    return "".join(parts)
+
+
+def _arguments(arguments: Any) -> str:
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)

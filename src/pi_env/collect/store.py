@@ -1,0 +1,129 @@
+"""The dataset store: `DIR/results.jsonl` (the kept records) and `DIR/discarded.jsonl` (the
+records a `--keep` filter left out, so a resumed run does not redo them).
+
+Append-only, one JSON line per rollout, written with one `write()` on an O_APPEND descriptor
+and flushed to the disk before the next rollout is handed out, so a run killed at any moment
+(SIGKILL included) loses at most the rollouts in flight. On open, a torn last line (no
+newline: the write was cut) is cut off and reported; every complete line must be a record, and
+each (task, group index) appears once across both files. One writer at a time: `DIR/.lock`
+(flock, released by the kernel when the process dies).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+RESULTS = "results.jsonl"
+DISCARDED = "discarded.jsonl"
+
+
+class StoreError(RuntimeError):
+    """The store cannot be used as it is (corrupt line, another writer); the message says what to do."""
+
+
+class ResultStore:
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StoreError(f"{self.directory}: another pi-env collect is writing this store; "
+                             "wait for it or choose another --out") from None
+        self.repaired: dict[str, int] = {}  # file name -> bytes of a torn tail cut off
+        self.ids: dict[str, str] = {}  # record id -> file it is in
+        for name in (RESULTS, DISCARDED):
+            self._load(name)
+        self._fds = {name: os.open(self.directory / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                     for name in (RESULTS, DISCARDED)}
+
+    def _load(self, name: str) -> None:
+        path = self.directory / name
+        if not path.exists():
+            return
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):  # the last write was cut: drop the partial line
+            self.repaired[name] = len(data) - end
+            with path.open("r+b") as handle:
+                handle.truncate(end)
+                os.fsync(handle.fileno())
+        for number, line in enumerate(data[:end].splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                record_id = record["id"]
+            except (ValueError, KeyError, TypeError):
+                raise StoreError(f"{path}:{number}: not a pi-env record; the store is damaged (fix or remove "
+                                 "that line, or collect into a new --out)") from None
+            if record_id in self.ids:
+                raise StoreError(f"{path}:{number}: record {record_id!r} is already in {self.ids[record_id]}; "
+                                 "remove one of the two lines")
+            self.ids[record_id] = name
+
+    def __contains__(self, record_id: str) -> bool:
+        return record_id in self.ids
+
+    def append(self, record: dict, *, kept: bool = True) -> None:
+        if record["id"] in self.ids:
+            raise StoreError(f"record {record['id']!r} is already stored")
+        name = RESULTS if kept else DISCARDED
+        try:
+            text = json.dumps(record, ensure_ascii=False, allow_nan=False)
+        except ValueError:  # an engine's -inf logprob: JSON has no such number, a null says "unknown"
+            text = json.dumps(_finite(record), ensure_ascii=False, allow_nan=False)
+        data = (text + "\n").encode()
+        fd = self._fds[name]
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+        self.ids[record["id"]] = name
+
+    def records(self, *, kept_only: bool = True) -> Iterator[dict]:
+        yield from read_records(self.directory, kept_only=kept_only)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+        os.close(self._lock_fd)
+
+    def __enter__(self) -> "ResultStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_records(directory: str | Path, *, kept_only: bool = True) -> Iterator[dict]:
+    """Every complete record of a store (a torn last line is skipped, not repaired: readers
+    never write)."""
+    directory = Path(directory)
+    for name in (RESULTS,) if kept_only else (RESULTS, DISCARDED):
+        path = directory / name
+        if not path.exists():
+            continue
+        with path.open("rb") as handle:
+            for line in handle:
+                if line.endswith(b"\n") and line.strip():
+                    yield json.loads(line)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
