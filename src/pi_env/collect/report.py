@@ -109,6 +109,7 @@ def print_summary(summary) -> None:
         ("solved (reward >= 1)", counts.get("solved")),
         ("unscored by kind", ", ".join(f"{k} {v}" for k, v in counts.get("errors", {}).items()) or "none"),
         ("skipped tasks", len(summary.skipped_tasks)), ("elapsed", f"{summary.elapsed_s:.1f} s"),
+        ("torn tail repaired", ", ".join(f"{k} ({v} bytes)" for k, v in summary.repaired.items()) or "no"),
     ]
     for what, value in rows:
         table.add_row(what, str(value))

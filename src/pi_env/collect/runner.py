@@ -68,6 +68,7 @@ class CollectSummary:
     ran: int = 0  # stored by this run
     retried: int = 0  # extra attempts after infra failures
     skipped_tasks: dict[str, list[str]] = field(default_factory=dict)  # task id -> why it was not run
+    repaired: dict[str, int] = field(default_factory=dict)  # store file -> bytes of a torn last line cut off
     elapsed_s: float = 0.0
     counts: dict[str, Any] = field(default_factory=dict)  # over the whole store
 
@@ -145,6 +146,7 @@ class CollectRunner:
             store = ResultStore(self.out_dir)
         except StoreError as error:
             raise CollectError(str(error)) from None
+        summary.repaired = dict(store.repaired)
         try:
             self._check_store(store)
             tasks = self._runnable(summary)
@@ -241,6 +243,7 @@ class CollectRunner:
             "files": {"results": RESULTS, "discarded": DISCARDED},
             "tasks": len(self.tasks),
             "skipped_tasks": summary.skipped_tasks,
+            "repaired_on_open": summary.repaired,
             "counts": summary.counts or previous.get("counts", {}),
             "runs": runs,
         }
