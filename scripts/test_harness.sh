@@ -16,11 +16,11 @@ if [ ! -x $VENV/bin/python ]; then
   echo "[harness] creating $VENV" >&2
   "$PY" -m venv $VENV
 fi
-if ! $VENV/bin/python -c "import pi_env, openenv, trl, torch, pytest, pytest_timeout" 2>/dev/null \
+if ! $VENV/bin/python -c "import pi_env, openenv, trl, torch, tinker_cookbook, pytest, pytest_timeout" 2>/dev/null \
    || [ pyproject.toml -nt $VENV/.pi-env-installed ]; then
-  echo "[harness] installing torch (CPU), then pi-env[test,openenv,trl] into $VENV" >&2
+  echo "[harness] installing torch (CPU), then pi-env[test,openenv,trl,tinker] into $VENV" >&2
   $VENV/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0'
-  $VENV/bin/python -m pip install -q --disable-pip-version-check -e '.[test,openenv,trl]'
+  $VENV/bin/python -m pip install -q --disable-pip-version-check -e '.[test,openenv,trl,tinker]'
   touch $VENV/.pi-env-installed
 fi
-HARNESS_TIER=1 TRL_EXPERIMENTAL_SILENCE=1 exec $VENV/bin/python -m pytest tests/test_harness_openenv.py -q -rs "$@"
+HARNESS_TIER=1 TRL_EXPERIMENTAL_SILENCE=1 exec $VENV/bin/python -m pytest tests/test_harness_openenv.py tests/test_workspace_tinker.py -q -rs "$@"

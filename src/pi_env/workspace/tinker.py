@@ -18,6 +18,8 @@ renderer are loaded in `make_envs()` through the cookbook's `get_tokenizer`/`get
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +71,32 @@ class WorkspaceTool:
         text = await asyncio.to_thread(self._env.call, self._name, input.arguments)
         return ToolResult(messages=[{"role": "tool", "content": text,
                                      "tool_call_id": input.call_id or "", "name": self._name}])
+
+
+class _SerializedTokenizer:
+    """A HF fast tokenizer whose encode/decode hold one lock. The cookbook renders every env's
+    prompt in a worker thread, and renderers that encode with split_special_tokens flip a flag
+    on the shared Rust tokenizer: two at once fail with "RuntimeError: Already borrowed"."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer.encode(*args, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer.decode(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+@functools.cache
+def _shared_tokenizer(model_name: str) -> _SerializedTokenizer:
+    return _SerializedTokenizer(tokenizer_utils.get_tokenizer(model_name))
 
 
 class _Grader:
@@ -126,7 +154,7 @@ class WorkspaceEnvGroupBuilder(EnvGroupBuilder):
         return state
 
     def renderer(self) -> Renderer:
-        tokenizer = tokenizer_utils.get_tokenizer(self.model_name)
+        tokenizer = _shared_tokenizer(self.model_name)
         name = self.renderer_name or model_info.get_recommended_renderer_name(self.model_name)
         return get_renderer(name, tokenizer, model_name=self.model_name)
 
