@@ -459,6 +459,58 @@ def test_close_deletes_everything_and_is_idempotent(backend):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+SANDBOX_OWNER = """
+import sys, time
+from pi_env.sandbox import SandboxSpec, get_backend
+from pi_env.sandbox.local import LocalSandboxBackend
+sandbox = LocalSandboxBackend(sys.argv[1]).create(SandboxSpec())
+sandbox.start("sleep 300")
+print(sandbox.host_dir, sandbox.uid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_sandboxes_of_a_killed_owner_are_swept_and_live_ones_kept(monkeypatch):
+    """A process SIGKILLed with a sandbox open leaves its dir behind; the next backend on that
+    root deletes it (and kills what still ran as its uid), and never touches a live one."""
+    import subprocess
+    import sys
+
+    from pi_env.sandbox import hostdir
+
+    outer = tempfile.mkdtemp(prefix="pi-env-sweep-")  # not tmp_path: pytest makes its parents 0o700
+    os.chmod(outer, 0o711)
+    root = os.path.join(outer, "root")
+    owner = subprocess.Popen([sys.executable, "-c", SANDBOX_OWNER, root], stdout=subprocess.PIPE, text=True)
+    try:
+        host_dir, uid = owner.stdout.readline().split()
+    finally:
+        owner.kill()  # SIGKILL: no close(), no cleanup
+        owner.wait()
+    assert os.path.isdir(host_dir) and os.path.exists(host_dir + ".lock")
+    live = LocalSandboxBackend(root).create(SandboxSpec())
+    try:
+        assert os.path.isdir(host_dir)  # a free lock younger than STALE_LOCK_AGE_S is left alone
+        monkeypatch.setattr(hostdir, "STALE_LOCK_AGE_S", 0.0)
+        LocalSandboxBackend(root)
+        assert not os.path.exists(host_dir) and not os.path.exists(host_dir + ".lock")
+        assert os.path.isdir(live.host_dir) and live.exec("echo alive").stdout == "alive\n"
+        if IS_ROOT:  # zombies may stay until init reaps the dead owner's orphans; nothing runs
+            assert [p for p in processes_of(int(uid)) if " Z " not in p] == []
+        # A lock-less dir of an older pi-env is swept only once it is a day old.
+        legacy = os.path.join(root, "sb-legacy")
+        os.mkdir(legacy)
+        LocalSandboxBackend(root)
+        assert os.path.isdir(legacy)
+        os.utime(legacy, (time.time() - 2 * 86400,) * 2)
+        LocalSandboxBackend(root)
+        assert not os.path.exists(legacy) and os.path.isdir(live.host_dir)
+    finally:
+        live.close()
+    assert os.listdir(root) == []
+    shutil.rmtree(outer)
+
+
 def test_concurrent_sandboxes_from_threads(backend):
     def run(i: int) -> tuple[int, str]:
         with backend.create(SandboxSpec()) as sb:

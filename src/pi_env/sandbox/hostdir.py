@@ -16,7 +16,9 @@ A subclass says how a command is spawned (_popen_args) and killed (_terminate).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
+import fcntl
 import functools
 import logging
 import os
@@ -48,6 +50,9 @@ DRAIN_AFTER_KILL_S = 2.0  # output still buffered in pipes after a kill
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: opening a FIFO the sandbox planted must not hang the host.
 _FILE_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+LOCK_SUFFIX = ".lock"  # <root>/sb-<id>.lock: flocked while <root>/sb-<id>/ has a living owner
+STALE_LOCK_AGE_S = 60.0  # a younger free lock may be one being created right now
+UNLOCKED_DIR_AGE_S = 86400.0  # a sandbox dir without a lock file (older pi-env) is dead after this
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,13 +81,70 @@ def make_dir(path: str, mode: int, owner: int | None = None) -> None:
         os.chown(path, owner, owner)
 
 
-def make_host_dir(root: str, owner: int | None) -> str:
-    """<root>/<id>/ (0o711) with home/ and home/workdir/ owned by `owner` (None: by us)."""
+def make_host_dir(root: str, owner: int | None) -> tuple[str, int]:
+    """<root>/<id>/ (0o711) with home/ and home/workdir/ owned by `owner` (None: by us), and
+    the fd of <root>/<id>.lock, flocked before the dir exists and held while the sandbox
+    lives: a dir whose lock is free belongs to nobody (its owner died) and may be swept."""
     host_dir = os.path.join(root, "sb-" + secrets.token_hex(8))
-    make_dir(host_dir, 0o711)
-    make_dir(os.path.join(host_dir, "home"), 0o700, owner)
-    make_dir(os.path.join(host_dir, "home", "workdir"), 0o755, owner)
-    return host_dir
+    lock_fd = os.open(host_dir + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        make_dir(host_dir, 0o711)
+        make_dir(os.path.join(host_dir, "home"), 0o700, owner)
+        make_dir(os.path.join(host_dir, "home", "workdir"), 0o755, owner)
+    except BaseException:
+        if os.path.isdir(host_dir):
+            delete_tree(host_dir)
+        os.unlink(host_dir + LOCK_SUFFIX)
+        os.close(lock_fd)
+        raise
+    return host_dir, lock_fd
+
+
+def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = None) -> list[str]:
+    """Delete the sandbox dirs under `root` whose owner died without closing them (SIGKILL,
+    OOM, power loss): their lock is free. `reclaim(host_dir)` runs first (the local backend
+    kills what may still run as the dir's uid). Returns the dirs deleted."""
+    names = set(os.listdir(root))
+    locks = [name for name in names if name.startswith("sb-") and name.endswith(LOCK_SUFFIX)]
+    for name in names - {lock[: -len(LOCK_SUFFIX)] for lock in locks}:
+        # A dir without a lock file (made by an older pi-env): dead once it is old enough.
+        path = os.path.join(root, name)
+        with contextlib.suppress(OSError):
+            if name.startswith("sb-") and not name.endswith(LOCK_SUFFIX) \
+                    and time.time() - os.lstat(path).st_mtime > UNLOCKED_DIR_AGE_S:
+                os.close(os.open(path + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+                os.utime(path + LOCK_SUFFIX, (0, 0))
+                locks.append(name + LOCK_SUFFIX)
+    swept = []
+    for lock in locks:
+        lock_path = os.path.join(root, lock)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # deleted meanwhile by its owner or another sweeper
+        try:
+            if time.time() - os.fstat(fd).st_mtime < STALE_LOCK_AGE_S:
+                continue  # maybe created just now, not yet flocked
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner lives
+            host_dir = lock_path[: -len(LOCK_SUFFIX)]
+            if os.path.isdir(host_dir):
+                if reclaim is not None:
+                    reclaim(host_dir)
+                delete_tree(host_dir)
+                swept.append(host_dir)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path)
+        except OSError as error:
+            log.warning("could not sweep stale sandbox %s: %s", lock_path, error)
+        finally:
+            os.close(fd)
+    if swept:
+        log.warning("deleted %d sandbox dir(s) left behind by dead processes under %s", len(swept), root)
+    return swept
 
 
 def private_dir(path: str, mode: int) -> None:
@@ -334,8 +396,9 @@ class HostDirSandbox:
     """A host dir whose `home/` is the sandbox's /root (see the module doc). Subclasses say
     how a command is spawned (_popen_args) and killed (_terminate)."""
 
-    def __init__(self, host_dir: str, owner: int | None):
+    def __init__(self, host_dir: str, owner: int | None, lock_fd: int):
         self.id = os.path.basename(host_dir)
+        self._lock_fd = lock_fd  # held until close(): the dir has a living owner
         self.home = SANDBOX_HOME
         self.workdir = SANDBOX_WORKDIR
         self.host_dir = host_dir
@@ -482,7 +545,9 @@ class HostDirSandbox:
             self.kill_all()
             os.close(self._home_fd)
             delete_tree(self.host_dir)
+            os.unlink(self.host_dir + LOCK_SUFFIX)
         finally:
+            os.close(self._lock_fd)
             self._release()
 
     def __enter__(self):

@@ -63,6 +63,7 @@ from pi_env.sandbox.base import (
     SandboxUnavailable,
 )
 from pi_env.sandbox.hostdir import (
+    LOCK_SUFFIX,
     HostDirSandbox,
     LocalProcess,
     default_root,
@@ -72,6 +73,7 @@ from pi_env.sandbox.hostdir import (
     private_dir,
     sandbox_rlimits,
     shell,
+    sweep_stale_host_dirs,
 )
 
 __all__ = ["LocalProcess", "LocalSandbox", "LocalSandboxBackend", "default_root"]
@@ -229,21 +231,47 @@ class _UidLease:
 
 
 def _lease_uid() -> _UidLease:
-    lock_dir = "/run/lock/pi-env-uids" if os.path.isdir("/run/lock") else "/tmp/pi-env-uids"
-    private_dir(lock_dir, 0o700)
     uids = _sandbox_uids()
     start = random.randrange(len(uids))  # concurrent allocators rarely probe the same locks
     for i in range(len(uids)):
-        uid = uids[(start + i) % len(uids)]
-        path = os.path.join(lock_dir, str(uid))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        return _UidLease(uid, fd)
+        if lease := _try_lease(uids[(start + i) % len(uids)]):
+            return lease
     raise SandboxError(f"all {len(uids)} sandbox uids are in use (see PI_ENV_SANDBOX_UIDS)")
+
+
+def _try_lease(uid: int) -> _UidLease | None:
+    """The lease of `uid`, or None while somebody holds it."""
+    lock_dir = "/run/lock/pi-env-uids" if os.path.isdir("/run/lock") else "/tmp/pi-env-uids"
+    private_dir(lock_dir, 0o700)
+    fd = os.open(os.path.join(lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return _UidLease(uid, fd)
+
+
+def _kill_all_of(uid: int) -> None:
+    # kill(-1, SIGKILL) as the uid reaches every process of that uid in every session and
+    # namespace, atomically with respect to fork(): no fork bomb outruns it.
+    subprocess.run([*_as_user(uid), "/bin/sh", "-c", "kill -9 -1"], stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/", env={})
+
+
+def _reclaim_uid_of(host_dir: str) -> None:
+    """Before a dead owner's sandbox dir is swept: kill whatever still runs as its uid, unless
+    the uid is leased again (then the pid namespaces of the dead sandbox are long gone)."""
+    try:
+        uid = os.lstat(os.path.join(host_dir, "home")).st_uid
+    except FileNotFoundError:
+        return  # died before its home was made: nothing ever ran
+    if uid not in _sandbox_uids() or not (lease := _try_lease(uid)):
+        return
+    try:
+        _kill_all_of(uid)
+    finally:
+        lease.release()
 
 
 @functools.cache
@@ -326,10 +354,11 @@ class LocalSandbox(HostDirSandbox):
         gateway_socket: str | None,
         bwrap: str,
         lease: _UidLease | None,
+        lock_fd: int,
     ):
         """ro_mounts and gateway_socket: host paths that bwrap can bind as the sandbox uid."""
         owner = lease.uid if lease else None
-        super().__init__(host_dir, owner)
+        super().__init__(host_dir, owner, lock_fd)
         self.uid = lease.uid if lease else os.getuid()  # the host uid its processes run as
         self._spec = spec
         self._bwrap = bwrap
@@ -429,17 +458,8 @@ class LocalSandbox(HostDirSandbox):
 
     def _kill_leftovers(self) -> None:
         # Belt and braces: the pid namespaces already took everything down with their init.
-        # kill(-1, SIGKILL) as the sandbox uid reaches every process of that uid in every
-        # session and namespace, atomically with respect to fork(): no fork bomb outruns it.
         if self._lease:
-            subprocess.run(
-                [*_as_user(self._lease.uid), "/bin/sh", "-c", "kill -9 -1"],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                cwd="/",
-                env={},
-            )
+            _kill_all_of(self._lease.uid)
 
     def _release(self) -> None:
         if self._lease:
@@ -467,15 +487,16 @@ class LocalSandboxBackend:
         if self._as_root and (why := _unreachable_why(os.path.abspath(self.root), readable=False)):
             raise SandboxError(f"sandbox uids cannot reach the sandbox root {self.root}: {why}")
         _check_user_namespaces(self._bwrap, self._as_root)
+        sweep_stale_host_dirs(self.root, _reclaim_uid_of if self._as_root else None)
 
     def create(self, spec: SandboxSpec) -> LocalSandbox:
         for target in (*spec.ro_mounts, *spec.agent_masked_paths):
             if not posixpath.isabs(target) or posixpath.normpath(target) != target:
                 raise ValueError(f"sandbox path {target!r} must be a normalised absolute path")
         lease = _lease_uid() if self._as_root else None
-        host_dir = None
+        host_dir = lock_fd = None
         try:
-            host_dir = make_host_dir(self.root, lease.uid if lease else None)
+            host_dir, lock_fd = make_host_dir(self.root, lease.uid if lease else None)
             # files/: what the sandbox sees read-only (root-owned, outside its home)
             make_dir(os.path.join(host_dir, "files"), 0o755)
             for name, content in (("passwd", _PASSWD), ("group", _GROUP)):
@@ -484,10 +505,12 @@ class LocalSandboxBackend:
                     os.fchmod(f.fileno(), 0o644)
             mounts = self._ro_mount_sources(spec.ro_mounts, host_dir, lease)
             socket = self._gateway_socket(spec.gateway_socket, host_dir, lease)
-            return LocalSandbox(host_dir, spec, mounts, socket, self._bwrap, lease)
+            return LocalSandbox(host_dir, spec, mounts, socket, self._bwrap, lease, lock_fd)
         except BaseException:
             if host_dir:
                 delete_tree(host_dir)
+                os.unlink(host_dir + LOCK_SUFFIX)
+                os.close(lock_fd)
             if lease:
                 lease.release()
             raise

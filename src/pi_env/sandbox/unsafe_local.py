@@ -37,6 +37,7 @@ from pi_env.sandbox.hostdir import (
     relative_to_home,
     sandbox_rlimits,
     shell,
+    sweep_stale_host_dirs,
 )
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ def _apply_rlimits(rlimits: dict[int, int]) -> None:
 class UnsafeLocalSandbox(HostDirSandbox):
     """A host dir standing for /root, and commands run as plain subprocesses in it."""
 
-    def __init__(self, host_dir: str, spec: SandboxSpec):
-        super().__init__(host_dir, owner=None)
+    def __init__(self, host_dir: str, lock_fd: int, spec: SandboxSpec):
+        super().__init__(host_dir, None, lock_fd)
         self._spec = spec
         rlimits = sandbox_rlimits(spec.limits, exclusive_uid=False)
         self._rlimits = functools.partial(_apply_rlimits, rlimits)
@@ -110,9 +111,11 @@ class UnsafeLocalBackend:
     def __init__(self, root: str | None = None):
         self.root = root or default_root()
         private_dir(self.root, 0o711)
+        sweep_stale_host_dirs(self.root)
 
     def create(self, spec: SandboxSpec) -> UnsafeLocalSandbox:
         message = WARNING.format(user=os.environ.get("USER") or f"uid {os.getuid()}")
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         log.warning(message)
-        return UnsafeLocalSandbox(make_host_dir(self.root, owner=None), spec)
+        host_dir, lock_fd = make_host_dir(self.root, owner=None)
+        return UnsafeLocalSandbox(host_dir, lock_fd, spec)
