@@ -523,3 +523,27 @@ def test_import_stays_light():
             "print(sorted(m for m in ('tinker_cookbook', 'torch', 'openenv', 'transformers', 'chz') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@needs_bwrap
+def test_example_loop_against_an_openai_compatible_server(server):
+    """examples/workspace_loop.py over real HTTP, the scripted server answering with the
+    reference solution's tool calls (synthetic), then with a wrong final answer."""
+    from pi_env.testing import ScriptedToolCall, ScriptedTurn
+
+    task = generate_tasks(1, seed=0)[0]
+    turns = oracle_turns(task)
+    script = [ScriptedTurn(tool_calls=[ScriptedToolCall(name=c["function"]["name"],
+                                                        arguments=json.loads(c["function"]["arguments"]))])
+              for turn in turns[:-1] for c in turn["tool_calls"]]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for final, reward in ((f"The answer is {task.expected}.", 1.0), ("The answer is 3.", 0.9)):
+        key = server.add_script([*script, ScriptedTurn(text=final)])
+        done = subprocess.run(
+            [sys.executable, os.path.join(root, "examples", "workspace_loop.py"), "--endpoint", server.base_url,
+             "--model", "scripted-model", "--api-key", key, "--n", "1"],
+            capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(done.stdout.strip().splitlines()[-1])
+        assert summary["rewards"] == [reward] and summary["synthetic"] is False
+        assert key not in done.stdout + done.stderr  # the API key is never echoed
