@@ -43,51 +43,26 @@ class WorkspaceLimits:
     max_output_file_bytes: int = 8 << 20  # RLIMIT_FSIZE and the size of the sandbox's /tmp
 
 
+def _spec(description: str, **properties: str) -> dict[str, Any]:
+    """A tool's description and JSON schema: every argument is a required string."""
+    return {"description": description, "parameters": {
+        "type": "object",
+        "properties": {name: {"type": "string", "description": text} for name, text in properties.items()},
+        "required": list(properties),
+        "additionalProperties": False,
+    }}
+
+
+_PATH = "Path relative to the workspace"
 TOOL_SPECS: dict[str, dict[str, Any]] = {
-    "read": {
-        "description": "Read a text file of the workspace.",
-        "parameters": {
-            "type": "object",
-            "properties": {"path": {"type": "string", "description": "Path relative to the workspace"}},
-            "required": ["path"],
-            "additionalProperties": False,
-        },
-    },
-    "write": {
-        "description": "Create or overwrite a text file of the workspace.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "path": {"type": "string", "description": "Path relative to the workspace"},
-                "content": {"type": "string", "description": "The whole new content"},
-            },
-            "required": ["path", "content"],
-            "additionalProperties": False,
-        },
-    },
-    "edit": {
-        "description": "Replace text in a file: oldText must occur exactly once.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "path": {"type": "string", "description": "Path relative to the workspace"},
-                "oldText": {"type": "string", "description": "Exact text to replace (must match once)"},
-                "newText": {"type": "string", "description": "Replacement text"},
-            },
-            "required": ["path", "oldText", "newText"],
-            "additionalProperties": False,
-        },
-    },
-    "bash": {
-        "description": ("Run a program you wrote: exactly `<runtime> <file>` (for example "
-                        "`python3 solution.py`), in a sandbox with the workspace files beside it."),
-        "parameters": {
-            "type": "object",
-            "properties": {"command": {"type": "string", "description": "`<runtime> <relative-file>`"}},
-            "required": ["command"],
-            "additionalProperties": False,
-        },
-    },
+    "read": _spec("Read a text file of the workspace.", path=_PATH),
+    "write": _spec("Create or overwrite a text file of the workspace.", path=_PATH,
+                   content="The whole new content"),
+    "edit": _spec("Replace text in a file: oldText must occur exactly once.", path=_PATH,
+                  oldText="Exact text to replace (must match once)", newText="Replacement text"),
+    "bash": _spec("Run a program you wrote: exactly `<runtime> <file>` (for example `python3 solution.py`), "
+                  "in a sandbox with the workspace files beside it.",
+                  command="`<runtime> <relative-file>`"),
 }
 
 
