@@ -18,6 +18,7 @@ INFRA_KINDS = {"infra", "endpoint_error"}
 # Subcommands whose code lives with their room. Each module has `add_arguments(parser)` and
 # `run(args) -> exit code`, and imports its heavy dependencies only inside `run`.
 ROOM_COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("pi_env.server.command", "the OpenEnv server: MCP run_rollout, web UI at /web, /health, /docs"),
     "collect": ("pi_env.collect.command", "run a task set into a resumable dataset directory (SFT/GRPO data)"),
     "export": ("pi_env.collect.export_command", "export a collected dataset as sft, grpo or atif JSON lines"),
 }

@@ -1,0 +1,293 @@
+"""The OpenEnv server: `create_pi_app()` (and `app`, for `uvicorn pi_env.server.app:app`).
+
+OpenEnv's `create_app` gives the routes every OpenEnv environment has (/health, /docs, /ws,
+/reset, /step, /state, /metadata, /schema, its JSON-RPC POST /mcp) and mounts the web UI at
+/web. pi-env adds:
+- the MCP streamable-HTTP transport on /mcp, so the official MCP SDKs (and any MCP client) can
+  connect: a request that speaks it (GET/DELETE, or a POST that accepts text/event-stream, as the
+  protocol requires) goes to FastMCP's transport, OpenEnv's plain JSON-RPC POSTs to OpenEnv;
+  both reach the same FastMCP server and tool;
+- GET /endpoints: which model endpoints this server can use (no secrets), and the load;
+- bearer auth (PI_ENV_AUTH_TOKEN) on every route but /health;
+- DisconnectWatch: a client that hangs up mid-rollout gets its sandbox deleted.
+
+Settings (environment): MAX_CONCURRENT_ENVS (4) rollouts run at once, PI_ENV_MAX_QUEUE
+(4 x that) more wait, beyond that a call is answered "busy" at once; PI_ENV_AUTH_TOKEN;
+PI_ENV_SANDBOX_BACKEND; ENABLE_WEB_INTERFACE (default true here); the catalog's variables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import json
+import logging
+import os
+import threading
+import uuid
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline, and nothing phoned home
+
+from fastmcp import Context, FastMCP  # noqa: E402
+from fastmcp.exceptions import ToolError, ValidationError as ToolArgumentsError  # noqa: E402
+from fastmcp.server.middleware import Middleware  # noqa: E402
+from openenv.core.env_server.http_server import create_app  # noqa: E402
+from openenv.core.env_server.mcp_environment import MCPEnvironment  # noqa: E402
+from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation  # noqa: E402
+from openenv.core.env_server.types import Observation, State  # noqa: E402
+from pydantic import Field, ValidationError  # noqa: E402
+from starlette.responses import JSONResponse  # noqa: E402
+
+from .auth import BearerAuth  # noqa: E402
+from .limiter import ServerBusy  # noqa: E402
+from .rollouts import BadArguments, RolloutService, catalog_summary, client_gone, describe, scrub  # noqa: E402
+
+log = logging.getLogger("pi_env.server")
+# FastMCP logs a bad call's argument values; _CleanArgumentErrors reports it without them (a value may be a key).
+logging.getLogger("fastmcp.server.server").addFilter(lambda record: not record.getMessage().startswith("Invalid arguments"))
+ROLLOUT_TOOL_TIMEOUT_S = 24 * 3600  # OpenEnv's default tool timeout is 30 s; a rollout takes minutes
+
+INSTRUCTIONS = """pi-env runs the Pi coding agent on a task in an isolated sandbox against an
+OpenAI-compatible endpoint and returns the scored rollout. Call `run_rollout` with a task
+(instruction, setup, verify, files, ...) or a whole `task` object; the `oracle` endpoint replays
+a task's `solution` (no model needed)."""
+
+
+def build_mcp_server(service: RolloutService) -> FastMCP:
+    mcp = FastMCP("pi-env", instructions=INSTRUCTIONS, mask_error_details=True)
+    mcp.add_middleware(_CleanArgumentErrors())
+
+    @mcp.tool
+    async def run_rollout(
+        instruction: Annotated[str | None, Field(description="what the agent is asked to do")] = None,
+        setup: Annotated[list[str] | str | None, Field(description="shell commands before the agent, in order")] = None,
+        verify: Annotated[list[str] | None, Field(description="shell commands after the agent; reward = "
+                                                              "fraction that pass, or the float one writes to "
+                                                              "$HOME/logs/verifier/reward.txt")] = None,
+        task_id: str | None = None,
+        files: Annotated[dict[str, str] | None, Field(description="files staged before setup {path: text}")] = None,
+        verify_files: Annotated[dict[str, str] | None, Field(description="files staged only after the agent")] = None,
+        solution: Annotated[list[dict[str, Any]] | None, Field(description="reference steps the oracle "
+                                                                            "endpoint replays")] = None,
+        task: Annotated[dict[str, Any] | None, Field(description="a whole task object instead of the task "
+                                                                 "fields above")] = None,
+        endpoint: Annotated[str, Field(description="oracle, vllm, openai, hf_router, local, or an http(s) URL "
+                                                   "(GET /endpoints lists what is configured)")] = "oracle",
+        base_url: str | None = None,
+        api_key: Annotated[str | None, Field(description="upstream key; never logged or returned")] = None,
+        model: str | None = None,
+        mode: Literal["black_box", "transparent_proxy"] = "black_box",
+        disable_thinking: bool | None = None,
+        max_tokens_cap: int = 4096,
+        top_logprobs: int = 5,
+        agent_timeout_s: float = 600,
+        max_turns: int | None = None,
+        ctx: Context = None,  # injected by FastMCP (it must be annotated exactly Context)
+    ) -> dict[str, Any]:
+        """Run the Pi coding agent on one task in a fresh sandbox and return the scored
+        RolloutResult (reward, verify results, files, conversation, per-turn records; with
+        mode=transparent_proxy each turn's token ids and logprobs). At most MAX_CONCURRENT_ENVS
+        rollouts run at once; a few more wait; beyond that the call fails with a "busy:" error."""
+        arguments = {key: value for key, value in locals().items() if key in argument_names}
+        try:
+            task_, config = service.build(arguments)
+        except BadArguments as error:
+            raise ToolError(scrub(str(error), api_key)) from None
+        on_event = _progress_reporter(ctx, asyncio.get_running_loop()) if ctx is not None else None
+        try:
+            result = await service.run(task_, config, on_event=on_event)
+        except ServerBusy as error:
+            raise ToolError(str(error)) from None
+        except (ValueError, OSError, RuntimeError) as error:  # sandbox or runtime unavailable, ...
+            log.warning("run_rollout failed: %s", scrub(str(error), api_key))
+            raise ToolError(f"infra: {type(error).__name__}: {scrub(str(error), api_key)}") from None
+        return json.loads(scrub(result.model_dump_json(), api_key))
+
+    argument_names = set(inspect.signature(run_rollout.fn if hasattr(run_rollout, "fn") else run_rollout).parameters)
+    argument_names.discard("ctx")
+    return mcp
+
+
+class _CleanArgumentErrors(Middleware):
+    """Arguments of the wrong type: `field: what is wrong`, never the value (it may be a key)."""
+
+    async def on_call_tool(self, context, call_next):
+        try:
+            return await call_next(context)
+        except ToolArgumentsError as error:
+            cause = error.__cause__
+            message = describe(cause) if isinstance(cause, ValidationError) else "invalid arguments"
+            raise ToolError(message) from None
+
+
+def _progress_reporter(ctx: Context, loop: asyncio.AbstractEventLoop):
+    """RolloutEvents (on worker threads) as MCP progress notifications; sent only when the
+    client asked for progress, and a client that went away is not an error here."""
+    count = 0
+    request_context = contextvars.copy_context()  # ctx reads the MCP request from contextvars
+
+    async def send(progress: int, message: str) -> None:
+        try:
+            await ctx.report_progress(progress, None, message)
+        except Exception:  # noqa: BLE001 - the disconnect is handled by DisconnectWatch
+            pass
+
+    def on_event(event) -> None:
+        nonlocal count
+        count += 1
+        if event.kind == "turn":
+            message = f"model call {event.turn.turn} ({event.turn.completion_tokens or 0} tokens)"
+        elif event.kind == "done":
+            message = f"done: reward {event.reward}" + (f" ({event.error_kind})" if event.error_kind else "")
+        else:
+            message = f"{event.phase} {'started' if event.kind == 'phase_start' else 'finished'}"
+        loop.call_soon_threadsafe(asyncio.ensure_future, send(count, message), context=request_context)
+
+    return on_event
+
+
+class PiEnvironment(MCPEnvironment):
+    """The OpenEnv environment: one MCP tool, `run_rollout`. Each call is a whole episode (a
+    fresh sandbox, scored), so reset() only starts a new episode id and step() takes
+    CallToolAction/ListToolsAction; rollouts share the server's limit, whichever route they use."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self, mcp_server: FastMCP):
+        super().__init__(mcp_server)
+        self._state = State(episode_id=str(uuid.uuid4()), step_count=0)
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> Observation:
+        self._state = State(episode_id=episode_id or str(uuid.uuid4()), step_count=0)
+        return Observation(done=False, reward=None,
+                           metadata={"tools": ["run_rollout"], "endpoints": catalog_summary()})
+
+    async def _async_handle_call_tool(self, action: CallToolAction, timeout_s: float | None = None):
+        self._state.step_count += 1
+        return await super()._async_handle_call_tool(action, timeout_s=timeout_s or ROLLOUT_TOOL_TIMEOUT_S)
+
+    def _step_impl(self, action, timeout_s: float | None = None, **kwargs) -> Observation:
+        return Observation(done=False, reward=None, metadata={
+            "error": f"unsupported action {type(action).__name__}: use CallToolAction(tool_name='run_rollout', ...)"})
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+def create_pi_app(service: RolloutService | None = None, *, web: bool | None = None):
+    """The ASGI app. `web` None: ENABLE_WEB_INTERFACE (default on)."""
+    service = service or RolloutService.from_env()
+    mcp_server = build_mcp_server(service)
+    if web is None:
+        web = os.environ.get("ENABLE_WEB_INTERFACE", "true").lower() in ("1", "true", "yes")
+    os.environ["ENABLE_WEB_INTERFACE"] = "true" if web else "false"  # how create_app is told
+    builder = None
+    if web:
+        from .web import gradio_builder
+
+        builder = functools.partial(gradio_builder, service)
+    limits = service.limiter
+    app = create_app(functools.partial(PiEnvironment, mcp_server), CallToolAction, CallToolObservation,
+                     env_name="pi_env", max_concurrent_envs=limits.max_running + limits.max_waiting,
+                     gradio_builder=builder, show_default_tab=False, title_override="pi-env")
+    app.title, app.description = "pi-env", INSTRUCTIONS
+    mcp_app = mcp_server.http_app(path="/mcp", stateless_http=True)
+    openenv_lifespan = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app_):
+        async with mcp_app.router.lifespan_context(mcp_app):  # FastMCP's session manager
+            async with openenv_lifespan(app_):
+                yield
+
+    app.router.lifespan_context = lifespan
+
+    @app.get("/endpoints", tags=["Environment Info"], summary="Model endpoints this server can use (no secrets)")
+    async def endpoints() -> dict:
+        return {"endpoints": catalog_summary(), "rollouts": limits.snapshot()}
+
+    app.state.rollouts = service
+    asgi = DisconnectWatch(McpDispatch(app, mcp_app))
+    token = os.environ.get("PI_ENV_AUTH_TOKEN")
+    return BearerAuth(asgi, token) if token else asgi
+
+
+class McpDispatch:
+    """/mcp: MCP streamable HTTP (what MCP SDK clients speak) to FastMCP's transport, OpenEnv's
+    plain JSON-RPC POSTs (MCPToolClient) to OpenEnv's handler."""
+
+    def __init__(self, app, mcp_app):
+        self.app, self.mcp_app = app, mcp_app
+        self.state = app.state  # uvicorn/starlette look for app.state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].rstrip("/") == "/mcp" and _speaks_streamable_http(scope):
+            scope = {**scope, "path": "/mcp"}
+            return await self.mcp_app(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _speaks_streamable_http(scope) -> bool:
+    if scope["method"] != "POST":
+        return True
+    headers = dict(scope["headers"])
+    return b"text/event-stream" in headers.get(b"accept", b"") or b"mcp-session-id" in headers
+
+
+class DisconnectWatch:
+    """Sets `client_gone` for the request when its HTTP client disconnects, so a rollout whose
+    caller hung up is cancelled (agent killed, sandbox deleted). Listens only once the request
+    body has been read, so it never takes a body chunk from the app."""
+
+    def __init__(self, app):
+        self.app = app
+        self.state = getattr(app, "state", None)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        gone = threading.Event()
+        token = client_gone.set(gone)
+        listener: asyncio.Task | None = None
+        finished = False
+
+        async def listen() -> None:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not finished:
+                gone.set()
+
+        async def watched_receive():
+            nonlocal listener
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            elif not message.get("more_body") and listener is None:
+                listener = asyncio.ensure_future(listen())
+            return message
+
+        async def watched_send(message):
+            nonlocal finished
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, watched_receive, watched_send)
+        finally:
+            finished = True
+            client_gone.reset(token)
+            if listener is not None:
+                listener.cancel()
+
+
+def __getattr__(name: str):
+    # `uvicorn pi_env.server.app:app` (openenv.yaml, the Dockerfile): built on first access.
+    if name == "app":
+        globals()["app"] = application = create_pi_app()
+        return application
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,35 @@
+"""`pi-env serve`: the OpenEnv server (MCP run_rollout, /web, /health, /docs) under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to serve other machines)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-concurrent", type=int, default=None,
+                        help="rollouts at once (default: $MAX_CONCURRENT_ENVS or 4)")
+    parser.add_argument("--max-queue", type=int, default=None,
+                        help="calls that may wait for a slot; more are answered busy (default: $PI_ENV_MAX_QUEUE "
+                             "or 4 x max-concurrent)")
+    parser.add_argument("--backend", default=None, help="sandbox backend: local (bubblewrap) or unsafe-local")
+    parser.add_argument("--no-web", action="store_true", help="no web UI at /web")
+
+
+def run(args) -> int:
+    # The app reads its settings from the environment, as it does under plain uvicorn or in a Space.
+    for name, value in (("MAX_CONCURRENT_ENVS", args.max_concurrent), ("PI_ENV_MAX_QUEUE", args.max_queue),
+                        ("PI_ENV_SANDBOX_BACKEND", args.backend)):
+        if value is not None:
+            os.environ[name] = str(value)
+    if args.no_web:
+        os.environ["ENABLE_WEB_INTERFACE"] = "false"
+    import uvicorn
+
+    from .app import create_pi_app
+
+    # No access log: a browser's first visit may carry ?token= in its query string.
+    uvicorn.run(create_pi_app(), host=args.host, port=args.port, access_log=False, log_level="info")
+    return 0

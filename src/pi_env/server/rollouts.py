@@ -1,0 +1,213 @@
+"""What every door into the server shares: turning `run_rollout` arguments into a task and a
+config (errors name the argument), the endpoint catalog as the server offers it, and running a
+rollout in a worker thread under the shared limit, cancellable from the event loop.
+
+Light on purpose (no openenv): the typed client and the tests import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+from urllib.parse import urlparse, urlunparse
+
+from pydantic import ValidationError
+
+from ..config import PiConfig
+from ..endpoints import CATALOG, ORACLE, EndpointError, resolve_endpoint
+from ..results import RolloutEvent, RolloutResult
+from ..task import PiTask, TaskError
+from .limiter import RolloutLimiter
+
+TASK_FIELDS = ("instruction", "setup", "verify", "files", "verify_files", "solution", "task_id")
+# run_rollout's argument names (the reference's) for PiConfig fields, so errors name what the caller sent.
+CONFIG_ARGUMENTS = {"proxy_disable_thinking": "disable_thinking", "proxy_max_tokens_cap": "max_tokens_cap",
+                    "proxy_top_logprobs": "top_logprobs"}
+LOCAL = "local"  # the server's own engine, when PI_ENV_LOCAL_BASE_URL names one
+MODES = ("black_box", "transparent_proxy")  # interception_gate needs the trainer in-process
+
+
+class BadArguments(ValueError):
+    """A run_rollout call the server cannot run; the message names the argument and the fix."""
+
+
+def build_rollout(arguments: dict[str, Any], *, sandbox_backend: str | None = None) -> tuple[PiTask, PiConfig]:
+    """The task and config for one `run_rollout` call. None means "not given"."""
+    given = {key: value for key, value in arguments.items() if value is not None}
+    task_value = given.pop("task", None)
+    task_fields = {key: given.pop(key) for key in TASK_FIELDS if key in given}
+    if task_value is not None and task_fields:
+        raise BadArguments(f"give either `task` or the task fields, not both (also got {sorted(task_fields)})")
+    if task_value is None and "instruction" not in task_fields:
+        raise BadArguments("instruction: required (or give a whole `task` object)")
+    if isinstance(task_fields.get("setup"), str):  # the reference's setup_shell: one command
+        task_fields["setup"] = [task_fields["setup"]]
+    try:
+        task = PiTask.coerce(task_value if task_value is not None else task_fields)
+    except TaskError as error:
+        raise BadArguments(str(error).replace("task: invalid task:", "task:", 1)) from None
+
+    mode = given.pop("mode", "black_box")
+    if mode not in MODES:
+        raise BadArguments(f"mode: {mode!r} is not one of {list(MODES)}")
+    endpoint = given.pop("endpoint", ORACLE)
+    fields = {"endpoint": endpoint, "mode": mode, "base_url": given.pop("base_url", None),
+              "api_key": given.pop("api_key", None), "model": given.pop("model", None),
+              "proxy_disable_thinking": given.pop("disable_thinking", None),
+              "proxy_max_tokens_cap": given.pop("max_tokens_cap", None),
+              "proxy_top_logprobs": given.pop("top_logprobs", None),
+              "agent_timeout_s": given.pop("agent_timeout_s", None), "max_turns": given.pop("max_turns", None),
+              "sandbox_backend": sandbox_backend}
+    if given:
+        raise BadArguments(f"unknown arguments {sorted(given)}")
+    if endpoint == LOCAL:
+        fields.update(local_engine(fields))
+    try:
+        config = PiConfig(**{key: value for key, value in fields.items() if value is not None})
+    except ValidationError as error:
+        raise BadArguments(describe(error, CONFIG_ARGUMENTS)) from None
+    try:
+        if config.endpoint == ORACLE:
+            from ..oracle import solution_turns
+
+            solution_turns(task)  # raises when the task has no solution to replay
+        else:
+            resolve_endpoint(config)
+    except EndpointError as error:
+        message = str(error).replace("pass --api-key", "give api_key").replace("pass --model", "give model")
+        raise BadArguments(f"endpoint: {message}") from None
+    return task, config
+
+
+def describe(error: ValidationError, names: dict[str, str] | None = None) -> str:
+    """A pydantic error as `field: what is wrong` lines, without echoing the input (it may be a key)."""
+    names = names or {}
+    lines = []
+    for item in error.errors(include_url=False, include_input=False):
+        where = ".".join(names.get(str(part), str(part)) for part in item["loc"]) or "arguments"
+        lines.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
+    return "; ".join(lines)
+
+
+def local_engine(fields: dict) -> dict:
+    url = os.environ.get("PI_ENV_LOCAL_BASE_URL")
+    if not url:
+        raise BadArguments("endpoint: 'local' is not configured on this server (it needs PI_ENV_LOCAL_BASE_URL)")
+    return {"endpoint": url, "model": fields["model"] or os.environ.get("PI_ENV_LOCAL_MODEL"),
+            "api_key": fields["api_key"] or os.environ.get("PI_ENV_LOCAL_API_KEY")}
+
+
+def catalog_summary() -> list[dict[str, Any]]:
+    """Which endpoints this server can use, from its environment. No secrets: whether a key
+    is set, never the key; URLs without user info."""
+    rows = [{"name": ORACLE, "configured": True, "base_url": None, "model": "pi-env-oracle", "key_set": False,
+             "note": "replays the task's `solution` through the real Pi (synthetic records)"}]
+    for name, entry in CATALOG.items():
+        key_set = any(os.environ.get(env) for env in entry.key_envs)
+        url = os.environ.get(entry.url_env) or entry.default_url
+        model = os.environ.get(entry.model_env) or entry.default_model
+        configured = (bool(os.environ.get(entry.url_env)) or key_set) if name == "vllm" else key_set
+        rows.append({"name": name, "configured": configured, "base_url": _public_url(url), "model": model,
+                     "key_set": key_set, "note": f"set {entry.url_env}, {' or '.join(entry.key_envs)}, {entry.model_env}"})
+    local = os.environ.get("PI_ENV_LOCAL_BASE_URL")
+    rows.append({"name": LOCAL, "configured": bool(local), "base_url": _public_url(local),
+                 "model": os.environ.get("PI_ENV_LOCAL_MODEL"), "key_set": bool(os.environ.get("PI_ENV_LOCAL_API_KEY")),
+                 "note": "this server's own engine: set PI_ENV_LOCAL_BASE_URL, PI_ENV_LOCAL_MODEL"})
+    return rows
+
+
+def _public_url(url: str | None) -> str | None:
+    if not url:
+        return None
+    parsed = urlparse(url)
+    return urlunparse(parsed._replace(netloc=parsed.hostname + (f":{parsed.port}" if parsed.port else ""))) \
+        if parsed.hostname else url
+
+
+def scrub(text: str, secret: str | None) -> str:
+    """Remove a caller's key from anything the server sends back or logs."""
+    return text.replace(secret, "***") if secret and len(secret) >= 4 else text
+
+
+# A threading.Event set when the HTTP client of the current request disconnects (see
+# app.DisconnectWatch); contextvars follow the request into the tool call's task.
+client_gone: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("pi_env_client_gone", default=None)
+
+
+class RolloutService:
+    """Runs rollouts in worker threads (never on the event loop) under one shared limit."""
+
+    def __init__(self, max_running: int, max_waiting: int, sandbox_backend: str | None = None):
+        self.limiter = RolloutLimiter(max_running, max_waiting)
+        self.sandbox_backend = sandbox_backend
+        self._executor = ThreadPoolExecutor(max_running, thread_name_prefix="pi-env-rollout")
+
+    @classmethod
+    def from_env(cls) -> "RolloutService":
+        try:
+            max_running = int(os.environ.get("MAX_CONCURRENT_ENVS", "4"))
+            max_waiting = int(os.environ.get("PI_ENV_MAX_QUEUE", str(4 * max_running)))
+        except ValueError as error:
+            raise ValueError(f"MAX_CONCURRENT_ENVS / PI_ENV_MAX_QUEUE must be integers: {error}") from None
+        return cls(max_running, max_waiting, os.environ.get("PI_ENV_SANDBOX_BACKEND") or None)
+
+    def build(self, arguments: dict[str, Any]) -> tuple[PiTask, PiConfig]:
+        return build_rollout(arguments, sandbox_backend=self.sandbox_backend)
+
+    async def run(self, task: PiTask, config: PiConfig, *, on_event: Callable[[RolloutEvent], None] | None = None,
+                  on_queued: Callable[[int], None] | None = None, cancel: threading.Event | None = None
+                  ) -> RolloutResult:
+        """One rollout under the limit. Raises ServerBusy when the queue is full. Cancelling
+        the awaiting task, setting `cancel`, or the request's client disconnecting closes the
+        session: the agent is killed and the sandbox deleted."""
+        gone = client_gone.get()
+        async with self.limiter.slot(on_queued):
+            rollout = _Rollout(task, config, on_event)
+            future = asyncio.get_running_loop().run_in_executor(self._executor, rollout.run)
+            try:
+                while True:
+                    done, _ = await asyncio.wait({future}, timeout=0.2)
+                    if done:
+                        return future.result()
+                    if (gone is not None and gone.is_set()) or (cancel is not None and cancel.is_set()):
+                        rollout.cancel()
+                        raise asyncio.CancelledError("the client went away")
+            except BaseException:
+                rollout.cancel()
+                raise
+
+
+class _Rollout:
+    """One rollout on a worker thread; `cancel()` from any thread closes its session."""
+
+    def __init__(self, task: PiTask, config: PiConfig, on_event):
+        self.task, self.config, self.on_event = task, config, on_event
+        self.session = None
+        self.cancelled = False
+        self._lock = threading.Lock()
+
+    def run(self) -> RolloutResult:
+        from ..rollout import PiSessionFactory
+
+        session = PiSessionFactory(self.config).create(self.task, on_event=self.on_event)
+        with self._lock:
+            self.session = session
+            cancelled = self.cancelled
+        try:
+            if cancelled:  # cancelled during setup: nobody waits for the result
+                raise asyncio.CancelledError("cancelled during setup")
+            return session.wait_for_completion()
+        finally:
+            session.close()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            session = self.session
+        if session is not None:
+            # close() kills the agent and deletes the sandbox; off the caller's (event loop) thread.
+            threading.Thread(target=session.close, name="pi-env-cancel", daemon=True).start()
