@@ -151,16 +151,11 @@ class Workspace:
 
     def _write(self, path: str, content: str) -> dict[str, Any]:
         checked, why = self._check_path(path)
-        if why is None:
-            why = self._check_content(checked, content)
-        if why:
-            return self._result("write", "error", path=path, error=why)
-        self.files[checked] = content
-        self.authored.add(checked)
-        return self._result("write", "ok", path=checked, bytes_written=len(content.encode()))
+        return self._store("write", path, checked, content, why)
 
     def _edit(self, path: str, oldText: str, newText: str) -> dict[str, Any]:  # noqa: N803
         checked, why = self._check_path(path)
+        content = ""
         if why is None and checked not in self.files:
             why = f"no file {checked!r} to edit; write it first"
         if why is None and not oldText:
@@ -172,12 +167,17 @@ class Workspace:
                        "(include more surrounding text)" if count else f"oldText not found in {checked!r}")
         if why is None:
             content = self.files[checked].replace(oldText, newText, 1)
+        return self._store("edit", path, checked, content, why)
+
+    def _store(self, tool: str, path: str, checked: str, content: str, why: str | None) -> dict[str, Any]:
+        """The end of write and edit: refuse with `why`, or check the bounds and keep it."""
+        if why is None:
             why = self._check_content(checked, content)
         if why:
-            return self._result("edit", "error", path=path, error=why)
+            return self._result(tool, "error", path=path, error=why)
         self.files[checked] = content
         self.authored.add(checked)
-        return self._result("edit", "ok", path=checked, bytes_written=len(content.encode()))
+        return self._result(tool, "ok", path=checked, bytes_written=len(content.encode()))
 
     def _bash(self, command: str) -> dict[str, Any]:
         lang = self.task.lang
