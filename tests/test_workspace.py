@@ -222,6 +222,33 @@ def test_fork_bomb_ends_cleanly():
 
 
 @needs_bwrap
+def test_memory_hog_fails_cleanly():
+    with Workspace(make_task(), limits=WorkspaceLimits(max_memory_bytes=256 << 20)) as ws:
+        ws.write("solution.py", "x = bytearray(1 << 30)\nprint(42)\n")
+        result = ws.bash("python3 solution.py")
+        assert result["status"] == "error" and result["returncode"] == 1 and "MemoryError" in result["stderr"]
+
+
+@needs_bwrap
+def test_close_from_another_thread_kills_a_running_program():
+    ws = Workspace(make_task(), limits=WorkspaceLimits(timeout_s=60))
+    ws.write("solution.py", "import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    results = []
+    runner = threading.Thread(target=lambda: results.append(ws.bash("python3 solution.py")))
+    runner.start()
+    while ws._sandbox is None:  # the run has begun once its sandbox exists
+        threading.Event().wait(0.02)
+    host_dir = ws._sandbox.host_dir
+    threading.Event().wait(0.5)
+    ws.close()
+    runner.join(timeout=15)
+    assert not runner.is_alive()
+    assert results[0]["status"] == "infrastructure_error" and "closed" in results[0]["error"]
+    assert not os.path.exists(host_dir)
+    assert ws.bash("python3 solution.py")["status"] == "infrastructure_error"
+
+
+@needs_bwrap
 def test_huge_output_is_bounded():
     with Workspace(make_task(), limits=WorkspaceLimits(output_chars=1000, timeout_s=20)) as ws:
         ws.write("solution.py", "import sys\nfor _ in range(200000):\n    sys.stdout.write('y' * 100 + '\\n')\n"

@@ -93,6 +93,7 @@ class Workspace:
         self.authored: set[str] = set()  # written or edited by the model: only these may run
         self._sandbox = None
         self._lock = threading.Lock()  # tool calls change shared state: one at a time
+        self._sandbox_lock = threading.Lock()  # close() must not wait for a running program
         self._closed = False
 
     # -- entry point
@@ -213,6 +214,9 @@ class Workspace:
         except (SandboxError, OSError) as exc:
             return self._result("bash", "infrastructure_error", command=command,
                                 error=f"sandbox failure: {type(exc).__name__}: {exc}")
+        if self._closed:  # killed by close(): the program's fate says nothing about it
+            return self._result("bash", "infrastructure_error", command=command,
+                                error="the workspace was closed while the program ran")
         stdout, stdout_truncated = _tail(done.stdout, self.limits.output_chars)
         stderr, stderr_truncated = _tail(done.stderr, self.limits.output_chars)
         succeeded = done.exit_code == 0 and not done.timed_out
@@ -232,9 +236,13 @@ class Workspace:
     # -- helpers
 
     def _open_sandbox(self):
-        if self._sandbox is None:
-            from pi_env.sandbox import SandboxLimits, SandboxSpec, get_backend
+        from pi_env.sandbox import SandboxError, SandboxLimits, SandboxSpec, get_backend
 
+        with self._sandbox_lock:
+            if self._closed:
+                raise SandboxError("the workspace is closed")
+            if self._sandbox is not None:
+                return self._sandbox
             limits = SandboxLimits(
                 max_processes=self.limits.max_processes,
                 max_file_bytes=self.limits.max_output_file_bytes,
@@ -243,7 +251,7 @@ class Workspace:
             )
             self._sandbox = get_backend(self.backend).create(
                 SandboxSpec(limits=limits, env={"PYTHONDONTWRITEBYTECODE": "1"}))
-        return self._sandbox
+            return self._sandbox
 
     def _check_path(self, path: str) -> tuple[str, str | None]:
         """(normalised path, None) or (path, why it is refused)."""
@@ -278,8 +286,9 @@ class Workspace:
         return {"schema": RESULT_SCHEMA, "tool": tool, "status": status, **fields}
 
     def close(self) -> None:
-        """Kill whatever still runs and delete the sandbox. Idempotent."""
-        with self._lock:
+        """Kill whatever still runs and delete the sandbox. Idempotent; safe from another
+        thread while a program runs (that bash call then returns an infrastructure_error)."""
+        with self._sandbox_lock:
             self._closed = True
             sandbox, self._sandbox = self._sandbox, None
         if sandbox is not None:
