@@ -1,0 +1,138 @@
+"""`PiEnv`: the typed client of a pi-env server (`pi-env serve`, or a Space).
+
+    from pi_env.server.client import PiEnv
+
+    with PiEnv("http://127.0.0.1:8000") as env:                 # sync
+        result = env.run_rollout(task, endpoint="oracle")       # -> RolloutResult
+
+    async with PiEnv("http://127.0.0.1:8000") as env:           # async
+        result = await env.arun_rollout(task, mode="transparent_proxy")
+
+It speaks MCP over streamable HTTP (the official `mcp` SDK) to the server's /mcp, one
+connection per call, so one PiEnv may serve many threads or tasks at once. The sync methods
+run the async ones on pi-env's background event loop and return the result, never a
+coroutine. `timeout_s` (default one hour) bounds a whole call, queue wait included; real
+rollouts take minutes. Needs only the `mcp` package (no openenv).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+from mcp import ClientSession
+
+from mcp.client.streamable_http import streamable_http_client
+
+from .._aio import run_sync
+from ..results import RolloutResult
+from ..task import PiTask
+from .limiter import ServerBusy
+
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+class PiEnvError(RuntimeError):
+    """The server refused or failed the call; the message is the server's (it names the argument)."""
+
+
+class PiEnv:
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 connect_timeout_s: float = 30.0):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    # -- async -------------------------------------------------------------------------------
+    async def arun_rollout(self, task: PiTask | dict | str | Path | None = None, *,
+                           on_progress: Callable[[str], None] | None = None, **arguments: Any) -> RolloutResult:
+        """One rollout on the server. `task`: a PiTask, a task dict, a task JSON file or an
+        instruction; or leave it out and pass the task fields (instruction=, verify=, ...).
+        Other arguments as the MCP tool's (endpoint, model, api_key, mode, max_turns, ...).
+        Raises ServerBusy when the server's queue is full, PiEnvError for anything it refused."""
+        if task is not None:
+            task = PiTask.from_file(task) if isinstance(task, Path) else PiTask.coerce(task)
+            arguments["task"] = task.model_dump(mode="json", exclude_none=True)
+
+        async def progress(done: float, total: float | None, message: str | None) -> None:
+            if on_progress is not None and message:
+                on_progress(message)
+
+        result = await self._call("run_rollout", arguments, progress if on_progress else None)
+        return RolloutResult.model_validate(result)
+
+    async def alist_tools(self) -> list[dict[str, Any]]:
+        async with self._session() as session:
+            listed = await session.list_tools()
+        return [tool.model_dump(mode="json") for tool in listed.tools]
+
+    async def aendpoints(self) -> dict[str, Any]:
+        """The server's GET /endpoints: which model endpoints it has configured, and its load."""
+        async with httpx.AsyncClient(headers=self._headers, timeout=self.connect_timeout_s) as http:
+            response = await http.get(f"{self.base_url}/endpoints")
+        response.raise_for_status()
+        return response.json()
+
+    # -- sync (the same calls, results not coroutines) -------------------------------------------
+    def run_rollout(self, task: PiTask | dict | str | Path | None = None, *,
+                    on_progress: Callable[[str], None] | None = None, **arguments: Any) -> RolloutResult:
+        return run_sync(self.arun_rollout(task, on_progress=on_progress, **arguments))
+
+    def list_tools(self) -> list[dict[str, Any]]:
+        return run_sync(self.alist_tools())
+
+    def endpoints(self) -> dict[str, Any]:
+        return run_sync(self.aendpoints())
+
+    def __enter__(self) -> "PiEnv":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass  # nothing held between calls
+
+    async def __aenter__(self) -> "PiEnv":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        pass
+
+    # -- transport -------------------------------------------------------------------------------
+    async def _call(self, name: str, arguments: dict[str, Any], progress) -> dict[str, Any]:
+        try:
+            async with self._session() as session:
+                answer = await session.call_tool(name, arguments, read_timeout_seconds=timedelta(seconds=self.timeout_s),
+                                                 progress_callback=progress)
+        except BaseExceptionGroup as group:  # anyio task groups wrap the transport's errors
+            raise PiEnvError(f"{self.base_url}/mcp: {_first_error(group)}") from None
+        except httpx.HTTPError as error:
+            raise PiEnvError(f"{self.base_url}/mcp: {error}") from None
+        text = "".join(getattr(block, "text", "") for block in answer.content)
+        if answer.isError:
+            if text.startswith("busy:"):
+                raise ServerBusy(text)
+            raise PiEnvError(text or f"{name} failed")
+        return answer.structuredContent or json.loads(text)
+
+    @asynccontextmanager
+    async def _session(self):
+        """One MCP connection: initialize, then the caller's requests."""
+        timeout = httpx.Timeout(self.connect_timeout_s, read=self.timeout_s)
+        async with httpx.AsyncClient(headers=self._headers, timeout=timeout) as http, \
+                streamable_http_client(f"{self.base_url}/mcp", http_client=http) as (read, write, _), \
+                ClientSession(read, write) as session:
+            await session.initialize()
+            yield session
+
+
+def _first_error(group: BaseExceptionGroup) -> str:
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    if isinstance(error, httpx.HTTPStatusError):
+        return f"HTTP {error.response.status_code}" + (" (wrong or missing token)" if error.response.status_code == 401
+                                                       else "")
+    return f"{type(error).__name__}: {error}"
