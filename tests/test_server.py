@@ -378,3 +378,19 @@ def test_load_sixteen_concurrent_calls_with_four_slots(tmp_path):
         assert after - before < 300, (before, after)
     finally:
         served.stop()
+
+
+def test_stopping_the_server_mid_rollout_leaves_no_sandbox(tmp_path):
+    served = ServerProcess(tmp_path)
+    caller = threading.Thread(target=lambda: pytest.raises(PiEnvError, PiEnv(served.url).run_rollout,
+                                                          sleeping_task(612)), daemon=True)
+    caller.start()
+    try:
+        (pid, uid), = wait_for(lambda: sandbox_processes("sleep 612"), 60, "the agent's sleep to start")
+        served.process.send_signal(signal.SIGINT)
+        served.process.wait(40)
+        assert not processes_of_uid(uid)
+        assert not any(served.sandbox_root.iterdir())
+    finally:
+        served.stop()
+    caller.join(10)

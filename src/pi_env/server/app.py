@@ -203,7 +203,10 @@ def create_pi_app(service: RolloutService | None = None, *, web: bool | None = N
     async def lifespan(app_):
         async with mcp_app.router.lifespan_context(mcp_app):  # FastMCP's session manager
             async with openenv_lifespan(app_):
-                yield
+                try:
+                    yield
+                finally:
+                    await asyncio.to_thread(service.shutdown)  # nothing left running on shutdown
 
     app.router.lifespan_context = lifespan
 

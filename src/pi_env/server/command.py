@@ -31,5 +31,7 @@ def run(args) -> int:
     from .app import create_pi_app
 
     # No access log: a browser's first visit may carry ?token= in its query string.
-    uvicorn.run(create_pi_app(), host=args.host, port=args.port, access_log=False, log_level="info")
+    # A bounded graceful shutdown: then running calls are cancelled, which deletes their sandboxes.
+    uvicorn.run(create_pi_app(), host=args.host, port=args.port, access_log=False, log_level="info",
+                timeout_graceful_shutdown=5)
     return 0

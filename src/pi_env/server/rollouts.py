@@ -145,6 +145,7 @@ class RolloutService:
         self.limiter = RolloutLimiter(max_running, max_waiting)
         self.sandbox_backend = sandbox_backend
         self._executor = ThreadPoolExecutor(max_running, thread_name_prefix="pi-env-rollout")
+        self._active: set[_Rollout] = set()
 
     @classmethod
     def from_env(cls) -> "RolloutService":
@@ -167,6 +168,7 @@ class RolloutService:
         gone = client_gone.get()
         async with self.limiter.slot(on_queued):
             rollout = _Rollout(task, config, on_event)
+            self._active.add(rollout)
             future = asyncio.get_running_loop().run_in_executor(self._executor, rollout.run)
             try:
                 while True:
@@ -179,6 +181,14 @@ class RolloutService:
             except BaseException:
                 rollout.cancel()
                 raise
+            finally:
+                self._active.discard(rollout)
+
+    def shutdown(self) -> None:
+        """Server shutdown: close every running rollout (agents killed, sandboxes deleted)."""
+        for rollout in list(self._active):
+            rollout.cancel(wait=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class _Rollout:
@@ -204,10 +214,13 @@ class _Rollout:
         finally:
             session.close()
 
-    def cancel(self) -> None:
+    def cancel(self, wait: bool = False) -> None:
         with self._lock:
             self.cancelled = True
             session = self.session
         if session is not None:
             # close() kills the agent and deletes the sandbox; off the caller's (event loop) thread.
-            threading.Thread(target=session.close, name="pi-env-cancel", daemon=True).start()
+            closer = threading.Thread(target=session.close, name="pi-env-cancel", daemon=True)
+            closer.start()
+            if wait:
+                closer.join(30)
