@@ -110,6 +110,10 @@ class RayExecutor:
 
     def __init__(self, config: PiConfig, concurrency: int, sandbox_backend=None, *, address: str | None = None,
                  num_cpus: float = 1.0):
+        if address is None or address.split(":")[0] in ("127.0.0.1", "localhost"):
+            # Read when ray is imported: keeps a cluster of this machine on loopback (otherwise
+            # Ray binds every interface and turns 127.0.0.1 into the machine's public address).
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray
 
         self.ray = ray
