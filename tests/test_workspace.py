@@ -492,8 +492,7 @@ def test_generation_errors_name_the_bad_argument():
     with pytest.raises(ValueError, match="languages: 'cobol'"):
         generate_tasks(1, languages=["cobol"])
     with pytest.raises(ValueError, match="language: 'cobol'"):
-        make_task(language="python").__class__(task_id="x", family="f", language="cobol", question="q",
-                                                files={}, program="p", expected=1)
+        WorkspaceTask(task_id="x", family="f", language="cobol", question="q", files={}, program="p", expected=1)
 
 
 @pytest.mark.skipif(HAVE_JULIA, reason="julia is installed here")
