@@ -138,7 +138,7 @@ def gradio_builder(service: RolloutService, web_manager=None, action_fields=None
                 yield {status: f"⛔ {error}"}
                 return
             except Exception as error:  # noqa: BLE001 - shown to the user, never a stack trace
-                log.warning("web rollout failed: %s", scrub(repr(error), key), exc_info=True)
+                log.warning("web rollout failed: %s", scrub(repr(error), key))  # no traceback: it repeats the message
                 yield {status: f"❌ {type(error).__name__}: {scrub(str(error), key)}"}
                 return
             finally:
