@@ -8,7 +8,7 @@ from .results import CommandResult, RolloutEvent, RolloutResult, RolloutTurn
 from .task import PiTask, TaskError, load_tasks
 
 __all__ = ["PiConfig", "PiTask", "TaskError", "load_tasks", "CommandResult", "RolloutEvent", "RolloutResult", "RolloutTurn",
-           "PiSessionFactory", "PiSession", "run_rollout"]
+           "PiSessionFactory", "PiSession", "run_rollout", "PiEnv"]
 
 
 def __getattr__(name: str):
@@ -17,4 +17,8 @@ def __getattr__(name: str):
         from . import rollout
 
         return getattr(rollout, name)
+    if name == "PiEnv":  # the server's client: needs the `mcp` SDK (the server extra)
+        from .server.client import PiEnv
+
+        return PiEnv
     raise AttributeError(f"module 'pi_env' has no attribute {name!r}")
