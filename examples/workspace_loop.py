@@ -86,9 +86,11 @@ def main() -> int:
             messages, score = run_episode(env, policy, args.max_turns)
         rewards.append(score.reward)
         hits = " ".join(name for name, value in score.metrics.items() if value)
-        print(f"{task.task_id:<40} reward {score.reward:+.2f}  {hits}")
+        shown = "unscored" if score.reward is None else f"{score.reward:+.2f}"
+        print(f"{task.task_id:<40} reward {shown}  {hits}")
+    scored = [r for r in rewards if r is not None]
     print(json.dumps({"endpoint": args.endpoint, "synthetic": endpoint is None, "episodes": len(rewards),
-                      "mean_reward": sum(rewards) / len(rewards) if rewards else None, "rewards": rewards}))
+                      "mean_reward": sum(scored) / len(scored) if scored else None, "rewards": rewards}))
     return 0
 
 

@@ -365,8 +365,8 @@ def test_sandbox_failure_is_an_infrastructure_error(tmp_path, monkeypatch):
     ([tool_msg("write", "ok"), tool_msg("bash", "ok", output_correct=False), assistant("42")], 0.4, 0.0),
     ([tool_msg("write", "ok"), tool_msg("bash", "ok", output_correct=True), assistant("So: 42")], 1.0, 1.0),
     ([tool_msg("write", "ok"), tool_msg("bash", "ok", output_correct=True), assistant("42"),
-      tool_msg("bash", "infrastructure_error")], -0.1, 1.0),
-    ([tool_msg("bash", "infrastructure_error"), assistant("41")], -0.1, 0.0),
+      tool_msg("bash", "infrastructure_error")], -0.1, None),
+    ([tool_msg("bash", "infrastructure_error"), assistant("41")], -0.1, None),
     # failures do not count as successes
     ([tool_msg("write", "error"), tool_msg("bash", "error", output_correct=True),
       tool_msg("bash", "submission_error")], 0.0, 0.0),

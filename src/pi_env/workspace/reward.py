@@ -8,7 +8,7 @@ Four components:
 Training: 1.0 if all four, else 0.15 mutation + 0.15 executed + 0.6 output_correct + 0.1 final
 correct; -0.1 whenever any tool call hit an infrastructure error (the episode says nothing
 about the model: metrics["infrastructure_error"] lets a trainer drop it). Evaluation: 1.0 if
-all four, else 0.0 (the same metric flags infrastructure errors, to exclude them).
+all four, else 0.0, and None (unscored, never a 0) when a tool call hit an infrastructure error.
 
 Only tool messages carrying a result of this package count; with `trusted` (what
 WorkspaceEnv passes), only results this episode's tools really returned.
@@ -32,7 +32,7 @@ _INTEGER = re.compile(r"-?\d+")
 
 @dataclass(frozen=True)
 class Score:
-    reward: float
+    reward: float | None  # None: an evaluation that infrastructure failed
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -93,7 +93,7 @@ def score(messages: Sequence[Mapping[str, Any]], expected: int, *, mode: Mode = 
     infrastructure = any(r["status"] == "infrastructure_error" for r in results)
     all_four = all(parts.values())
     if mode == "eval":
-        reward = 1.0 if all_four else 0.0
+        reward = None if infrastructure else 1.0 if all_four else 0.0
     elif infrastructure:
         reward = INFRASTRUCTURE_REWARD
     elif all_four:

@@ -110,7 +110,9 @@ class _Grader:
             result = self._env.reward(messages)
         finally:
             await asyncio.to_thread(self._env.close)
-        return result.reward, result.metrics
+        # The cookbook needs a float: an unscored evaluation counts 0 here, flagged by
+        # metrics["infrastructure_error"] so that an evaluator can drop it.
+        return (0.0 if result.reward is None else result.reward), result.metrics
 
 
 class WorkspaceEnvGroupBuilder(EnvGroupBuilder):
