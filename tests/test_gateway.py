@@ -177,7 +177,7 @@ def test_a_sessions_own_read_timeout_wins(gateway, server):
                                             read_timeout_s=0.5))
     started = time.monotonic()
     status, _, _ = call(gateway, session)
-    assert status == 502 and time.monotonic() - started < 1.5  # 0.5 s, not the gateway's 2 s
+    assert status == 502 and time.monotonic() - started < 1.8  # 0.5 s (+ load), not the gateway's 2 s
     gateway.close_session(session)
 
 
