@@ -219,7 +219,10 @@ class CollectRunner:
         records = list(read_records(self.out_dir, kept_only=False))
         summary.counts = count_records(records, kept_ids={r["id"] for r in read_records(self.out_dir)})
         self._write_metadata(summary, status="complete" if summary.complete else "incomplete", started=started)
-        write_report(records, self.out_dir / "report.png")
+        try:
+            write_report(records, self.out_dir / "report.png")
+        except ImportError as error:  # a trainer's venv without the collect extra still gets its data
+            print(f"pi-env collect: no report.png ({error}; install pi-env[collect])", file=sys.stderr)
         write_card(self.out_dir)
 
     def _write_metadata(self, summary: CollectSummary, *, status: str, started: float) -> None:
