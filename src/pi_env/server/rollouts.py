@@ -160,11 +160,10 @@ class RolloutService:
         return build_rollout(arguments, sandbox_backend=self.sandbox_backend)
 
     async def run(self, task: PiTask, config: PiConfig, *, on_event: Callable[[RolloutEvent], None] | None = None,
-                  on_queued: Callable[[int], None] | None = None, cancel: threading.Event | None = None
-                  ) -> RolloutResult:
+                  on_queued: Callable[[int], None] | None = None) -> RolloutResult:
         """One rollout under the limit. Raises ServerBusy when the queue is full. Cancelling
-        the awaiting task, setting `cancel`, or the request's client disconnecting closes the
-        session: the agent is killed and the sandbox deleted."""
+        the awaiting task (the web UI's Cancel) or the request's client disconnecting closes
+        the session: the agent is killed and the sandbox deleted."""
         gone = client_gone.get()
         async with self.limiter.slot(on_queued):
             rollout = _Rollout(task, config, on_event)
@@ -175,7 +174,7 @@ class RolloutService:
                     done, _ = await asyncio.wait({future}, timeout=0.2)
                     if done:
                         return future.result()
-                    if (gone is not None and gone.is_set()) or (cancel is not None and cancel.is_set()):
+                    if gone is not None and gone.is_set():
                         rollout.cancel()
                         raise asyncio.CancelledError("the client went away")
             except BaseException:
