@@ -1,0 +1,65 @@
+"""The sandbox backends that tests/test_sandbox_contract.py runs its contract against.
+
+Each entry of BACKENDS is a `BackendEntry(name, make, features)`:
+- `make()` returns a ready backend instance (something with `.name` and `.create(spec)`), or
+  calls `pytest.skip(reason)` when the backend cannot run here (the reason says what is
+  missing and how to get it). It is called once per test module.
+- `features` says which host-bound parts of the contract the backend really exercises here;
+  a contract test that needs a feature the entry lacks is skipped with that reason:
+    "network":  network="none" cannot reach a host TCP server, network="full" can;
+    "host_mounts": spec.ro_mounts (host paths) are mounted read-only;
+    "gateway_socket": spec.gateway_socket (a host Unix socket) is reachable at GATEWAY_SOCKET
+                  with network="gateway" only, and agent_masked_paths hide their content then;
+    "limits":   spec.limits (open files, file size, processes) are enforced.
+  A backend whose transport is faked (a remote service's SDK against a loopback stand-in)
+  passes ALL_FEATURES minus what its stand-in cannot honour, and its docs say so.
+
+A CI that must not skip a backend silently lists it in PI_ENV_REQUIRE_BACKENDS (comma-separated):
+then an unavailable backend fails instead (make() functions of new entries should do the same:
+use `unavailable(name, reason)`).
+
+To add a backend: write `def _make_mine(): ...` (import its module inside, skip with a reason
+when unusable) and append `BackendEntry("mine", _make_mine, ALL_FEATURES - {...})` below.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import pytest
+
+from pi_env.sandbox import SandboxBackend, SandboxUnavailable, get_backend
+
+ALL_FEATURES = frozenset({"network", "host_mounts", "gateway_socket", "limits"})
+
+
+class BackendEntry(NamedTuple):
+    name: str
+    make: Callable[[], SandboxBackend]
+    features: frozenset[str] = ALL_FEATURES
+
+
+def unavailable(name: str, reason: str):
+    """Skip (or fail, when PI_ENV_REQUIRE_BACKENDS names it) a backend that cannot run here."""
+    if name in os.environ.get("PI_ENV_REQUIRE_BACKENDS", "").split(","):
+        pytest.fail(f"sandbox backend {name!r} is required (PI_ENV_REQUIRE_BACKENDS) but cannot run here: {reason}")
+    pytest.skip(f"sandbox backend {name!r} cannot run here: {reason}")
+
+
+def registered(name: str) -> Callable[[], SandboxBackend]:
+    """make() for a backend of pi_env.sandbox's registry: skips when it is unavailable here."""
+
+    def make() -> SandboxBackend:
+        try:
+            return get_backend(name)
+        except SandboxUnavailable as exc:
+            unavailable(name, str(exc))
+
+    return make
+
+
+BACKENDS: list[BackendEntry] = [
+    BackendEntry("local", registered("local")),
+]
