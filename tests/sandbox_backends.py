@@ -62,4 +62,36 @@ def registered(name: str) -> Callable[[], SandboxBackend]:
 
 BACKENDS: list[BackendEntry] = [
     BackendEntry("local", registered("local")),
+    BackendEntry("podman", registered("podman")),
 ]
+
+
+_FAKE_SERVICES: list = []  # loopback stand-ins started for this test process, stopped at exit
+
+
+def _make_hf() -> SandboxBackend:
+    """The hf backend: the real huggingface_hub Sandbox client against the loopback stand-in
+    (pi_env.testing.fake_hf_sandbox: HF Jobs + an in-job server running commands in bwrap)."""
+    import atexit
+    import shutil
+
+    try:
+        import huggingface_hub.constants
+        from huggingface_hub import Sandbox  # noqa: F401
+
+        from pi_env.sandbox.hf import HfSandboxBackend
+        from pi_env.testing.fake_hf_sandbox import FakeHfJobs
+    except ImportError as exc:
+        unavailable("hf", f"{exc}: pip install 'pi-env[hf]'")
+    if not shutil.which("bwrap"):
+        unavailable("hf", "its loopback stand-in runs commands in bubblewrap, which is not installed")
+    fake = FakeHfJobs().__enter__()
+    _FAKE_SERVICES.append(fake)
+    atexit.register(fake.close)
+    huggingface_hub.constants.ENDPOINT = fake.endpoint  # only the stand-in is ever reached
+    return HfSandboxBackend(token="hf_pi_env_fake", namespace="pi-env-test")
+
+
+# Remote services through their real SDKs and a loopback stand-in: the network, the gateway
+# socket and limits are the service's, not exercised here; ro_mounts are delivered by upload.
+BACKENDS.append(BackendEntry("hf", _make_hf, frozenset({"host_mounts"})))

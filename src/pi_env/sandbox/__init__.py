@@ -22,6 +22,7 @@ from pi_env.sandbox.base import (
 
 # name -> "module:class"; imported on first use so one backend's dependencies never burden another.
 _BACKENDS = {
+    "hf": "pi_env.sandbox.hf:HfSandboxBackend",
     "local": "pi_env.sandbox.local:LocalSandboxBackend",
     "unsafe-local": "pi_env.sandbox.unsafe_local:UnsafeLocalBackend",
 }
