@@ -104,17 +104,26 @@ class Retrying:
         self.transient, self.attempts, self.base_s, self.cap_s = transient, attempts, base_s, cap_s
 
     def __call__(self, what: str, call: Callable[[], T]) -> T:
-        for attempt in range(1, self.attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return call()
-            except Exception as exc:
-                if attempt == self.attempts or not self.transient(exc):
+            except (OSError, ValueError, SandboxError) as exc:  # ours (FileNotFoundError, ...)
+                if not self.transient(exc):
                     raise
-                delay = min(self.cap_s, self.base_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
-                log.warning("remote sandbox: %s failed transiently (%s: %s); retry %d/%d in %.1f s",
-                            what, type(exc).__name__, exc, attempt, self.attempts - 1, delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
+                last = exc
+            except Exception as exc:
+                if not self.transient(exc):  # the service said no: infrastructure, never reward 0
+                    raise SandboxError(f"remote sandbox: {what} failed: {type(exc).__name__}: {exc}") from exc
+                last = exc
+            if attempt >= self.attempts:
+                raise SandboxError(f"remote sandbox: {what} still failing after {attempt} attempts: "
+                                   f"{type(last).__name__}: {last}") from last
+            delay = min(self.cap_s, self.base_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+            log.warning("remote sandbox: %s failed transiently (%s: %s); retry %d/%d in %.1f s",
+                        what, type(last).__name__, last, attempt, self.attempts - 1, delay)
+            time.sleep(delay)
 
 
 # ---------------------------------------------------------------------------------------------

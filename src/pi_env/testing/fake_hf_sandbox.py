@@ -335,8 +335,13 @@ class FakeHfJobs(ThreadingHTTPServer):
         shutil.rmtree(self._root, ignore_errors=True)
 
     def fail_sandbox_requests(self, job_id: str, status: int, count: int) -> None:
-        """The next `count` requests to the job's sandbox server answer `status`."""
-        with open(os.path.join(self.jobs[job_id].dir, "control", "faults"), "w") as f:
+        """The next `count` requests to the job's sandbox server answer `status` (0: none)."""
+        path = os.path.join(self.jobs[job_id].dir, "control", "faults")
+        if count <= 0:
+            if os.path.exists(path):
+                os.unlink(path)
+            return
+        with open(path, "w") as f:
             f.write(f"{status} {count}")
 
     def running(self) -> list[_Job]:

@@ -1,0 +1,111 @@
+"""What the remote backends add to the sandbox contract (which test_sandbox_contract.py runs
+through them): retries on transient transport errors only, the hard lifetime, labels, no leak
+on a failed setup, the cached runtime archive. The services are the loopback stand-ins of
+pi_env.testing (test doubles) driven by the real SDK clients."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+
+import pytest
+
+from pi_env.sandbox import SandboxError, SandboxSpec
+from pi_env.sandbox.remote import LABEL, Retrying, directory_archive
+
+hub = pytest.importorskip("huggingface_hub")
+pytest.importorskip("huggingface_hub._sandbox")
+if not shutil.which("bwrap"):
+    pytest.skip("the loopback stand-ins run commands in bubblewrap", allow_module_level=True)
+
+from pi_env.sandbox.hf import HfSandboxBackend, transient  # noqa: E402
+from pi_env.testing.fake_hf_sandbox import FakeHfJobs  # noqa: E402
+
+FAST = Retrying(transient, attempts=4, base_s=0.05, cap_s=0.2)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    with pytest.MonkeyPatch.context() as patch, FakeHfJobs() as jobs:
+        patch.setattr(hub.constants, "ENDPOINT", jobs.endpoint)
+        yield jobs
+
+
+def hf_backend(**options) -> HfSandboxBackend:
+    return HfSandboxBackend(token="hf_pi_env_fake", namespace="pi-env-test", retrying=FAST, **options)
+
+
+def test_create_sets_labels_idle_timeout_and_image(fake):
+    backend = hf_backend(image="python:3.12", labels={"run": "r1"}, idle_timeout_s=120)
+    with backend.create(SandboxSpec()) as sb:
+        job = fake.jobs[sb.id]
+        labels = job.spec["labels"]
+        assert labels[LABEL] == "1" and labels[f"{LABEL}-sandbox"] and labels["run"] == "r1"
+        assert job.spec["environment"]["SBX_IDLE_TIMEOUT"] == "120"  # the service stops it when idle
+        assert job.spec["dockerImage"] == "python:3.12" and job.spec["flavor"] == "cpu-basic"
+        assert "hf_pi_env_fake" not in str(job.spec)  # the HF token never enters the sandbox
+        # Commands see none of the sandbox server's environment (its token included).
+        assert "SBX_" not in sb.exec("env").stdout
+    assert fake.jobs[sb.id].stage == "CANCELED"
+
+
+def test_transient_errors_are_retried_and_a_command_runs_once(fake, caplog):
+    with hf_backend().create(SandboxSpec()) as sb:
+        fake.fail_sandbox_requests(sb.id, 503, 3)
+        with caplog.at_level(logging.WARNING, logger="pi_env.sandbox.remote"):
+            result = sb.exec("echo run >> runs.txt; exit 7")
+        assert result.exit_code == 7  # a command's failure is its result, never retried
+        assert sb.read_file("runs.txt") == b"run\n"
+        assert sum("failed transiently" in r.message for r in caplog.records) == 3
+
+        fake.fail_sandbox_requests(sb.id, 500, 1)  # not transient: an infrastructure error at once
+        with pytest.raises(SandboxError, match="500"):
+            sb.exec("true")
+        fake.fail_sandbox_requests(sb.id, 429, 10)  # transient, but not forever
+        with pytest.raises(SandboxError, match="still failing after 4 attempts"):
+            sb.exec("true")
+        fake.fail_sandbox_requests(sb.id, 429, 0)
+        assert sb.exec("echo ok").stdout == "ok\n"
+
+
+def test_create_retries_the_jobs_api(fake):
+    fake.fail_jobs_api[:] = [503, 502]
+    with hf_backend().create(SandboxSpec()) as sb:
+        assert sb.exec("echo up").stdout == "up\n"
+    assert fake.fail_jobs_api == []
+
+
+def test_lifetime_watchdog_kills_every_command(fake):
+    with hf_backend(lifetime_s=3).create(SandboxSpec()) as sb:
+        process = sb.start("while :; do date +%s%N > beat; sleep 0.1; done")
+        result = process.wait(60)  # ended by the watchdog, not by us: killed, exit code unknown
+        assert result.exit_code != 0 and not result.timed_out
+        first = sb.read_file("beat")
+        time.sleep(0.5)
+        assert sb.read_file("beat") == first
+
+
+def test_failed_setup_leaves_no_sandbox_running(fake, tmp_path):
+    before = {job.id for job in fake.running()}
+    with pytest.raises(FileNotFoundError):
+        hf_backend().create(SandboxSpec(ro_mounts={"/opt/x": str(tmp_path / "missing")}))
+    assert {job.id for job in fake.running()} == before
+
+
+def test_runtime_directory_is_one_cached_archive(fake, tmp_path):
+    runtime = tmp_path / "runtime"
+    (runtime / "bin").mkdir(parents=True)
+    (runtime / "bin" / "tool").write_text("#!/bin/sh\necho tool-ok\n")
+    os.chmod(runtime / "bin" / "tool", 0o755)
+    cache = tmp_path / "cache"
+    first = directory_archive(str(runtime), cache)
+    assert directory_archive(str(runtime), cache) == first and len(os.listdir(cache)) == 1
+    (runtime / "bin" / "tool").write_text("#!/bin/sh\necho tool-v2\n")
+    assert directory_archive(str(runtime), cache) != first  # a changed tree is a new archive
+
+    spec = SandboxSpec(ro_mounts={"/opt/pi-env/runtime": str(runtime)})
+    with hf_backend().create(spec) as sb:
+        assert sb.exec("/opt/pi-env/runtime/bin/tool").stdout == "tool-v2\n"
+        assert sb.exec("echo x > /opt/pi-env/runtime/new").exit_code != 0  # read-only for commands
