@@ -24,6 +24,7 @@ from pi_env.sandbox.base import (
 _BACKENDS = {
     "hf": "pi_env.sandbox.hf:HfSandboxBackend",
     "local": "pi_env.sandbox.local:LocalSandboxBackend",
+    "podman": "pi_env.sandbox.podman:PodmanBackend",
     "unsafe-local": "pi_env.sandbox.unsafe_local:UnsafeLocalBackend",
 }
 

@@ -1,0 +1,259 @@
+"""Podman sandbox backend: every command runs in a fresh container from one image.
+
+For tasks that need a real distribution image rather than the host's /usr (the local
+backend's view). No Python dependency: it shells out to `podman` (rootful, run as root).
+
+A sandbox is a host dir, as for the local backend (hostdir.py): its `home/` is bind-mounted
+at /root, so the file API (write_file, read_file, ...) works on the host side with the same
+symlink-safe code, and the home persists across commands until close(). Each exec()/start()
+is one `podman run --rm` of the image, so like the local backend's namespaces:
+- the image's root filesystem is read-only; /tmp, /run and /dev/shm are size-capped tmpfs
+  mounts private to each command; spec.ro_mounts are bound read-only;
+- no capabilities (`--cap-drop all`, no-new-privileges), uid 0 of the container, which on the
+  host is root without capabilities: it can write only what root owns (its home), and sees no
+  host path but its mounts;
+- network "none" and "gateway": `--network none` (loopback only), with the gateway's Unix
+  socket bound at GATEWAY_SOCKET and spec.agent_masked_paths hidden behind empty dirs in
+  "gateway"; network "full": the host's network (`--network host`);
+- limits: `--pids-limit` (max_processes), `--memory` (max_memory_bytes, a cgroup limit, so
+  stricter than the local backend's RLIMIT_DATA), `--ulimit` nofile/nproc/fsize/core;
+- a command and everything it started die together: killing it removes its container.
+
+Every container is labelled `pi-env.sandbox=<id>` and `pi-env.host-dir=<host dir>`; kill_all()
+and close() remove the sandbox's containers by label, and a new backend removes the
+containers of sandboxes whose owner died (their host dir's lock is free; see hostdir.py).
+
+Host facts this is built for (Debian 12, podman 4.3): crun fails on hybrid cgroup v1 layouts,
+so the runtime is runc (`PI_ENV_PODMAN_RUNTIME` to change), and ulimits are always given
+explicitly. Images: `scripts/podman_image.sh` builds the default one offline from debootstrap
+(bookworm minbase with python3); `PI_ENV_PODMAN_IMAGE` names another. The Pi runtime (a glibc
+Node) is bound read-only from the host, so any glibc image (Debian, Ubuntu, python:*-slim)
+runs it; musl images (Alpine) do not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import posixpath
+import shutil
+import stat
+import subprocess
+import time
+
+from pi_env.sandbox.base import (
+    GATEWAY_SOCKET,
+    SANDBOX_HOME,
+    SANDBOX_WORKDIR,
+    Network,
+    SandboxError,
+    SandboxSpec,
+    SandboxUnavailable,
+)
+from pi_env.sandbox.hostdir import (
+    LOCK_SUFFIX,
+    HostDirSandbox,
+    default_root,
+    delete_tree,
+    make_host_dir,
+    private_dir,
+    shell,
+    sweep_stale_host_dirs,
+)
+from pi_env.sandbox.local import _DEFAULT_ENV, _INIT_PREFIX, SMALL_TMPFS_BYTES
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IMAGE = "localhost/pi-env-base:bookworm"
+BUILD_HINT = "build it with `scripts/podman_image.sh` (or name another image in PI_ENV_PODMAN_IMAGE)"
+LABEL_SANDBOX = "pi-env.sandbox"
+LABEL_HOST_DIR = "pi-env.host-dir"
+KILL_WAIT_S = 10.0  # how long `podman run` may take to notice its container is gone
+PODMAN_TIMEOUT_S = 60.0  # a podman management command (ps, kill, rm)
+
+
+class PodmanSandbox(HostDirSandbox):
+    """A host dir mounted at /root, and one container per command (see the module doc)."""
+
+    def __init__(self, host_dir: str, lock_fd: int, spec: SandboxSpec, backend: PodmanBackend):
+        super().__init__(host_dir, None, lock_fd)
+        self._spec = spec
+        self._podman = backend.podman
+        self._counter = itertools.count()
+        limits = spec.limits
+        ulimits = {"nofile": limits.max_open_files, "nproc": limits.max_processes,
+                   "fsize": limits.max_file_bytes, "core": 0}
+        # fmt: off
+        self._base_args = [
+            backend.podman, "run", "--rm", "--interactive", "--pull", "never",
+            "--runtime", backend.runtime, "--log-driver", "none",
+            "--label", f"{LABEL_SANDBOX}={self.id}", "--label", f"{LABEL_HOST_DIR}={host_dir}",
+            "--cap-drop", "all", "--security-opt", "no-new-privileges", "--user", "0:0",
+            "--hostname", "pi-env", "--read-only", "--read-only-tmpfs=false",
+            "--tmpfs", f"/tmp:rw,mode=1777,size={limits.max_file_bytes}",
+            "--tmpfs", f"/run:rw,mode=755,size={SMALL_TMPFS_BYTES}",
+            "--shm-size", str(SMALL_TMPFS_BYTES),
+            "--pids-limit", str(limits.max_processes),
+            *(f"--ulimit={name}={value}:{value}" for name, value in ulimits.items()),
+            "--volume", f"{self.host_home}:{SANDBOX_HOME}:rw",
+        ]
+        # fmt: on
+        if limits.max_memory_bytes is not None:
+            self._base_args += ["--memory", str(limits.max_memory_bytes)]
+        for target in sorted(spec.ro_mounts, key=lambda t: t.count("/")):  # parents first
+            self._base_args += ["--volume", f"{os.path.abspath(spec.ro_mounts[target])}:{target}:ro"]
+        self._gateway_args: list[str] = []
+        if spec.gateway_socket:
+            self._gateway_args = ["--volume", f"{spec.gateway_socket}:{GATEWAY_SOCKET}"]
+            # An empty read-only dir over each masked path (a --tmpfs would be mounted before
+            # the home volume, which then covers it).
+            empty = os.path.join(host_dir, "empty")
+            os.mkdir(empty, 0o555)
+            for masked in spec.agent_masked_paths:
+                self._gateway_args += ["--volume", f"{empty}:{masked}:ro"]
+        self._image = backend.image
+
+    def _popen_args(
+        self,
+        command: str | list[str],
+        cwd: str | None,
+        env: dict[str, str] | None,
+        network: Network,
+    ) -> dict:
+        if isinstance(command, str):
+            argv = [shell(), "-c", _INIT_PREFIX + command]
+        elif command:  # the shell is the container's init (see local._INIT_PREFIX)
+            argv = ["/bin/sh", "-c", _INIT_PREFIX + '"$@"', "sh", *command]
+        else:
+            raise ValueError("empty command")
+        args = [*self._base_args, "--name", f"pi-env-{self.id}-{next(self._counter)}"]
+        if network == "full":
+            args += ["--network", "host"]
+        elif network in ("none", "gateway"):
+            args += ["--network", "none"]
+            if network == "gateway":
+                if not self._gateway_args:
+                    raise ValueError('network="gateway" needs spec.gateway_socket')
+                args += self._gateway_args
+        else:
+            raise ValueError(f"unknown network mode {network!r}")
+        for name, value in {**_DEFAULT_ENV, **self._spec.env, **(env or {})}.items():
+            args += ["--env", f"{name}={value}"]
+        args += ["--workdir", posixpath.normpath(posixpath.join(SANDBOX_WORKDIR, cwd or "."))]
+        return {"args": [*args, self._image, *argv], "cwd": "/", "env": _podman_env()}
+
+    def _terminate(self, popen: subprocess.Popen) -> None:
+        """Remove the command's container (the kernel kills all of its processes with it);
+        `podman run` then exits. A container still being created is retried until it exists
+        or the client gave up."""
+        name = popen.args[popen.args.index("--name") + 1]
+        deadline = time.monotonic() + KILL_WAIT_S
+        while popen.poll() is None:
+            _podman(self._podman, "rm", "--force", "--time", "0", name, check=False)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(0.5)
+                return
+            if time.monotonic() > deadline:
+                popen.kill()  # the client is stuck: the label sweep below catches its container
+                popen.wait()
+                self._kill_leftovers()
+                return
+
+    def _kill_leftovers(self) -> None:
+        remove_containers(self._podman, f"{LABEL_SANDBOX}={self.id}")
+
+    def close(self) -> None:
+        if not self._closed:
+            with contextlib.suppress(SandboxError):
+                self._kill_leftovers()  # also containers whose client was lost
+        super().close()
+
+
+class PodmanBackend:
+    """Sandboxes in podman containers. SandboxUnavailable when podman, its runtime or the
+    image is missing, or when not run as root (the backend uses rootful podman)."""
+
+    name = "podman"
+
+    def __init__(self, image: str | None = None, root: str | None = None, *, podman: str = "podman"):
+        self.image = image or os.environ.get("PI_ENV_PODMAN_IMAGE") or DEFAULT_IMAGE
+        self.runtime = os.environ.get("PI_ENV_PODMAN_RUNTIME", "runc")
+        found = shutil.which(podman)
+        if found is None:
+            raise SandboxUnavailable(
+                f"podman ({podman!r}) was not found: install it (`apt-get install podman runc` on "
+                f"Debian/Ubuntu) and {BUILD_HINT}"
+            )
+        self.podman = found
+        if os.geteuid() != 0:
+            raise SandboxUnavailable("the podman backend uses rootful podman: run as root")
+        if shutil.which(self.runtime) is None:
+            raise SandboxUnavailable(
+                f"the OCI runtime {self.runtime!r} was not found: install it (`apt-get install "
+                f"{self.runtime}`) or name another in PI_ENV_PODMAN_RUNTIME"
+            )
+        if _podman(self.podman, "image", "exists", self.image, check=False).returncode != 0:
+            raise SandboxUnavailable(f"podman image {self.image!r} is missing: {BUILD_HINT}")
+        self.root = root or default_root() + "-podman"
+        private_dir(self.root, 0o700)
+        sweep_stale_host_dirs(self.root, self._reclaim)
+        self._sweep_orphan_containers()
+
+    def create(self, spec: SandboxSpec) -> PodmanSandbox:
+        for target in (*spec.ro_mounts, *spec.agent_masked_paths):
+            if not posixpath.isabs(target) or posixpath.normpath(target) != target:
+                raise ValueError(f"sandbox path {target!r} must be a normalised absolute path")
+        for target, source in spec.ro_mounts.items():
+            if not os.path.exists(source):
+                raise SandboxError(f"ro_mount source {source} (for {target}) does not exist")
+            if ":" in source or ":" in target or "," in source:
+                raise SandboxError(f"ro_mount {source} -> {target}: podman cannot mount paths with ':' or ','")
+        if spec.gateway_socket and not stat.S_ISSOCK(os.stat(spec.gateway_socket).st_mode):
+            raise SandboxError(f"gateway socket {spec.gateway_socket} is not a Unix socket")
+        host_dir, lock_fd = make_host_dir(self.root, None)
+        try:
+            return PodmanSandbox(host_dir, lock_fd, spec, self)
+        except BaseException:
+            delete_tree(host_dir)
+            os.unlink(host_dir + LOCK_SUFFIX)
+            os.close(lock_fd)
+            raise
+
+    def _reclaim(self, host_dir: str) -> None:
+        remove_containers(self.podman, f"{LABEL_HOST_DIR}={host_dir}")
+
+    def _sweep_orphan_containers(self) -> None:
+        """Remove containers of sandboxes whose host dir is gone (a sweep by another process
+        deleted it, or the machine rebooted): nothing can own them any more."""
+        listing = _podman(self.podman, "ps", "--all", "--filter", f"label={LABEL_HOST_DIR}",
+                          "--format", f'{{{{.ID}}}} {{{{index .Labels "{LABEL_HOST_DIR}"}}}}').stdout
+        orphans = [cid for cid, _, host_dir in (line.partition(" ") for line in listing.splitlines())
+                   if host_dir.startswith(self.root + "/") and not os.path.exists(host_dir + LOCK_SUFFIX)]
+        if orphans:
+            log.warning("removing %d podman container(s) of dead pi-env sandboxes", len(orphans))
+            _podman(self.podman, "rm", "--force", "--time", "0", *orphans, check=False)
+
+
+def remove_containers(podman: str, label: str) -> None:
+    """Remove (killing first) every container with `label` ("key=value")."""
+    ids = _podman(podman, "ps", "--all", "--quiet", "--filter", f"label={label}").stdout.split()
+    if ids:
+        _podman(podman, "rm", "--force", "--time", "0", *ids, check=False)
+
+
+def _podman_env() -> dict[str, str]:
+    # podman needs PATH (for conmon and the runtime); nothing else of ours should reach it.
+    return {"PATH": os.environ.get("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")}
+
+
+def _podman(podman: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        result = subprocess.run([podman, *args], capture_output=True, text=True, cwd="/",
+                                env=_podman_env(), timeout=PODMAN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise SandboxError(f"`podman {' '.join(args[:2])}` did not answer in {PODMAN_TIMEOUT_S} s") from exc
+    if check and result.returncode != 0:
+        raise SandboxError(f"`podman {' '.join(args[:2])}` failed: {result.stderr.strip()[-500:]}")
+    return result
