@@ -1,10 +1,15 @@
-"""How much the local sandbox backend costs: create + close, exec("true"), and the same
-command line run bare (subprocess.run, no output pipes or threads, no shell as the namespace's
-init).
+"""How much the sandbox backends cost.
+
+Local backend: create + close, exec("true"), and the same command line run bare
+(subprocess.run, no output pipes or threads, no shell as the namespace's init).
+Every backend that runs here (local, podman): create-to-ready (create() until a first
+exec("true") has returned: the sandbox provably runs commands) and teardown (close() of a
+sandbox that ran a command), N rounds each.
 
     python bench/sandbox_overhead.py [N]
 
-Prints a table, then one JSON line with the medians (ms).
+Prints tables, then one JSON line with the medians (ms); a backend that cannot run here is
+listed under "skipped" with the reason.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import sys
 import time
 from collections.abc import Callable
 
-from pi_env.sandbox import SandboxSpec
+from pi_env.sandbox import SandboxSpec, SandboxUnavailable, get_backend
 from pi_env.sandbox.local import LocalSandboxBackend
+
+LIFECYCLE_BACKENDS = ("local", "podman")
 
 TARGET_CREATE_TEARDOWN_MS = 50
 
@@ -34,6 +41,43 @@ def timings_ms(action: Callable[[], object], n: int) -> list[float]:
 
 def p90(samples: list[float]) -> float:
     return statistics.quantiles(samples, n=10)[-1]
+
+
+def lifecycle_ms(backend, n: int) -> tuple[list[float], list[float]]:
+    """(create-to-ready samples, teardown samples) over n rounds, after one warm-up round."""
+    ready, teardown = [], []
+    for i in range(n + 1):
+        started = time.perf_counter()
+        sandbox = backend.create(SandboxSpec())
+        assert sandbox.exec("true").exit_code == 0
+        created = time.perf_counter()
+        sandbox.close()
+        if i:
+            ready.append((created - started) * 1000)
+            teardown.append((time.perf_counter() - created) * 1000)
+    return ready, teardown
+
+
+def lifecycle(n: int) -> dict:
+    figures: dict = {"skipped": {}}
+    print(f"\n{'N=' + str(n):<18}{'ready median':>14}{'ready p90':>11}{'teardown median':>17}{'teardown p90':>14}")
+    for name in LIFECYCLE_BACKENDS:
+        try:
+            backend = get_backend(name)
+        except SandboxUnavailable as exc:
+            figures["skipped"][name] = str(exc)
+            print(f"{name:<18}skipped: {exc}")
+            continue
+        ready, teardown = lifecycle_ms(backend, n)
+        print(f"{name:<18}{statistics.median(ready):>14.1f}{p90(ready):>11.1f}"
+              f"{statistics.median(teardown):>17.1f}{p90(teardown):>14.1f}")
+        figures[name] = {
+            "create_to_ready_median_ms": round(statistics.median(ready), 1),
+            "create_to_ready_p90_ms": round(p90(ready), 1),
+            "teardown_median_ms": round(statistics.median(teardown), 1),
+            "teardown_p90_ms": round(p90(teardown), 1),
+        }
+    return figures
 
 
 def main() -> None:
@@ -61,9 +105,11 @@ def main() -> None:
         print(
             f"{name:<18}{statistics.median(samples):>10.2f}{p90(samples):>10.2f}{min(samples):>10.2f}"
         )
+    backends = lifecycle(n)
     print(
         json.dumps(
             {
+                "backends": backends,
                 "create_teardown_median_ms": round(statistics.median(create_close), 2),
                 "create_teardown_p90_ms": round(p90(create_close), 2),
                 "exec_true_median_ms": round(statistics.median(exec_true), 2),
