@@ -16,10 +16,11 @@ import pytest
 from sandbox_backends import registered
 
 from pi_env import PiConfig, load_tasks, run_rollout
-from pi_env.sandbox import SandboxSpec, SandboxUnavailable
+from pi_env.sandbox import SandboxError, SandboxSpec, SandboxUnavailable
 from pi_env.sandbox.podman import LABEL_SANDBOX, PodmanBackend
 
-EXAMPLES = {task.task_id: task for task in load_tasks(Path(__file__).parent.parent / "examples")}
+EXAMPLES = {task.task_id: task for directory in ("examples", "examples/harbor")
+            for task in load_tasks(Path(__file__).parent.parent / directory)}
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +94,6 @@ from pi_env.sandbox import SandboxSpec
 from pi_env.sandbox.podman import PodmanBackend
 sandbox = PodmanBackend(root=sys.argv[1]).create(SandboxSpec())
 sandbox.start("sleep 300")
-while not sandbox.exec("true").exit_code == 0:
-    pass
 print(sandbox.host_dir, sandbox.id, flush=True)
 time.sleep(300)
 """
@@ -139,7 +138,7 @@ def test_missing_image_says_how_to_build_it(backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task_id", ["fizzbuzz", "binary_search"])
+@pytest.mark.parametrize("task_id", ["fizzbuzz", "word_count_hidden_tests", "fix-palindrome"])
 def test_real_rollout_in_a_container(backend, task_id):
     """The real Pi CLI (the host's glibc Node, mounted read-only) runs in the Debian image and
     reaches the model only through the gateway socket."""
@@ -148,3 +147,12 @@ def test_real_rollout_in_a_container(backend, task_id):
     assert result.reward == 1.0 and result.synthetic and result.endpoint == "oracle"
     assert all(turn.upstream_status == 200 for turn in result.proxy_turns)
     assert containers(backend, result.sandbox_id) == []
+
+
+def test_podman_failure_is_a_sandbox_error_not_an_exit_code(backend):
+    source = tempfile.mkdtemp(prefix="pi-env-podman-mount-")
+    with backend.create(SandboxSpec(ro_mounts={"/opt/x": source})) as sb:
+        assert sb.exec("ls /opt/x").exit_code == 0
+        os.rmdir(source)  # gone: podman cannot mount it any more
+        with pytest.raises(SandboxError, match="podman could not run the command"):
+            sb.exec("ls /opt/x")

@@ -47,6 +47,7 @@ from pi_env.sandbox.base import (
     GATEWAY_SOCKET,
     SANDBOX_HOME,
     SANDBOX_WORKDIR,
+    ExecResult,
     Network,
     SandboxError,
     SandboxSpec,
@@ -70,6 +71,7 @@ DEFAULT_IMAGE = "localhost/pi-env-base:bookworm"
 BUILD_HINT = "build it with `scripts/podman_image.sh` (or name another image in PI_ENV_PODMAN_IMAGE)"
 LABEL_SANDBOX = "pi-env.sandbox"
 LABEL_HOST_DIR = "pi-env.host-dir"
+PODMAN_FAILED = 125  # `podman run`'s own exit code when it could not run the container
 KILL_WAIT_S = 10.0  # how long `podman run` may take to notice its container is gone
 PODMAN_TIMEOUT_S = 60.0  # a podman management command (ps, kill, rm)
 
@@ -114,6 +116,13 @@ class PodmanSandbox(HostDirSandbox):
             for masked in spec.agent_masked_paths:
                 self._gateway_args += ["--volume", f"{empty}:{masked}:ro"]
         self._image = backend.image
+
+    def exec(self, command: str | list[str], **kwargs) -> ExecResult:
+        result = super().exec(command, **kwargs)
+        if result.exit_code == PODMAN_FAILED and result.stderr.startswith("Error: "):
+            # podman failed, not the command: infrastructure, never the command's outcome
+            raise SandboxError(f"podman could not run the command: {result.stderr.strip()[-500:]}")
+        return result
 
     def _popen_args(
         self,
