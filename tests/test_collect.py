@@ -346,3 +346,17 @@ def test_push_to_hub_uploads_the_dataset_through_huggingface_hub(tmp_path):
     assert _FakeHub.files["results.jsonl"] == (out / "results.jsonl").read_bytes()
     assert front_matter(out) in _FakeHub.files["README.md"].decode()
     assert b"api_key" not in _FakeHub.files["metadata.json"]
+
+
+def test_an_aborted_local_run_closes_the_rollouts_in_flight_at_once():
+    from pi_env.collect.executors import Job, LocalExecutor
+
+    executor = LocalExecutor(PiConfig(), concurrency=2)
+    for task in slow_tasks(2, sleep_s=120):
+        executor.submit(Job(PiTask.model_validate(task), 0))
+    time.sleep(8)  # both agents are sleeping inside their sandboxes
+    started = time.monotonic()
+    executor.close(wait=False)  # what Ctrl-C or an error in the driver does
+    outcomes = [executor.next_done(30) for _ in range(2)]
+    assert time.monotonic() - started < 30
+    assert [o[1].error_kind for o in outcomes] == ["infra", "infra"]  # never stored: a resume runs them again

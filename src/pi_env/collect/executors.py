@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,13 +34,47 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def run_one(factory, task: PiTask) -> RolloutResult:
+class LiveSessions:
+    """The sessions running now, so that an aborted run (Ctrl-C, an error) closes them at once
+    instead of waiting up to an agent timeout for each."""
+
+    def __init__(self):
+        self._sessions: set = set()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def add(self, session) -> None:
+        with self._lock:
+            self._sessions.add(session)
+            closed = self.closed
+        if closed:
+            session.close()
+
+    def discard(self, session) -> None:
+        with self._lock:
+            self._sessions.discard(session)
+
+    def close_all(self) -> None:
+        with self._lock:
+            self.closed = True
+            sessions = list(self._sessions)
+        for session in sessions:
+            session.close()  # thread-safe: the rollout ends unscored ("infra")
+
+
+def run_one(factory, task: PiTask, live: LiveSessions | None = None) -> RolloutResult:
     """One rollout. Anything unexpected is an infrastructure failure (retried, never scored)."""
     from ..endpoints import EndpointError
 
     try:
         with factory.create(task) as session:
-            return session.wait_for_completion()
+            if live is None:
+                return session.wait_for_completion()
+            live.add(session)
+            try:
+                return session.wait_for_completion()
+            finally:
+                live.discard(session)
     except (EndpointError, ValueError) as error:
         raise BadInput(str(error)) from None
     except Exception as error:  # noqa: BLE001 - whatever broke, it is not the agent's score
@@ -59,11 +94,12 @@ class LocalExecutor:
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="pi-env-collect")
         self.done: queue.Queue = queue.Queue()
         self.worker = worker_name()
+        self.live = LiveSessions()
 
     def submit(self, job: Job) -> None:
         def work():
             try:
-                outcome = run_one(self.factory, job.task)
+                outcome = run_one(self.factory, job.task, self.live)
             except BaseException as error:  # noqa: BLE001 - handed to the driver, which decides
                 outcome = error
             self.done.put((job, outcome, self.worker))
@@ -77,6 +113,8 @@ class LocalExecutor:
             return None
 
     def close(self, *, wait: bool = True) -> None:
+        if not wait:
+            self.live.close_all()
         self.pool.shutdown(wait=wait, cancel_futures=not wait)
 
 
