@@ -259,12 +259,13 @@ def tcp_server():
 
 @pytest.fixture
 def unix_server(tmp_path_factory):
+    """A host Unix socket server answering b"gateway-ok", in a private (0o700) directory with
+    the default socket mode: the backend must make it reachable itself."""
     directory = tmp_path_factory.mktemp("gw")
-    os.chmod(directory, 0o755)
+    os.chmod(directory, 0o700)
     path = str(directory / "gw.sock")
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)
-    os.chmod(path, 0o666)
     server.listen()
     with _serving(server, b"gateway-ok"):
         yield path

@@ -119,6 +119,18 @@ _DEFAULT_ENV = {
 # and is immune to signals from inside. A shell with an EXIT trap never exec()s its last
 # command, so the shell takes that role and the real command runs as an ordinary process.
 _INIT_PREFIX = "trap : EXIT\n"
+
+
+def init_argv(command: str | list[str]) -> list[str]:
+    """The argv that runs `command` (a str through the shell) under a shell fit to be the
+    namespace's init (also the podman backend's container init)."""
+    if isinstance(command, str):
+        return [shell(), "-c", _INIT_PREFIX + command]
+    if command:  # any POSIX shell can be the init here, and sh starts faster than bash
+        return ["/bin/sh", "-c", _INIT_PREFIX + '"$@"', "sh", *command]
+    raise ValueError("empty command")
+
+
 _PRLIMIT_OPTIONS = {
     resource.RLIMIT_NPROC: "--nproc",
     resource.RLIMIT_FSIZE: "--fsize",
@@ -419,12 +431,7 @@ class LocalSandbox(HostDirSandbox):
         for name, value in {**_DEFAULT_ENV, **self._spec.env, **(env or {})}.items():
             argv += ["--setenv", name, value]
         argv += ["--chdir", posixpath.normpath(posixpath.join(SANDBOX_WORKDIR, cwd or "."))]
-        if isinstance(command, str):
-            argv += ["--", shell(), "-c", _INIT_PREFIX + command]
-        elif command:  # any POSIX shell can be the init here, and sh starts faster than bash
-            argv += ["--", "/bin/sh", "-c", _INIT_PREFIX + '"$@"', "sh", *command]
-        else:
-            raise ValueError("empty command")
+        argv += ["--", *init_argv(command)]
         # env={}: bwrap itself needs nothing from the host environment.
         return {"args": argv, "cwd": "/", "env": {}}
 

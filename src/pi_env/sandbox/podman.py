@@ -15,8 +15,10 @@ is one `podman run --rm` of the image, so like the local backend's namespaces:
 - network "none" and "gateway": `--network none` (loopback only), with the gateway's Unix
   socket bound at GATEWAY_SOCKET and spec.agent_masked_paths hidden behind empty dirs in
   "gateway"; network "full": the host's network (`--network host`);
-- limits: `--pids-limit` (max_processes), `--memory` (max_memory_bytes, a cgroup limit, so
-  stricter than the local backend's RLIMIT_DATA), `--ulimit` nofile/nproc/fsize/core;
+- limits: `--pids-limit` (max_processes: the container's pids cgroup; RLIMIT_NPROC, given
+  because podman needs it explicit here, is never enforced for host root), `--memory`
+  (max_memory_bytes, a cgroup limit, so stricter than the local backend's RLIMIT_DATA),
+  `--ulimit` nofile/fsize/core;
 - a command and everything it started die together: killing it removes its container.
 
 Every container is labelled `pi-env.sandbox=<id>` and `pi-env.host-dir=<host dir>`; kill_all()
@@ -60,10 +62,9 @@ from pi_env.sandbox.hostdir import (
     delete_tree,
     make_host_dir,
     private_dir,
-    shell,
     sweep_stale_host_dirs,
 )
-from pi_env.sandbox.local import _DEFAULT_ENV, _INIT_PREFIX, SMALL_TMPFS_BYTES
+from pi_env.sandbox.local import _DEFAULT_ENV, SMALL_TMPFS_BYTES, init_argv
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +132,7 @@ class PodmanSandbox(HostDirSandbox):
         env: dict[str, str] | None,
         network: Network,
     ) -> dict:
-        if isinstance(command, str):
-            argv = [shell(), "-c", _INIT_PREFIX + command]
-        elif command:  # the shell is the container's init (see local._INIT_PREFIX)
-            argv = ["/bin/sh", "-c", _INIT_PREFIX + '"$@"', "sh", *command]
-        else:
-            raise ValueError("empty command")
+        argv = init_argv(command)
         args = [*self._base_args, "--name", f"pi-env-{self.id}-{next(self._counter)}"]
         if network == "full":
             args += ["--network", "host"]
