@@ -95,3 +95,25 @@ def _make_hf() -> SandboxBackend:
 # Remote services through their real SDKs and a loopback stand-in: the network, the gateway
 # socket and limits are the service's, not exercised here; ro_mounts are delivered by upload.
 BACKENDS.append(BackendEntry("hf", _make_hf, frozenset({"host_mounts"})))
+
+
+def _make_e2b() -> SandboxBackend:
+    """The e2b backend: the real e2b client against the loopback stand-in
+    (pi_env.testing.fake_e2b: the E2B API + envd, commands entering a bwrap'd namespace)."""
+    import atexit
+    import shutil
+
+    try:
+        from pi_env.sandbox.e2b import E2BSandboxBackend
+        from pi_env.testing.fake_e2b import FakeE2B
+    except ImportError as exc:
+        unavailable("e2b", f"{exc}: pip install 'pi-env[e2b]'")
+    if not (shutil.which("bwrap") and shutil.which("nsenter")):
+        unavailable("e2b", "its loopback stand-in needs bubblewrap and nsenter")
+    fake = FakeE2B().__enter__()
+    _FAKE_SERVICES.append(fake)
+    atexit.register(fake.close)
+    return E2BSandboxBackend(api_key=fake.api_key, api_url=fake.url, sandbox_url=fake.url, http_version="1.1")
+
+
+BACKENDS.append(BackendEntry("e2b", _make_e2b, frozenset({"host_mounts"})))

@@ -13,28 +13,45 @@ import time
 import pytest
 
 from pi_env.sandbox import SandboxError, SandboxSpec
-from pi_env.sandbox.remote import LABEL, Retrying, directory_archive
+from pi_env.sandbox.remote import JOBS_DIR, LABEL, Retrying, directory_archive
 
-hub = pytest.importorskip("huggingface_hub")
-pytest.importorskip("huggingface_hub._sandbox")
-if not shutil.which("bwrap"):
-    pytest.skip("the loopback stand-ins run commands in bubblewrap", allow_module_level=True)
-
-from pi_env.sandbox.hf import HfSandboxBackend, transient  # noqa: E402
-from pi_env.testing.fake_hf_sandbox import FakeHfJobs  # noqa: E402
-
-FAST = Retrying(transient, attempts=4, base_s=0.05, cap_s=0.2)
+if not (shutil.which("bwrap") and shutil.which("nsenter")):
+    pytest.skip("the loopback stand-ins run commands in bubblewrap (and nsenter)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def fake():
+    hub = pytest.importorskip("huggingface_hub")
+    pytest.importorskip("huggingface_hub._sandbox")
+    from pi_env.testing.fake_hf_sandbox import FakeHfJobs
+
     with pytest.MonkeyPatch.context() as patch, FakeHfJobs() as jobs:
         patch.setattr(hub.constants, "ENDPOINT", jobs.endpoint)
         yield jobs
 
 
-def hf_backend(**options) -> HfSandboxBackend:
-    return HfSandboxBackend(token="hf_pi_env_fake", namespace="pi-env-test", retrying=FAST, **options)
+def hf_backend(**options):
+    from pi_env.sandbox.hf import HfSandboxBackend, transient
+
+    fast = Retrying(transient, attempts=4, base_s=0.05, cap_s=0.2)
+    return HfSandboxBackend(token="hf_pi_env_fake", namespace="pi-env-test", retrying=fast, **options)
+
+
+@pytest.fixture(scope="module")
+def fake_e2b():
+    pytest.importorskip("e2b")
+    from pi_env.testing.fake_e2b import FakeE2B
+
+    with FakeE2B() as fake:
+        yield fake
+
+
+def e2b_backend(fake, **options):
+    from pi_env.sandbox.e2b import E2BSandboxBackend, transient
+
+    fast = Retrying(transient, attempts=4, base_s=0.05, cap_s=0.2)
+    return E2BSandboxBackend(api_key=fake.api_key, api_url=fake.url, sandbox_url=fake.url, http_version="1.1",
+                             retrying=fast, **options)
 
 
 def test_create_sets_labels_idle_timeout_and_image(fake):
@@ -79,6 +96,7 @@ def test_create_retries_the_jobs_api(fake):
 
 def test_lifetime_watchdog_kills_every_command(fake):
     with hf_backend(lifetime_s=3).create(SandboxSpec()) as sb:
+        assert sb.exec(f"test -e {JOBS_DIR}/watchdog.sh").exit_code == 0
         process = sb.start("while :; do date +%s%N > beat; sleep 0.1; done")
         result = process.wait(60)  # ended by the watchdog, not by us: killed, exit code unknown
         assert result.exit_code != 0 and not result.timed_out
@@ -109,3 +127,26 @@ def test_runtime_directory_is_one_cached_archive(fake, tmp_path):
     with hf_backend().create(spec) as sb:
         assert sb.exec("/opt/pi-env/runtime/bin/tool").stdout == "tool-v2\n"
         assert sb.exec("echo x > /opt/pi-env/runtime/new").exit_code != 0  # read-only for commands
+
+
+def test_e2b_lifetime_is_the_service_timeout_and_metadata_labels_it(fake_e2b):
+    backend = e2b_backend(fake_e2b, lifetime_s=900, labels={"run": "r1"}, template="pi-env-runtime")
+    with backend.create(SandboxSpec(env={"FROM_SPEC": "1"})) as sb:
+        request = fake_e2b.requests[sb.id]
+        assert request["timeout"] == 900 and request["templateID"] == "pi-env-runtime"
+        assert request["metadata"][LABEL] == "1" and request["metadata"]["run"] == "r1"
+        assert request["envVars"] == {}  # spec.env reaches commands only, not the sandbox's envd
+        assert sb.exec("echo $FROM_SPEC").stdout == "1\n"
+        # No watchdog: E2B ends the sandbox itself at its timeout.
+        assert sb.exec(f"test -e {JOBS_DIR}/watchdog.sh").exit_code == 1
+    assert sb.id in fake_e2b.killed and sb.id not in fake_e2b.running()
+
+
+def test_e2b_create_retries_rate_limits_only(fake_e2b):
+    fake_e2b.fail_api[:] = [429, 503]
+    with e2b_backend(fake_e2b).create(SandboxSpec()) as sb:
+        assert sb.exec("echo up").stdout == "up\n"
+    fake_e2b.fail_api[:] = [400]
+    with pytest.raises(SandboxError, match="400"):
+        e2b_backend(fake_e2b).create(SandboxSpec())
+    assert fake_e2b.fail_api == []

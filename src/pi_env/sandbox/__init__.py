@@ -22,6 +22,7 @@ from pi_env.sandbox.base import (
 
 # name -> "module:class"; imported on first use so one backend's dependencies never burden another.
 _BACKENDS = {
+    "e2b": "pi_env.sandbox.e2b:E2BSandboxBackend",
     "hf": "pi_env.sandbox.hf:HfSandboxBackend",
     "local": "pi_env.sandbox.local:LocalSandboxBackend",
     "podman": "pi_env.sandbox.podman:PodmanBackend",

@@ -1,0 +1,106 @@
+"""The `e2b` backend: E2B sandboxes (PyPI `e2b`), driven through remote.py. Needs `pi-env[e2b]`
+and an API key (E2B_API_KEY).
+
+Settings (constructor arguments, else environment): template PI_ENV_E2B_TEMPLATE (default
+"base": it needs sh, bash, GNU coreutils/grep/tar and /proc; build a template with the Pi runtime
+unpacked at /opt/pi-env/runtime to skip the per-sandbox upload), lifetime
+PI_ENV_REMOTE_LIFETIME_S; any other `e2b` connection option (domain, api_url, sandbox_url,
+http_version, ...) as keyword arguments.
+
+Lifetime: E2B's own sandbox timeout, set at create: the service deletes the sandbox then, so a
+crashed client leaks nothing beyond it. Every sandbox carries the metadata `pi-env=1` and
+`pi-env-sandbox=<id>`: list leftovers with Sandbox.list filtered on it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+from pi_env.sandbox.base import SandboxSpec, SandboxUnavailable
+from pi_env.sandbox.remote import DEFAULT_LIFETIME_S, LABEL, RemoteSandbox, Retrying
+
+TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
+
+
+def transient(exc: BaseException) -> bool:
+    """Connection-level failures, rate limits and 502/503/504: retried. A command's own
+    failure never is (CommandExitException is not even raised: run() reads the exit code)."""
+    import httpx
+    from e2b.exceptions import RateLimitException
+
+    if isinstance(exc, (httpx.TransportError, RateLimitException, ConnectionError)):
+        return True
+    try:
+        from connectrpc.code import Code
+        from connectrpc.errors import ConnectError
+
+        if isinstance(exc, ConnectError):
+            return exc.code in (Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED)
+    except ImportError:
+        pass
+    message = str(exc)
+    return any(f"{status}:" in message or f"({status})" in message for status in TRANSIENT_STATUS)
+
+
+class E2BSession:
+    """remote.RemoteSession over one e2b Sandbox."""
+
+    def __init__(self, sandbox):
+        self._sandbox = sandbox
+        self.id = sandbox.sandbox_id
+
+    def run(self, script: str, timeout_s: float) -> tuple[int | None, str]:
+        from e2b.sandbox.commands.command_handle import CommandExitException
+
+        try:
+            result = self._sandbox.commands.run(script, timeout=timeout_s)
+        except CommandExitException as exc:  # a nonzero exit is an answer, not an error
+            return exc.exit_code, exc.stdout
+        return result.exit_code, result.stdout
+
+    def spawn(self, script_path: str) -> None:
+        handle = self._sandbox.commands.run(f"/bin/sh {script_path}", background=True, timeout=0)
+        handle.disconnect()  # the command keeps running; remote.py follows it through files
+
+    def upload(self, path: str, data: bytes) -> None:
+        self._sandbox.files.write(path, data)
+
+    def download(self, path: str) -> bytes:
+        return bytes(self._sandbox.files.read(path, format="bytes"))
+
+    def destroy(self) -> None:
+        self._sandbox.kill()
+
+
+class E2BSandboxBackend:
+    name = "e2b"
+
+    def __init__(self, *, template: str | None = None, lifetime_s: float | None = None,
+                 labels: dict[str, str] | None = None, retrying: Retrying | None = None, **connection):
+        try:
+            import e2b  # noqa: F401
+        except ImportError as exc:
+            raise SandboxUnavailable("the e2b backend needs the e2b SDK: pip install 'pi-env[e2b]'") from exc
+        if not (connection.get("api_key") or os.environ.get("E2B_API_KEY")):
+            raise SandboxUnavailable("the e2b backend needs an API key: set E2B_API_KEY")
+        self.template = template or os.environ.get("PI_ENV_E2B_TEMPLATE", "base")
+        self.lifetime_s = float(lifetime_s or os.environ.get("PI_ENV_REMOTE_LIFETIME_S", DEFAULT_LIFETIME_S))
+        self.labels = dict(labels or {})
+        self.connection = connection
+        self.retrying = retrying or Retrying(transient)
+
+    def create(self, spec: SandboxSpec) -> RemoteSandbox:
+        from e2b import Sandbox
+
+        sandbox_id = secrets.token_hex(8)
+        metadata = {**self.labels, LABEL: "1", f"{LABEL}-sandbox": sandbox_id}
+        e2b = self.retrying("create", lambda: Sandbox.create(
+            self.template, timeout=int(self.lifetime_s), metadata=metadata, **self.connection))
+        sandbox = RemoteSandbox(E2BSession(e2b), spec, self.retrying)
+        try:
+            sandbox.setup(None)  # the service's timeout is the lifetime
+        except BaseException:
+            sandbox.close()
+            raise
+        return sandbox
