@@ -150,3 +150,25 @@ def test_e2b_create_retries_rate_limits_only(fake_e2b):
     with pytest.raises(SandboxError, match="400"):
         e2b_backend(fake_e2b).create(SandboxSpec())
     assert fake_e2b.fail_api == []
+
+
+def test_remote_rollout_reaches_the_host_gateway_by_url(fake, monkeypatch):
+    """A whole rollout in an hf sandbox: the Pi runtime arrives as one archive, the agent's
+    forwarder reaches the host gateway by URL (the stand-in shares this host's network), the
+    gateway records the turns as for any sandbox. Without a gateway URL: unscored, never 0."""
+    from pi_env import PiTask, run_rollout
+    from pi_env.proxy.gateway import get_gateway
+
+    monkeypatch.delenv("PI_ENV_GATEWAY_URL", raising=False)
+    task = PiTask(task_id="remote", instruction="write x", verify=["grep -q hi x.txt"],
+                  solution=[{"tool": "write", "path": "x.txt", "content": "hi\n"}])
+    refused = run_rollout(task, sandbox_backend=hf_backend())
+    assert refused.reward is None and refused.error_kind and "PI_ENV_GATEWAY_URL" in refused.error
+    assert fake.running() == []  # closed with the rollout
+
+    url = get_gateway().tcp_base_url.removesuffix("/v1")
+    result = run_rollout(task, sandbox_backend=hf_backend(gateway_url=url))
+    assert result.error_kind is None, (result.error, result.agent_log_tail)
+    assert result.reward == 1.0 and result.stop_reason == "stop"
+    assert len(result.proxy_turns) == 2 and all(t.upstream_status == 200 for t in result.proxy_turns)
+    assert fake.running() == []

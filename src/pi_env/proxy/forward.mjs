@@ -27,7 +27,49 @@ function gatewayUnreachable(error) {
   );
 }
 
-const server = net.createServer((client) => {
+// Remote sandboxes (pi_env.sandbox.remote) have no socket of the host's: PI_ENV_GATEWAY_URL is the
+// host gateway's authenticated URL, reached over the sandbox's network. HTTP is proxied request by
+// request (not piped as bytes) so a reverse proxy in front of the gateway sees its own Host; the
+// agent still holds only its per-session token, the upstream key stays on the host.
+const gatewayUrl = process.env.PI_ENV_GATEWAY_URL ? new URL(process.env.PI_ENV_GATEWAY_URL) : null;
+const client = gatewayUrl ? await import(gatewayUrl.protocol === "https:" ? "node:https" : "node:http") : null;
+const { createServer } = await import("node:http");
+
+function proxyRequest(req, res) {
+  const upstream = client.request(
+    {
+      protocol: gatewayUrl.protocol,
+      hostname: gatewayUrl.hostname,
+      port: gatewayUrl.port,
+      method: req.method,
+      path: gatewayUrl.pathname.replace(/\/$/, "") + req.url,
+      headers: { ...req.headers, host: gatewayUrl.host },
+      agent: false, // one connection per request: nothing idle keeps node alive
+    },
+    (answer) => {
+      res.writeHead(answer.statusCode, answer.headers);
+      answer.pipe(res);
+    },
+  );
+  upstream.on("socket", (socket) => socket.unref());
+  upstream.on("error", (error) => {
+    if (res.headersSent) {
+      res.destroy();
+      return;
+    }
+    const body = JSON.stringify({
+      error: {
+        message: `pi-env forwarder: gateway ${gatewayUrl.origin} unreachable: ${error.code || error.message}`,
+        type: "gateway_unreachable",
+      },
+    });
+    res.writeHead(502, { "Content-Type": "application/json", Connection: "close" });
+    res.end(body);
+  });
+  req.pipe(upstream);
+}
+
+const server = gatewayUrl ? createServer(proxyRequest) : net.createServer((client) => {
   const gateway = net.connect(socketPath);
   client.unref();
   gateway.unref();
@@ -54,6 +96,7 @@ const server = net.createServer((client) => {
   gateway.pipe(client);
 });
 server.unref();
+server.on("connection", (socket) => socket.unref());
 
 // Wait until listening (top-level await) so the CLI's first request cannot race the bind. A
 // failed listen is ignored: EADDRINUSE means another node process of this agent (a child that

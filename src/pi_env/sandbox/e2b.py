@@ -18,7 +18,7 @@ import os
 import secrets
 
 from pi_env.sandbox.base import SandboxSpec, SandboxUnavailable
-from pi_env.sandbox.remote import DEFAULT_LIFETIME_S, LABEL, RemoteSandbox, Retrying
+from pi_env.sandbox.remote import DEFAULT_LIFETIME_S, LABEL, RemoteSandbox, Retrying, check_gateway, remote_gateway_url
 
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
 
@@ -77,7 +77,8 @@ class E2BSandboxBackend:
     name = "e2b"
 
     def __init__(self, *, template: str | None = None, lifetime_s: float | None = None,
-                 labels: dict[str, str] | None = None, retrying: Retrying | None = None, **connection):
+                 labels: dict[str, str] | None = None, retrying: Retrying | None = None,
+                 gateway_url: str | None = None, **connection):
         try:
             import e2b  # noqa: F401
         except ImportError as exc:
@@ -87,17 +88,19 @@ class E2BSandboxBackend:
         self.template = template or os.environ.get("PI_ENV_E2B_TEMPLATE", "base")
         self.lifetime_s = float(lifetime_s or os.environ.get("PI_ENV_REMOTE_LIFETIME_S", DEFAULT_LIFETIME_S))
         self.labels = dict(labels or {})
+        self.gateway_url = remote_gateway_url(gateway_url)
         self.connection = connection
         self.retrying = retrying or Retrying(transient)
 
     def create(self, spec: SandboxSpec) -> RemoteSandbox:
         from e2b import Sandbox
 
+        check_gateway(spec, self.gateway_url)
         sandbox_id = secrets.token_hex(8)
         metadata = {**self.labels, LABEL: "1", f"{LABEL}-sandbox": sandbox_id}
         e2b = self.retrying("create", lambda: Sandbox.create(
             self.template, timeout=int(self.lifetime_s), metadata=metadata, **self.connection))
-        sandbox = RemoteSandbox(E2BSession(e2b), spec, self.retrying)
+        sandbox = RemoteSandbox(E2BSession(e2b), spec, self.retrying, gateway_url=self.gateway_url)
         try:
             sandbox.setup(None)  # the service's timeout is the lifetime
         except BaseException:

@@ -17,7 +17,7 @@ import os
 import secrets
 
 from pi_env.sandbox.base import SandboxSpec, SandboxUnavailable
-from pi_env.sandbox.remote import DEFAULT_LIFETIME_S, LABEL, RemoteSandbox, Retrying
+from pi_env.sandbox.remote import DEFAULT_LIFETIME_S, LABEL, RemoteSandbox, Retrying, check_gateway, remote_gateway_url
 
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
 IDLE_TIMEOUT_S = 300
@@ -82,7 +82,8 @@ class HfSandboxBackend:
 
     def __init__(self, *, image: str | None = None, flavor: str | None = None, namespace: str | None = None,
                  token: str | None = None, lifetime_s: float | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 labels: dict[str, str] | None = None, retrying: Retrying | None = None):
+                 labels: dict[str, str] | None = None, retrying: Retrying | None = None,
+                 gateway_url: str | None = None):
         hub = _sdk()
         self.token = token
         if not (token or hub.get_token()):
@@ -93,17 +94,19 @@ class HfSandboxBackend:
         self.lifetime_s = float(lifetime_s or os.environ.get("PI_ENV_REMOTE_LIFETIME_S", DEFAULT_LIFETIME_S))
         self.idle_timeout_s = idle_timeout_s
         self.labels = dict(labels or {})
+        self.gateway_url = remote_gateway_url(gateway_url)
         self.retrying = retrying or Retrying(transient)
 
     def create(self, spec: SandboxSpec) -> RemoteSandbox:
         from huggingface_hub import Sandbox
 
+        check_gateway(spec, self.gateway_url)
         sandbox_id = secrets.token_hex(8)
         labels = {**self.labels, LABEL: "1", f"{LABEL}-sandbox": sandbox_id}
         hf = self.retrying("create", lambda: Sandbox.create(
             self.image, flavor=self.flavor, idle_timeout=int(self.idle_timeout_s), namespace=self.namespace,
             labels=labels, token=self.token))
-        sandbox = RemoteSandbox(HfSession(hf), spec, self.retrying)
+        sandbox = RemoteSandbox(HfSession(hf), spec, self.retrying, gateway_url=self.gateway_url)
         try:
             sandbox.setup(self.lifetime_s)
         except BaseException:

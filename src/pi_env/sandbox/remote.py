@@ -24,9 +24,14 @@ code and stdout (`run`), start a script in the background (`spawn`), upload and 
   one prebuilt archive per runtime, never an npm install per sandbox) unpacked and made
   read-only, a file as itself. Read-only is chmod only: the sandbox runs as root.
 
+The model gateway: a remote sandbox cannot see the host gateway's Unix socket, so
+network="gateway" commands get PI_ENV_GATEWAY_URL, the host gateway's URL as the service
+reaches it, and the agent's forwarder proxies to it; the agent holds only its per-session token.
+The gateway never runs inside the sandbox: the agent is root there and would read its key.
+
 What a remote sandbox does NOT do (see README "Remote sandboxes"): per-command network modes
-(the service decides the network; network="gateway" needs a gateway URL, see
-pi_env.sandbox.remote_gateway), spec.limits beyond ulimit, agent_masked_paths.
+(the network is the service's, for every command), spec.limits beyond ulimit (open files,
+file size), agent_masked_paths.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ DEFAULT_LIFETIME_S = 4 * 3600
 JOBS_DIR = "/tmp/.pi-env"
 WAIT_SLICE_S = 10.0  # one wait request blocks at most this long inside the sandbox
 CONTROL_SLACK_S = 60.0  # a control script's own time plus the service's latency
+
+# The host gateway's root URL as remote sandboxes reach it (see remote_gateway_url).
+GATEWAY_URL_ENV = "PI_ENV_GATEWAY_URL"
 
 # Exit codes of the file-operation scripts.
 _SYMLINK, _MISSING, _IS_DIR = 40, 41, 42
@@ -128,6 +136,25 @@ class Retrying:
 
 # ---------------------------------------------------------------------------------------------
 # The runtime archive: one tar.gz per host directory, built once and cached
+
+
+def remote_gateway_url(configured: str | None) -> str | None:
+    """The gateway URL a remote backend hands its agents: the argument, else $PI_ENV_GATEWAY_URL.
+    It must lead to this process's gateway TCP listener (Gateway.tcp_port), which authenticates
+    every call by its per-session token; the upstream key never leaves this host."""
+    url = configured or os.environ.get(GATEWAY_URL_ENV) or None
+    if url and not url.startswith(("http://", "https://")):
+        raise ValueError(f"{GATEWAY_URL_ENV} must be an http(s) URL, not {url!r}")
+    return url.rstrip("/") if url else None
+
+
+def check_gateway(spec: SandboxSpec, gateway_url: str | None) -> None:
+    """Before paying for a sandbox: a spec with a gateway needs a gateway URL here."""
+    if spec.gateway_socket and not gateway_url:
+        raise SandboxError(
+            "a remote sandbox cannot reach the host gateway's Unix socket: expose the gateway's TCP "
+            "listener to the service (an authenticating tunnel or reverse proxy) and set "
+            f"{GATEWAY_URL_ENV} (or gateway_url=) to its URL")
 
 
 def archive_cache_dir() -> Path:
@@ -289,7 +316,7 @@ class RemoteSandbox:
     workdir = SANDBOX_WORKDIR
 
     def __init__(self, session: RemoteSession, spec: SandboxSpec, retrying: Retrying, *,
-                 gateway_env: dict[str, str] | None = None):
+                 gateway_url: str | None = None):
         self._session, self._spec, self._retry = session, spec, retrying
         self.id = session.id
         self._tag = secrets.token_hex(6)  # the PI_ENV_JOB prefix of this sandbox's commands
@@ -297,7 +324,7 @@ class RemoteSandbox:
         self._lock = threading.Lock()
         self._closed = False
         self._processes: list[RemoteProcess] = []
-        self._gateway_env = gateway_env  # None: network="gateway" is refused
+        self._gateway_url = gateway_url
 
     # -- plumbing
 
@@ -398,9 +425,14 @@ class RemoteSandbox:
         if network not in ("none", "full", "gateway"):
             raise ValueError(f"network must be 'none', 'full' or 'gateway', not {network!r}")
         if network == "gateway":
-            if self._gateway_env is None:
-                raise ValueError("network='gateway' needs a gateway: this sandbox was created without one")
-            return self._gateway_env
+            if not self._spec.gateway_socket:
+                raise ValueError("network='gateway' needs a gateway: this sandbox's spec has none")
+            if not self._gateway_url:
+                raise ValueError(
+                    "network='gateway' in a remote sandbox needs the host gateway's URL as the service "
+                    "reaches it (its TCP listener behind an authenticating tunnel or reverse proxy): set "
+                    f"{GATEWAY_URL_ENV} or pass gateway_url= to the backend")
+            return {GATEWAY_URL_ENV: self._gateway_url}  # read by the agent's forwarder (forward.mjs)
         return {}
 
     def kill_all(self) -> None:
