@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-total-tokens", type=int, default=None, help="usage.total_tokens budget per rollout")
     run.add_argument("--trace-dir", default=None, help="where transparent_proxy writes per-turn trace files")
     run.add_argument("--agent-timeout", type=float, default=None, help="seconds for the agent phase")
-    run.add_argument("--backend", default="local", help="sandbox backend: local (bubblewrap), podman, unsafe-local, ... (README: Isolation)")
+    run.add_argument("--backend", default="local", help="sandbox backend: local (bubblewrap), podman, hf, e2b, unsafe-local (README: Isolation)")
     run.add_argument("--json", action="store_true", help="print each RolloutResult as JSON on stdout")
     run.add_argument("--out", type=Path, help="write the results as JSON lines to this file")
 
