@@ -15,10 +15,9 @@ crashed client leaks nothing beyond it. Every sandbox carries the metadata `pi-e
 from __future__ import annotations
 
 import os
-import secrets
 
 from pi_env.sandbox.base import SandboxSpec, SandboxUnavailable
-from pi_env.sandbox.remote import DEFAULT_LIFETIME_S, LABEL, RemoteSandbox, Retrying, check_gateway, remote_gateway_url
+from pi_env.sandbox.remote import DEFAULT_LIFETIME_S, RemoteSandbox, Retrying, open_sandbox, remote_gateway_url
 
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
 
@@ -95,15 +94,8 @@ class E2BSandboxBackend:
     def create(self, spec: SandboxSpec) -> RemoteSandbox:
         from e2b import Sandbox
 
-        check_gateway(spec, self.gateway_url)
-        sandbox_id = secrets.token_hex(8)
-        metadata = {**self.labels, LABEL: "1", f"{LABEL}-sandbox": sandbox_id}
-        e2b = self.retrying("create", lambda: Sandbox.create(
-            self.template, timeout=int(self.lifetime_s), metadata=metadata, **self.connection))
-        sandbox = RemoteSandbox(E2BSession(e2b), spec, self.retrying, gateway_url=self.gateway_url)
-        try:
-            sandbox.setup(None)  # the service's timeout is the lifetime
-        except BaseException:
-            sandbox.close()
-            raise
-        return sandbox
+        return open_sandbox(
+            spec, lambda metadata: E2BSession(Sandbox.create(
+                self.template, timeout=int(self.lifetime_s), metadata=metadata, **self.connection)),
+            labels=self.labels, retrying=self.retrying, gateway_url=self.gateway_url,
+            watchdog_s=None)  # E2B's own timeout is the lifetime

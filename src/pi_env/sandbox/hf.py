@@ -14,10 +14,9 @@ stops the Job: at most lifetime + idle timeout after a client crash. Every Job c
 from __future__ import annotations
 
 import os
-import secrets
 
 from pi_env.sandbox.base import SandboxSpec, SandboxUnavailable
-from pi_env.sandbox.remote import DEFAULT_LIFETIME_S, LABEL, RemoteSandbox, Retrying, check_gateway, remote_gateway_url
+from pi_env.sandbox.remote import DEFAULT_LIFETIME_S, RemoteSandbox, Retrying, open_sandbox, remote_gateway_url
 
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
 IDLE_TIMEOUT_S = 300
@@ -100,16 +99,8 @@ class HfSandboxBackend:
     def create(self, spec: SandboxSpec) -> RemoteSandbox:
         from huggingface_hub import Sandbox
 
-        check_gateway(spec, self.gateway_url)
-        sandbox_id = secrets.token_hex(8)
-        labels = {**self.labels, LABEL: "1", f"{LABEL}-sandbox": sandbox_id}
-        hf = self.retrying("create", lambda: Sandbox.create(
-            self.image, flavor=self.flavor, idle_timeout=int(self.idle_timeout_s), namespace=self.namespace,
-            labels=labels, token=self.token))
-        sandbox = RemoteSandbox(HfSession(hf), spec, self.retrying, gateway_url=self.gateway_url)
-        try:
-            sandbox.setup(self.lifetime_s)
-        except BaseException:
-            sandbox.close()
-            raise
-        return sandbox
+        return open_sandbox(
+            spec, lambda labels: HfSession(Sandbox.create(
+                self.image, flavor=self.flavor, idle_timeout=int(self.idle_timeout_s), namespace=self.namespace,
+                labels=labels, token=self.token)),
+            labels=self.labels, retrying=self.retrying, gateway_url=self.gateway_url, watchdog_s=self.lifetime_s)

@@ -148,13 +148,27 @@ def remote_gateway_url(configured: str | None) -> str | None:
     return url.rstrip("/") if url else None
 
 
-def check_gateway(spec: SandboxSpec, gateway_url: str | None) -> None:
-    """Before paying for a sandbox: a spec with a gateway needs a gateway URL here."""
+def open_sandbox(spec: SandboxSpec, open_session: Callable[[dict[str, str]], RemoteSession], *,
+                 labels: dict[str, str], retrying: Retrying, gateway_url: str | None,
+                 watchdog_s: float | None) -> RemoteSandbox:
+    """What every remote backend's create() does around its service's own create call
+    (`open_session(labels)`): refuse a spec whose gateway it cannot reach before paying for a
+    sandbox, label it, retry the create, set it up, and delete it if the setup fails.
+    watchdog_s: the lifetime a watchdog inside enforces (None: the service's own timeout does)."""
     if spec.gateway_socket and not gateway_url:
         raise SandboxError(
             "a remote sandbox cannot reach the host gateway's Unix socket: expose the gateway's TCP "
             "listener to the service (an authenticating tunnel or reverse proxy) and set "
             f"{GATEWAY_URL_ENV} (or gateway_url=) to its URL")
+    labels = {**labels, LABEL: "1", f"{LABEL}-sandbox": secrets.token_hex(8)}
+    session = retrying("create", lambda: open_session(labels))
+    sandbox = RemoteSandbox(session, spec, retrying, gateway_url=gateway_url)
+    try:
+        sandbox.setup(watchdog_s)
+    except BaseException:
+        sandbox.close()
+        raise
+    return sandbox
 
 
 def archive_cache_dir() -> Path:
