@@ -161,19 +161,15 @@ class PodmanSandbox(HostDirSandbox):
                 popen.wait(0.5)
                 return
             if time.monotonic() > deadline:
-                popen.kill()  # the client is stuck: the label sweep below catches its container
+                popen.kill()  # the client is stuck: kill_all()'s label sweep gets its container
                 popen.wait()
-                self._kill_leftovers()
                 return
 
-    def _kill_leftovers(self) -> None:
+    def kill_all(self) -> None:
+        super().kill_all()
+        # By label too: containers whose `podman run` client is gone, or was still creating
+        # them when it was killed. close() calls this once no new command can start.
         remove_containers(self._podman, f"{LABEL_SANDBOX}={self.id}")
-
-    def close(self) -> None:
-        if not self._closed:
-            with contextlib.suppress(SandboxError):
-                self._kill_leftovers()  # also containers whose client was lost
-        super().close()
 
 
 class PodmanBackend:
