@@ -212,43 +212,15 @@ def test_resource_limits_apply(backend):
 # --- files --------------------------------------------------------------------------------
 
 
-def test_file_operations(sandbox):
+def test_files_the_host_writes_belong_to_the_sandbox_uid(sandbox):
+    """(The file API itself is in the contract suite.)"""
     sandbox.write_file("deep/er/nested.bin", bytes(range(256)), mode=0o600)
-    assert sandbox.read_file("/root/workdir/deep/er/nested.bin") == bytes(range(256))
-    assert sandbox.read_file("deep/er/nested.bin", max_bytes=3) == b"\0\1\2"
-    assert sandbox.exec(
-        "stat -c %a deep/er/nested.bin; od -An -tx1 -N4 deep/er/nested.bin"
-    ).stdout.split() == ["600", "00", "01", "02", "03"]
     host_file = os.path.join(sandbox.host_home, "workdir/deep/er/nested.bin")
+    assert stat.S_IMODE(os.stat(host_file).st_mode) == 0o600
     if IS_ROOT:
         assert os.stat(host_file).st_uid == sandbox.uid
         assert os.stat(os.path.dirname(host_file)).st_uid == sandbox.uid
-
-    big = os.urandom(20 << 20)
-    sandbox.write_file("big.bin", big)
-    assert sandbox.read_file("big.bin") == big
-    assert sandbox.exec("wc -c < big.bin").stdout.strip() == str(20 << 20)
-
-    sandbox.write_file("/root/.config/tool.json", "{}")  # anywhere under /root
-    assert sandbox.exec("cat ~/.config/tool.json").stdout == "{}"
-    sandbox.write_file("deep/er/nested.bin", "replaced")
-    assert sandbox.read_file("deep/er/nested.bin") == b"replaced"
-
-    assert sandbox.exists("deep/er") and sandbox.exists("big.bin") and not sandbox.exists("nope")
-    with pytest.raises(FileNotFoundError):
-        sandbox.read_file("nope.txt")
-    with pytest.raises(IsADirectoryError):
-        sandbox.read_file("deep")
-    for outside in ("/etc/passwd", "../../etc/passwd", "/tmp/x", "/rootx/y"):
-        with pytest.raises(ValueError, match="outside /root"):
-            sandbox.write_file(outside, "x")
-
-    sandbox.exec("mkdir -p ro/sub && touch ro/sub/f && chmod 555 ro/sub ro")  # read-only tree
-    sandbox.remove("ro")
-    sandbox.remove("deep")
-    sandbox.remove("big.bin")
-    sandbox.remove("never-existed")
-    assert sandbox.exec("ls").stdout == ""
+    assert sandbox.exec("echo more >> deep/er/nested.bin").exit_code == 0  # so it can write it
 
 
 def test_symlinks_planted_by_the_sandbox_are_never_followed(sandbox):
