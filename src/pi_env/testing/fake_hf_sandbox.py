@@ -363,9 +363,11 @@ class FakeHfJobs(ThreadingHTTPServer):
                 "--setenv", "HOME", "/root"]
         for name, value in environment.items():
             argv += ["--setenv", name, str(value)]
-        # The image's python (the test's own may live under /root, which the job hides).
+        # The image's python (the test's own may live under /root, which the job hides), and
+        # this file copied into the job: the checkout may sit under /tmp, hidden by its tmpfs.
         python = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3"
-        argv += ["--", python, "-I", os.path.abspath(__file__), SANDBOX_CONTROL]
+        shutil.copyfile(os.path.abspath(__file__), os.path.join(root, "control", "sbx_server.py"))
+        argv += ["--", python, "-I", f"{SANDBOX_CONTROL}/sbx_server.py", SANDBOX_CONTROL]
         job.process = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL)
         port_file = os.path.join(root, "control", "port")
         deadline = time.monotonic() + 30
