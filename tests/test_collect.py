@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ from pi_env.collect.export import export
 from pi_env.collect.records import sft_messages
 from pi_env.collect.store import ResultStore, StoreError, read_records
 from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
+from pi_env.testing.fake_hf_sandbox import QuietJsonHandler
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 
@@ -270,56 +271,45 @@ def test_sft_messages_from_pi_session_messages():
                                                        "parameters": {"type": "object"}}}]
 
 
-class _FakeHub(BaseHTTPRequestHandler):
+class _FakeHub(QuietJsonHandler):
     """The Hub's HTTP API as huggingface_hub's client uses it to create a dataset repo and
     commit files (regular uploads): enough to see exactly what would be uploaded."""
 
     calls: list = []
     files: dict = {}
 
-    def log_message(self, *args):
-        pass
-
     @property
     def base(self):
         return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def _json(self, status, body):
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.calls.append((self.path, self.headers.get("Authorization"), body))
         if self.path == "/api/repos/create":
             request = json.loads(body)
-            return self._json(200, {"url": f"{self.base}/datasets/{request['organization']}/{request['name']}"})
+            return self._send(200, {"url": f"{self.base}/datasets/{request['organization']}/{request['name']}"})
         if self.path == "/api/validate-yaml":  # the Hub checks the card's metadata before the commit
             import yaml
 
             request = json.loads(body)
             meta = yaml.safe_load(request["content"].split("---")[1])
             ok = request["repoType"] == "dataset" and isinstance(meta, dict) and isinstance(meta.get("configs"), list)
-            return self._json(200 if ok else 400, {} if ok else {"errors": [{"message": "bad card metadata"}]})
+            return self._send(200 if ok else 400, {} if ok else {"errors": [{"message": "bad card metadata"}]})
         if "/preupload/" in self.path:
             paths = [f["path"] for f in json.loads(body)["files"]]
-            return self._json(200, {"files": [{"path": p, "uploadMode": "regular", "shouldIgnore": False} for p in paths]})
+            return self._send(200, {"files": [{"path": p, "uploadMode": "regular", "shouldIgnore": False} for p in paths]})
         if "/commit/" in self.path:
             for line in body.decode().splitlines():
                 item = json.loads(line)
                 if item["key"] == "file":
                     self.files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
-            return self._json(200, {"commitUrl": f"{self.base}/datasets/me/pi-data/commit/abc123", "commitOid": "abc123",
+            return self._send(200, {"commitUrl": f"{self.base}/datasets/me/pi-data/commit/abc123", "commitOid": "abc123",
                                     "pullRequestUrl": None})
-        return self._json(404, {"error": f"stand-in: no route for POST {self.path}"})
+        return self._send(404, {"error": f"stand-in: no route for POST {self.path}"})
 
     def do_GET(self):
         self.calls.append((self.path, self.headers.get("Authorization"), b""))
-        return self._json(404, {"error": f"stand-in: no route for GET {self.path}"})
+        return self._send(404, {"error": f"stand-in: no route for GET {self.path}"})
 
 
 def test_push_to_hub_uploads_the_dataset_through_huggingface_hub(tmp_path):

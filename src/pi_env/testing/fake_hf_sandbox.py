@@ -37,9 +37,9 @@ SERVER_PORT_MARKER = "--49983."  # the SDK finds the server URL by the sandbox p
 # The fake sbx-server (runs inside bubblewrap; stdlib only)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _SbxServer
+class QuietJsonHandler(BaseHTTPRequestHandler):
+    """A stand-in's request handler: no access log, and `_send` for one JSON (or bytes) answer.
+    It lives here because this file must run alone inside the fake job (stdlib only)."""
 
     def log_message(self, *args) -> None:
         pass
@@ -52,6 +52,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+class _Handler(QuietJsonHandler):
+    protocol_version = "HTTP/1.1"
+    server: _SbxServer
 
     def _route(self, method: str) -> None:
         url = urlparse(self.path)
@@ -254,20 +259,9 @@ class _Job:
         }
 
 
-class _JobsHandler(BaseHTTPRequestHandler):
+class _JobsHandler(QuietJsonHandler):
     protocol_version = "HTTP/1.1"
     server: FakeHfJobs
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _handle(self, method: str) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
