@@ -93,12 +93,20 @@ def make_host_dir(root: str, owner: int | None) -> tuple[str, int]:
         make_dir(os.path.join(host_dir, "home"), 0o700, owner)
         make_dir(os.path.join(host_dir, "home", "workdir"), 0o755, owner)
     except BaseException:
+        discard_host_dir(host_dir, lock_fd)
+        raise
+    return host_dir, lock_fd
+
+
+def discard_host_dir(host_dir: str, lock_fd: int) -> None:
+    """Undo make_host_dir: delete the dir (if it was made) and its lock file, then let go of
+    the lock."""
+    try:
         if os.path.isdir(host_dir):
             delete_tree(host_dir)
         os.unlink(host_dir + LOCK_SUFFIX)
+    finally:
         os.close(lock_fd)
-        raise
-    return host_dir, lock_fd
 
 
 def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = None) -> list[str]:
@@ -544,11 +552,11 @@ class HostDirSandbox:
         try:
             self.kill_all()
             os.close(self._home_fd)
-            delete_tree(self.host_dir)
-            os.unlink(self.host_dir + LOCK_SUFFIX)
         finally:
-            os.close(self._lock_fd)
-            self._release()
+            try:
+                discard_host_dir(self.host_dir, self._lock_fd)
+            finally:
+                self._release()
 
     def __enter__(self):
         return self

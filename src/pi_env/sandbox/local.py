@@ -63,11 +63,10 @@ from pi_env.sandbox.base import (
     SandboxUnavailable,
 )
 from pi_env.sandbox.hostdir import (
-    LOCK_SUFFIX,
     HostDirSandbox,
     LocalProcess,
     default_root,
-    delete_tree,
+    discard_host_dir,
     make_dir,
     make_host_dir,
     private_dir,
@@ -515,9 +514,7 @@ class LocalSandboxBackend:
             return LocalSandbox(host_dir, spec, mounts, socket, self._bwrap, lease, lock_fd)
         except BaseException:
             if host_dir:
-                delete_tree(host_dir)
-                os.unlink(host_dir + LOCK_SUFFIX)
-                os.close(lock_fd)
+                discard_host_dir(host_dir, lock_fd)
             if lease:
                 lease.release()
             raise

@@ -59,7 +59,7 @@ from pi_env.sandbox.hostdir import (
     LOCK_SUFFIX,
     HostDirSandbox,
     default_root,
-    delete_tree,
+    discard_host_dir,
     make_host_dir,
     private_dir,
     sweep_stale_host_dirs,
@@ -217,9 +217,7 @@ class PodmanBackend:
         try:
             return PodmanSandbox(host_dir, lock_fd, spec, self)
         except BaseException:
-            delete_tree(host_dir)
-            os.unlink(host_dir + LOCK_SUFFIX)
-            os.close(lock_fd)
+            discard_host_dir(host_dir, lock_fd)
             raise
 
     def _reclaim(self, host_dir: str) -> None:
