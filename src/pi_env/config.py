@@ -18,6 +18,9 @@ PI_TOOLS = ("read", "bash", "edit", "write", "grep", "find", "ls")
 
 
 class PiConfig(BaseModel):
+    """Which endpoint, which Pi, which limits: everything a rollout does that the task does not
+    say. Unknown fields are refused; the API key is hidden from repr and `redacted()`."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # Endpoint: a catalog name (vllm, openai, hf_router, oracle) or a raw URL. Explicit

@@ -22,6 +22,8 @@ ErrorKind = Literal[
 
 
 class CommandResult(BaseModel):
+    """One setup or verify command as it ran: exit code (None when killed or timed out), output, time."""
+
     cmd: str
     exit_code: int | None  # None: killed or timed out (never read as success)
     stdout: str = ""
@@ -71,6 +73,12 @@ class RolloutEvent(BaseModel):
 
 
 class RolloutResult(BaseModel):
+    """What one rollout produced. `reward` is None (with `error_kind` and `error`) when the rollout
+    could not be scored: infrastructure failure is never a reward of 0. `messages` is Pi's
+    conversation, `proxy_turns` every model call as the gateway saw it, `training` the
+    token-level view (transparent_proxy, interception_gate), `files` the work dir after the
+    agent, `timings` seconds per phase."""
+
     task_id: str
     sandbox_id: str = ""
     reward: float | None = None

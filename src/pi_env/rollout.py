@@ -91,6 +91,11 @@ class PiSessionFactory:
 
 
 class PiSession:
+    """One rollout in flight: made by `PiSessionFactory.create`, already running its agent.
+    `wait_for_completion()` verifies and scores it; `close()` (or the `with` block) kills every
+    process and deletes the sandbox. In interception_gate mode `next_request()`/`deliver()` hand
+    each model call to the trainer."""
+
     def __init__(self, factory: PiSessionFactory, task: PiTask, seed: int | None = None,
                  episode_id: str | None = None, on_event: Callable[[RolloutEvent], None] | None = None):
         self.factory = factory

@@ -44,6 +44,10 @@ class TurnAlignment(BaseModel):
 
 
 class TrainingTrace(BaseModel):
+    """The training view of a rollout: turns whose prompt ids extend the previous prompt +
+    completion ids are merged into one sequence (`segments`, with a loss mask of 1 on generated
+    tokens and aligned logprobs); a turn that does not extend starts a new segment."""
+
     segments: list[TrainingSegment] = Field(default_factory=list)
     turns: list[TurnAlignment] = Field(default_factory=list)
 

@@ -62,6 +62,8 @@ class KeepFilter:
 
 @dataclass
 class CollectSummary:
+    """What a `CollectRunner.run()` did: planned, resumed, ran, retried and skipped rollouts."""
+
     out_dir: Path
     planned: int = 0  # (task, group index) pairs in this run's plan
     already_stored: int = 0  # found in the store when the run started (resume)

@@ -29,7 +29,7 @@ network="gateway" commands get PI_ENV_GATEWAY_URL, the host gateway's URL as the
 reaches it, and the agent's forwarder proxies to it; the agent holds only its per-session token.
 The gateway never runs inside the sandbox: the agent is root there and would read its key.
 
-What a remote sandbox does NOT do (see README "Remote sandboxes"): per-command network modes
+What a remote sandbox does NOT do (see docs/backends.md, "Remote sandboxes"): per-command network modes
 (the network is the service's, for every command), spec.limits beyond ulimit (open files,
 file size), agent_masked_paths.
 """

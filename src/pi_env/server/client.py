@@ -42,6 +42,10 @@ class PiEnvError(RuntimeError):
 
 
 class PiEnv:
+    """A client of `pi-env serve` over MCP streamable HTTP: `run_rollout` (sync) and
+    `arun_rollout` (async) return a `RolloutResult`. `timeout_s` bounds a whole call, queue
+    included; `ServerBusy` and `PiEnvError` carry the server's message."""
+
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  connect_timeout_s: float = 30.0):
         self.base_url = base_url.rstrip("/")
