@@ -6,7 +6,7 @@ only compiles and import-checks it; `examples/gate_loop.py` is the CPU loop that
 TRL 1.16's `HarnessRolloutWorker` (trl.experimental.async_grpo.openenv_harness) builds the
 factory with `sampling=training_sampling(...)` and, per rollout, calls
 `create(prompt, seed=group_id, episode_id=...)`, `wait_for_completion()`,
-`fetch_training_trace()` and `verify()`. pi-env's `PiSessionFactory` runs Pi against the
+`fetch_training_trace()` and `verify()`. pi-env's `HarnessSessionFactory` runs Pi against the
 vLLM server in transparent_proxy mode (the gateway records vLLM's token ids and logprobs) and
 scores each rollout with the task's verify commands: no reward functions are needed.
 
@@ -30,7 +30,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
 from pi_env import PiConfig, load_tasks
-from pi_env.harness import PiSessionFactory, dataset_rows
+from pi_env.harness import HarnessSessionFactory, dataset_rows
 
 
 def main() -> None:
@@ -58,7 +58,7 @@ def main() -> None:
     pi = PiConfig(endpoint=f"{args.vllm_url}/v1", model=args.model, mode="transparent_proxy",
                   max_turns=config.max_tool_calling_iterations, agent_timeout_s=900)
     worker = HarnessRolloutWorker(
-        harness_session_factory=partial(PiSessionFactory, pi, tasks=tasks),
+        harness_session_factory=partial(HarnessSessionFactory, pi, tasks=tasks),
         model_name=args.model,
         dataset=dataset,
         reward_funcs=[],  # the reward is the harness's (the task's verify commands)

@@ -59,12 +59,12 @@ def oe():
 
 @pytest.fixture
 def factory_for(server):
-    """factory_for(script, **config) -> a PiSessionFactory against the scripted server."""
-    from pi_env.harness import PiSessionFactory
+    """factory_for(script, **config) -> a HarnessSessionFactory against the scripted server."""
+    from pi_env.harness import HarnessSessionFactory
 
     def make(script, *, tasks=TASKS, sampling=None, **overrides):
         key = server.add_script(script)
-        return PiSessionFactory(scripted_config(server, key, **overrides), tasks=tasks, sampling=sampling)
+        return HarnessSessionFactory(scripted_config(server, key, **overrides), tasks=tasks, sampling=sampling)
 
     return make
 
@@ -105,9 +105,9 @@ def test_core_factory_forces_sampling_only_where_it_can():
 
 @needs_openenv
 def test_create_argument_selects_the_task_and_a_seed_always_the_same_one():
-    from pi_env.harness import PiSessionFactory, dataset_rows
+    from pi_env.harness import HarnessSessionFactory, dataset_rows
 
-    factory = PiSessionFactory(PiConfig(), tasks=[t.model_dump() for t in TASKS])
+    factory = HarnessSessionFactory(PiConfig(), tasks=[t.model_dump() for t in TASKS])
     select = factory.select_task
     # A prompt that names no task: the seed chooses, the same seed always the same task.
     for seed in range(7):
@@ -134,7 +134,7 @@ def test_create_argument_selects_the_task_and_a_seed_always_the_same_one():
     with pytest.raises(TaskError, match="not among"):
         select({"prompt": "x", "task_id": "missing"})
     # Without a task list the prompt is the task (no verify: it will be unscored).
-    bare = PiSessionFactory(PiConfig())
+    bare = HarnessSessionFactory(PiConfig())
     assert bare.select_task([{"role": "user", "content": "do it"}], seed=3).instruction == "do it"
     with pytest.raises(TaskError):
         bare.select_task(42)
@@ -144,9 +144,9 @@ def test_create_argument_selects_the_task_and_a_seed_always_the_same_one():
 def test_factory_is_openenv_and_picklable_as_trl_passes_it(oe):
     from openenv.core.harness.capture.upstream import training_sampling
 
-    from pi_env.harness import PiSessionFactory
+    from pi_env.harness import HarnessSessionFactory
 
-    make = partial(PiSessionFactory, PiConfig(endpoint="http://127.0.0.1:9/v1", model="m"), tasks=TASKS)
+    make = partial(HarnessSessionFactory, PiConfig(endpoint="http://127.0.0.1:9/v1", model="m"), tasks=TASKS)
     factory = pickle.loads(pickle.dumps(make))(sampling=training_sampling({"temperature": 0.6}))  # TRL spawns
     assert isinstance(factory, oe.ResourceSessionFactory)
     assert isinstance(factory, pi_env.PiSessionFactory)  # the core factory itself, with openenv's contract
@@ -154,7 +154,7 @@ def test_factory_is_openenv_and_picklable_as_trl_passes_it(oe):
     assert factory.config.proxy_sampling == {"temperature": 0.6, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                                              "frequency_penalty": 0.0, "presence_penalty": 0.0,
                                              "repetition_penalty": 1.0}
-    assert PiSessionFactory(PiConfig(mode="black_box")).config.mode == "black_box"  # a chosen mode stays
+    assert HarnessSessionFactory(PiConfig(mode="black_box")).config.mode == "black_box"  # a chosen mode stays
 
 
 # -- real rollouts --------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def test_trl_harness_rollout_worker_trains_on_pi_env_sessions(server, monkeypatc
     from trl.experimental.async_grpo import async_rollout_worker
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
-    from pi_env.harness import PiSessionFactory, dataset_rows
+    from pi_env.harness import HarnessSessionFactory, dataset_rows
 
     PartialState()  # what the trainer's Accelerator does before the worker logs
     monkeypatch.setattr(async_rollout_worker, "is_vllm_available", lambda: True)
@@ -408,7 +408,7 @@ def test_trl_harness_rollout_worker_trains_on_pi_env_sessions(server, monkeypatc
                     verify=["test -f a.txt", "test \"$(cat .parity)\" = 1"]) for i in range(2)]
     key = server.add_script(TWO_TURNS)
     worker = HarnessRolloutWorker(
-        harness_session_factory=partial(PiSessionFactory, scripted_config(server, key), tasks=tasks),
+        harness_session_factory=partial(HarnessSessionFactory, scripted_config(server, key), tasks=tasks),
         model_name="scripted-model", dataset=Dataset.from_list(dataset_rows(tasks)), reward_funcs=[],
         processing_class=_stand_in_tokenizer(), eos_token_ids=[1], num_generations=2, max_inflight_tasks=2,
         temperature=0.9, top_p=1.0, top_k=0, child_ready_timeout=240)

@@ -1,15 +1,15 @@
-"""pi-env as an OpenEnv harness: `pi_env.harness.PiSessionFactory` is pi-env's
-`PiSessionFactory` that is also an `openenv.core.harness.ResourceSessionFactory`; its sessions are `ResourceSession`s that also
+"""pi-env as an OpenEnv harness: `HarnessSessionFactory` is pi-env's `PiSessionFactory` that is
+also an `openenv.core.harness.ResourceSessionFactory`; its sessions are `ResourceSession`s that also
 satisfy openenv's `LoopOwningSession` and `TrainableSession` protocols. It is what TRL 1.16's
 `trl.experimental.async_grpo.openenv_harness.HarnessRolloutWorker` drives, with no glue:
 
     from functools import partial
     from pi_env import PiConfig, load_tasks
-    from pi_env.harness import PiSessionFactory, dataset_rows
+    from pi_env.harness import HarnessSessionFactory, dataset_rows
 
     tasks = load_tasks("tasks.jsonl")
     config = PiConfig(endpoint="vllm", model="Qwen/Qwen3-8B")
-    worker = HarnessRolloutWorker(harness_session_factory=partial(PiSessionFactory, config, tasks=tasks),
+    worker = HarnessRolloutWorker(harness_session_factory=partial(HarnessSessionFactory, config, tasks=tasks),
                                   dataset=Dataset.from_list(dataset_rows(tasks)), ...)
 
 What the worker does with it, and what pi-env does in turn:
@@ -35,9 +35,10 @@ Pi runs its own tools inside the sandbox, so these sessions expose no tools (`li
 empty): they are for loop-owning harnesses, not for a trainer that samples each turn itself.
 
 Needs the `openenv` extra (`pip install 'pi-env[openenv]'`); `import pi_env` never imports it.
-That is why there are two spellings of one factory: `pi_env.PiSessionFactory` (the core, whose
-sessions return pi-env's own `RolloutResult`/`RolloutTurn`/`TrainingTrace`) and this subclass,
-whose sessions speak openenv's types (TraceEntry, TrainingTrace, VerifyResult) and raise
+That is why there are two factories, with two names: `pi_env.PiSessionFactory` (the core, whose
+sessions return pi-env's own `RolloutResult`/`RolloutTurn`/`TrainingTrace`) and its subclass
+`HarnessSessionFactory`, which adds a task list to choose from, defaults to transparent_proxy,
+and whose sessions speak openenv's types (TraceEntry, TrainingTrace, VerifyResult) and raise
 TimeoutError for a killed agent, as TRL's worker expects.
 """
 
@@ -63,10 +64,10 @@ from .rollout import PiSession
 from .sandbox import SandboxBackend
 from .task import PiTask, TaskError, load_tasks
 
-__all__ = ["PiSessionFactory", "HarnessSession", "dataset_rows", "prompt_text"]
+__all__ = ["HarnessSessionFactory", "HarnessSession", "dataset_rows", "prompt_text"]
 
 
-class PiSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["HarnessSession"]):
+class HarnessSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["HarnessSession"]):
     """Makes `HarnessSession`s: pi-env rollouts behind openenv's session contract.
 
     `config`, `sandbox_backend` and `mode` are the core factory's; the mode defaults to
@@ -256,7 +257,7 @@ class HarnessSession(ResourceSession):
 
 def dataset_rows(tasks: Iterable[PiTask | dict]) -> list[dict[str, Any]]:
     """Dataset rows for a trainer (TRL's conversational format) whose prompts select these
-    tasks in `PiSessionFactory.create`: one row per task, its instruction as the user
+    tasks in `HarnessSessionFactory.create`: one row per task, its instruction as the user
     message, plus its task_id."""
     rows = []
     for task in tasks:

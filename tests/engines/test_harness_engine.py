@@ -20,12 +20,12 @@ openenv_harness = pytest.importorskip("openenv.core.harness", reason="the openen
 def test_training_trace_from_vllm_passes_openenv_validation(vllm_engine, tmp_path):
     from openenv.core.harness.capture.upstream import training_sampling
 
-    from pi_env.harness import PiSessionFactory
+    from pi_env.harness import HarnessSessionFactory
 
     config = PiConfig(endpoint=vllm_engine.base_url, model=vllm_engine.model, proxy_return_token_ids=True,
                       proxy_max_tokens_cap=48, max_turns=3, context_window=8192, max_tokens=48,
                       proxy_sampling={"seed": SEED}, trace_dir=str(tmp_path))
-    factory = PiSessionFactory(config, sampling=training_sampling({"temperature": 1.0}))
+    factory = HarnessSessionFactory(config, sampling=training_sampling({"temperature": 1.0}))
     task = PiTask(task_id="engine-harness", instruction="Say hello in one short sentence.", verify=["true"],
                   timeouts={"agent_s": 600})
     with factory.create(task, seed=0, episode_id="engine-harness-0") as session:
