@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 .venv/bin/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null \
   || .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[docs]'
-exec .venv/bin/python -m mkdocs build --strict --site-dir "${1:-site}"
+NO_MKDOCS_2_WARNING=1 exec .venv/bin/python -m mkdocs build --strict --site-dir "${1:-site}"

@@ -32,6 +32,9 @@ _INTEGER = re.compile(r"-?\d+")
 
 @dataclass(frozen=True)
 class Score:
+    """An episode's reward and its parts (`metrics`); `reward` is None for an evaluation episode
+    that hit an infrastructure error (unscored, never 0)."""
+
     reward: float | None  # None: an evaluation that infrastructure failed
     metrics: dict[str, float] = field(default_factory=dict)
 
