@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # pi-env from the checkout
 
-from pi_env.cli import config_from_args, endpoint_arguments  # noqa: E402
+from pi_env.arguments import config_from_args, endpoint_arguments  # noqa: E402
 from pi_env.endpoints import ORACLE, resolve_endpoint  # noqa: E402
 from pi_env.workspace import WorkspaceEnv, generate_tasks  # noqa: E402
 from pi_env.workspace.oracle import oracle_turns  # noqa: E402

@@ -79,3 +79,13 @@ def test_transparent_proxy_from_the_cli_writes_traces(tmp_path):
     assert result["mode"] == "transparent_proxy" and result["reward"] == 1.0
     assert all(turn["completion_token_ids"] for turn in result["proxy_turns"])
     assert result["training"]["segments"] and Path(result["trace_path"]).parent == tmp_path
+
+
+@pytest.mark.parametrize("command", ["run", "doctor", "collect", "serve"])
+def test_every_command_names_every_registered_backend(command):
+    from pi_env.sandbox import backend_names
+
+    help_text = " ".join(pi_env(command, "--help", timeout=60).stdout.split())
+    assert f"sandbox backend: {', '.join(backend_names())}" in help_text
+    refused = pi_env(command, "--backend", "nope", *(["x.json"] if command in ("run", "collect") else []), timeout=60)
+    assert refused.returncode == 2 and "invalid choice: 'nope'" in refused.stderr

@@ -9,11 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from .config import PiConfig
-
-EXIT_BAD_INPUT = 2
-EXIT_INFRA = 3
-INFRA_KINDS = {"infra", "endpoint_error"}
+from .arguments import EXIT_BAD_INPUT, EXIT_INFRA, backend_argument, config_from_args, endpoint_arguments
+from .results import INFRA_ERROR_KINDS
 
 # Subcommands whose code lives with their room. Each module has `add_arguments(parser)` and
 # `run(args) -> exit code`, and imports its heavy dependencies only inside `run`.
@@ -36,13 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-total-tokens", type=int, default=None, help="usage.total_tokens budget per rollout")
     run.add_argument("--trace-dir", default=None, help="where transparent_proxy writes per-turn trace files")
     run.add_argument("--agent-timeout", type=float, default=None, help="seconds for the agent phase")
-    run.add_argument("--backend", default="local", help="sandbox backend: local (bubblewrap), podman, hf, e2b, unsafe-local (README: Isolation)")
+    backend_argument(run)
     run.add_argument("--json", action="store_true", help="print each RolloutResult as JSON on stdout")
     run.add_argument("--out", type=Path, help="write the results as JSON lines to this file")
 
     doctor = commands.add_parser("doctor", help="check bubblewrap, the Pi runtime and the endpoint")
     endpoint_arguments(doctor)
-    doctor.add_argument("--backend", default="local")
+    backend_argument(doctor)
 
     for name, (module_name, help_text) in ROOM_COMMANDS.items():
         module = importlib.import_module(module_name)
@@ -55,20 +52,6 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args) if args.command == "run" else _doctor(args)
     except KeyboardInterrupt:
         return 130
-
-
-def endpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--endpoint", default="oracle",
-                        help="vllm, openai, hf_router, oracle (replays the task's solution) or an http(s) URL")
-    parser.add_argument("--base-url", default=None)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--api-key", default=None, help="upstream key (or the endpoint's env var)")
-
-
-def config_from_args(args, **extra) -> PiConfig:
-    fields = dict(endpoint=args.endpoint, base_url=args.base_url, model=args.model, api_key=args.api_key,
-                  sandbox_backend=args.backend, **extra)
-    return PiConfig(**{k: v for k, v in fields.items() if v is not None})
 
 
 def _run(args) -> int:
@@ -99,7 +82,7 @@ def _run(args) -> int:
                     result = session.wait_for_completion()
             except (EndpointError, ValueError) as error:
                 return _bad_input(error)
-            infra_failures += result.error_kind in INFRA_KINDS
+            infra_failures += result.error_kind in INFRA_ERROR_KINDS
             results.append(result)
             line = result.model_dump_json()
             if out:

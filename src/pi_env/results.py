@@ -19,6 +19,9 @@ ErrorKind = Literal[
     "no_verify",  # nothing to score: no verify commands and no reward file
     "infra",  # the sandbox, runtime or harness failed
 ]
+# The kinds where the infrastructure failed, not the agent: worth retrying, and `pi-env run` /
+# `collect` exit with EXIT_INFRA when a rollout ends with one.
+INFRA_ERROR_KINDS: frozenset[str] = frozenset({"infra", "endpoint_error"})
 
 
 class CommandResult(BaseModel):

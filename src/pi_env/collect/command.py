@@ -6,12 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import EXIT_BAD_INPUT, EXIT_INFRA, INFRA_KINDS
+from ..arguments import EXIT_BAD_INPUT, EXIT_INFRA, backend_argument, config_from_args, endpoint_arguments
+from ..results import INFRA_ERROR_KINDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..cli import endpoint_arguments
-
     parser.add_argument("tasks", type=Path, help="TASKS.jsonl, a directory of task JSON files, or Harbor task dir(s)")
     parser.add_argument("--out", type=Path, required=True, help="dataset directory (resumed when it exists)")
     endpoint_arguments(parser)
@@ -33,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-turns", type=int, default=None, help="model calls per rollout (default 50)")
     parser.add_argument("--agent-timeout", type=float, default=None, help="seconds for the agent phase")
     parser.add_argument("--trace-dir", default=None, help="where transparent_proxy writes per-turn trace files")
-    parser.add_argument("--backend", default="local", help="sandbox backend: local (bubblewrap) or unsafe-local")
+    backend_argument(parser)
     parser.add_argument("--push-to-hub", metavar="REPO", default=None, help="upload the dataset to this Hub repo")
     parser.add_argument("--private", action="store_true", help="create the Hub repo private")
     parser.add_argument("--quiet", action="store_true", help="no progress view")
@@ -42,7 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from pydantic import ValidationError
 
-    from ..cli import config_from_args
     from ..endpoints import EndpointError
     from ..sandbox import SandboxUnavailable
     from ..task import TaskError
@@ -75,5 +73,5 @@ def run(args) -> int:
             print(f"pi-env: push to {args.push_to_hub} failed: {type(error).__name__}: {error}", file=sys.stderr)
             return EXIT_INFRA
         print(f"pushed: {url}")
-    unscored_infra = sum(v for k, v in summary.counts.get("errors", {}).items() if k in INFRA_KINDS)
+    unscored_infra = sum(v for k, v in summary.counts.get("errors", {}).items() if k in INFRA_ERROR_KINDS)
     return EXIT_INFRA if unscored_infra else 0

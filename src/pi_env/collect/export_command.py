@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import EXIT_BAD_INPUT
+from ..arguments import EXIT_BAD_INPUT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cli import INFRA_KINDS
 from ..config import PiConfig
+from ..results import INFRA_ERROR_KINDS
 from ..task import PiTask
 from .executors import BadInput, Job, make_executor
 from .records import record_id, to_record
 from .store import DISCARDED, RESULTS, ResultStore, StoreError, read_records
 
 METADATA = "metadata.json"
-RETRY_KINDS = INFRA_KINDS  # the infrastructure failed, not the agent: retried, never scored
+RETRY_KINDS = INFRA_ERROR_KINDS  # the infrastructure failed, not the agent: retried, never scored
 RETRY_BACKOFF_S = (1.0, 4.0, 15.0)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..arguments import backend_argument
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to serve other machines)")
@@ -14,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=None,
                         help="calls that may wait for a slot; more are answered busy (default: $PI_ENV_MAX_QUEUE "
                              "or 4 x max-concurrent)")
-    parser.add_argument("--backend", default=None, help="sandbox backend: local (bubblewrap) or unsafe-local")
+    backend_argument(parser, default=None)  # None: $PI_ENV_SANDBOX_BACKEND or local
     parser.add_argument("--no-web", action="store_true", help="no web UI at /web")
 
 
