@@ -123,10 +123,12 @@ def test_runtime_directory_is_one_cached_archive(fake, tmp_path):
     (runtime / "bin" / "tool").write_text("#!/bin/sh\necho tool-v2\n")
     assert directory_archive(str(runtime), cache) != first  # a changed tree is a new archive
 
-    spec = SandboxSpec(ro_mounts={"/opt/pi-env/runtime": str(runtime)})
+    (runtime / "bin" / "tool").write_text("#!/bin/sh\necho tool-v3\n")
+    spec = SandboxSpec(ro_mounts={"/opt/pi-env/runtime": str(runtime)}, archive_dir=str(cache))
     with hf_backend().create(spec) as sb:
-        assert sb.exec("/opt/pi-env/runtime/bin/tool").stdout == "tool-v2\n"
+        assert sb.exec("/opt/pi-env/runtime/bin/tool").stdout == "tool-v3\n"
         assert sb.exec("echo x > /opt/pi-env/runtime/new").exit_code != 0  # read-only for commands
+    assert len(os.listdir(cache)) == 3  # the sandbox kept its archive in the spec's archive_dir
 
 
 def test_e2b_lifetime_is_the_service_timeout_and_metadata_labels_it(fake_e2b):

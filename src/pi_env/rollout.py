@@ -194,6 +194,7 @@ class PiSession:
             env=dict(config.extra_env),
             # Old Pi has no -na: hide the task's .pi/ so it cannot change Pi's settings.
             agent_masked_paths=() if runtime.supports("-na") else (f"{SANDBOX_WORKDIR}/.pi",),
+            archive_dir=runtime.archive_dir,
         )
 
     def _start_agent(self, runtime: PiRuntime) -> None:

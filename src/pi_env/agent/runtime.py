@@ -43,6 +43,11 @@ class PiRuntime:
     install_s: float = 0.0  # how long the first install took
 
     @property
+    def archive_dir(self) -> str:
+        """Where sandbox backends that upload the runtime keep its archive (beside the runtimes)."""
+        return str(Path(self.root).parent.parent / "archives")
+
+    @property
     def host_node(self) -> str:
         return str(Path(self.root) / self.node_relpath) if self.node_in_runtime else shutil.which("node") or "node"
 

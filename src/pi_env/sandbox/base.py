@@ -45,6 +45,9 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)  # base environment of every command
     # Sandbox paths hidden behind an empty tmpfs while a "gateway" (agent) command runs.
     agent_masked_paths: tuple[str, ...] = ()
+    # Host dir where a backend that uploads ro_mounts (the remote ones) keeps a directory's
+    # archive between sandboxes; None: the archive is built afresh for each sandbox.
+    archive_dir: str | None = None
 
 
 @dataclass

@@ -20,8 +20,8 @@ code and stdout (`run`), start a script in the background (`spawn`), upload and 
 - A hard lifetime: the service's own timeout where it has one (E2B); otherwise (HF) a watchdog
   inside the sandbox kills every command at the deadline and the service's idle timeout then
   stops the sandbox: a crashed client leaks no paid sandbox beyond lifetime + idle timeout.
-- spec.ro_mounts are delivered by upload: a directory as one cached tar.gz (the Pi runtime is
-  one prebuilt archive per runtime, never an npm install per sandbox) unpacked and made
+- spec.ro_mounts are delivered by upload: a directory as one tar.gz, cached in spec.archive_dir
+  (the Pi runtime is one prebuilt archive per runtime, never an npm install per sandbox) unpacked and made
   read-only, a file as itself. Read-only is chmod only: the sandbox runs as root.
 
 The model gateway: a remote sandbox cannot see the host gateway's Unix socket, so
@@ -171,13 +171,7 @@ def open_sandbox(spec: SandboxSpec, open_session: Callable[[dict[str, str]], Rem
     return sandbox
 
 
-def archive_cache_dir() -> Path:
-    from pi_env.agent.runtime import default_cache_dir
-
-    return default_cache_dir() / "archives"
-
-
-def directory_archive(path: str, cache_dir: Path | None = None) -> Path:
+def directory_archive(path: str, cache_dir: Path) -> Path:
     """A cached tar.gz of the host directory `path` (for the Pi runtime: one prebuilt Node+Pi
     archive). Keyed by the path and every file's size and mtime, so a changed tree is rebuilt."""
     root = Path(path)
@@ -188,7 +182,7 @@ def directory_archive(path: str, cache_dir: Path | None = None) -> Path:
             st = os.lstat(os.path.join(dirpath, name))
             digest.update(f"{os.path.relpath(os.path.join(dirpath, name), root)}\0{st.st_size}\0"
                           f"{st.st_mtime_ns}\0".encode())
-    cache = cache_dir or archive_cache_dir()
+    cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"{digest.hexdigest()[:32]}.tar.gz"
     if not target.exists():
@@ -369,10 +363,16 @@ class RemoteSandbox:
         for target, host in self._spec.ro_mounts.items():
             self._mount(target, host)
 
+    def _archive(self, host: str) -> bytes:
+        if self._spec.archive_dir:
+            return directory_archive(host, Path(self._spec.archive_dir)).read_bytes()
+        with tempfile.TemporaryDirectory(prefix="pi-env-archive-") as scratch:
+            return directory_archive(host, Path(scratch)).read_bytes()
+
     def _mount(self, target: str, host: str) -> None:
         staging = f"{JOBS_DIR}/mount-{secrets.token_hex(4)}"
         if os.path.isdir(host):
-            data = directory_archive(host).read_bytes()
+            data = self._archive(host)
             unpack = f"mkdir -p {_q(target)} && tar -xzf {staging} -C {_q(target)} --no-same-owner && rm {staging}"
         else:
             data = Path(host).read_bytes()
