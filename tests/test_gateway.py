@@ -297,6 +297,39 @@ def test_trace_file_gets_one_flushed_line_per_turn(gateway, server, tmp_path):
     gateway.close_session(session)
 
 
+@pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
+def test_turns_keep_the_agents_order_when_a_slow_first_answer_finishes_last(gateway, server, mode):
+    """Call 0 is slow, call 1 (sent while 0 is still streaming) ends first: its record finishes
+    first, yet `turns` and the training view list them in the order the agent made them."""
+    turns = [ScriptedTurn(text="slow first answer", chunk_chars=2, fault=Fault(delay_s=0.05)), ScriptedTurn(text="b")]
+    session = gateway.open_session(upstream(server, turns), mode=mode)
+    second = {**BODY, "messages": BODY["messages"] + [{"role": "assistant", "content": "slow first answer"},
+                                                      {"role": "user", "content": "go on"}]}
+    finished = []
+    session.on_record = lambda record: finished.append(record.turn)
+
+    async def both():
+        first = asyncio.ensure_future(_call(gateway.tcp_base_url + "/chat/completions", session.token))
+        while not session.turns and session._calls_started < 1:  # call 0 claimed its index first
+            await asyncio.sleep(0.005)
+        await _call(gateway.tcp_base_url + "/chat/completions", session.token, body=second)
+        await first
+
+    try:
+        asyncio.run(both())
+        assert session.wait_idle()
+    finally:
+        gateway.close_session(session)
+    assert finished == [1, 0]  # the slow answer's record really finished last
+    assert [t.turn for t in session.turns] == [0, 1]
+    if mode == "transparent_proxy":
+        from pi_env.rollout import _rollout_turn
+        from pi_env.training import build_training_trace
+
+        turns = [_rollout_turn(record) for record in reversed(session.turns)]  # handed over in finish order
+        assert [t.turn for t in build_training_trace(turns).turns] == [0, 1]
+
+
 def test_unknown_mode_is_rejected(gateway, server):
     with pytest.raises(ValueError, match="unknown gateway mode"):
         gateway.open_session(Upstream(server.base_url, REAL_KEY), mode="no_such_mode")

@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-turns", type=int, default=None, help="model calls per rollout (default 50)")
     run.add_argument("--max-total-tokens", type=int, default=None, help="usage.total_tokens budget per rollout")
     run.add_argument("--trace-dir", default=None, help="where transparent_proxy writes per-turn trace files")
+    run.add_argument("--token-in", action="store_true", default=None,
+                     help="transparent_proxy: the gateway renders and bridges token ids itself, so each rollout is "
+                          "one exact sequence (needs pi-env[token-in] and a token-in engine such as vLLM)")
+    run.add_argument("--renderer", default=None, help="token-in renderer: auto (default), chatml-hermes, a renderers "
+                                                      "name (qwen3, llama-3, ...) or module.Class")
+    run.add_argument("--tokenizer", default=None, help="token-in tokenizer: a directory or model id (default: the model id)")
     run.add_argument("--agent-timeout", type=float, default=None, help="seconds for the agent phase")
     backend_argument(run)
     run.add_argument("--json", action="store_true", help="print each RolloutResult as JSON on stdout")
@@ -65,7 +71,8 @@ def _run(args) -> int:
     try:
         tasks = load_tasks(args.tasks)
         config = config_from_args(args, mode=args.mode, max_turns=args.max_turns, agent_timeout_s=args.agent_timeout,
-                         max_total_tokens=args.max_total_tokens, trace_dir=args.trace_dir)
+                         max_total_tokens=args.max_total_tokens, trace_dir=args.trace_dir,
+                         proxy_token_in=args.token_in, proxy_renderer=args.renderer, proxy_tokenizer=args.tokenizer)
         factory = PiSessionFactory(config)
     except (TaskError, EndpointError, ValidationError, ValueError, NotImplementedError) as error:
         return _bad_input(error)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Mode = Literal["black_box", "transparent_proxy", "interception_gate"]
 ThinkingLevel = Literal["off", "minimal", "low", "medium", "high", "xhigh"]
@@ -74,6 +74,13 @@ class PiConfig(BaseModel):
     # Forced on every model call (RL sampling); the agent cannot override them.
     proxy_sampling: dict[str, float | int] = Field(default_factory=dict)
     trace_dir: str | None = None  # per-session trace files (transparent_proxy); default: a temp dir
+    # Token-in (transparent_proxy, interception_gate): the gateway renders the conversation to ids
+    # itself and bridges each call from the previous prompt + completion, so a rollout is one exact
+    # sequence (docs/token-in.md). Needs pi-env[token-in]; transparent_proxy also needs an engine
+    # with a token-in /v1/completions (vLLM).
+    proxy_token_in: bool = False
+    proxy_renderer: str = "auto"  # auto, chatml-hermes, a `renderers` name (qwen3, llama-3, ...) or module.Class
+    proxy_tokenizer: str | None = None  # a tokenizer directory or model id; None: the model id
 
     # What the result keeps of the work dir.
     result_max_files: int = Field(200, ge=0)
@@ -88,6 +95,13 @@ class PiConfig(BaseModel):
         if unknown:
             raise ValueError(f"unknown sampling parameters {unknown}; allowed: {list(SAMPLING_KEYS)}")
         return sampling
+
+    @model_validator(mode="after")
+    def _token_in_needs_a_capturing_mode(self) -> "PiConfig":
+        if self.proxy_token_in and self.mode == "black_box":
+            raise ValueError("proxy_token_in renders at the gateway, which black_box never does: use "
+                             "mode='transparent_proxy' (or 'interception_gate')")
+        return self
 
     @field_validator("tools")
     @classmethod

@@ -182,8 +182,9 @@ class HarnessSession(ResourceSession):
         trainer must not mistake a broken capture for an empty one."""
         if self.pi_session.config.mode == "black_box":
             raise ValueError("black_box mode captures no tokens: a training trace needs mode='transparent_proxy'")
-        return TrainingTrace(turns=[_training_turn(record, self._node_id(record)) for record in self._records()
-                                    if _generated(record)])
+        turns = [_training_turn(record, self._node_id(record)) for record in self._records() if _generated(record)]
+        _link_sequences(turns)
+        return TrainingTrace(turns=turns)
 
     # -- ResourceSession ---------------------------------------------------------------------
     def initial_messages(self) -> list[dict[str, Any]]:
@@ -321,6 +322,23 @@ def _training_turn(record: TurnRecord, node_id: str) -> TrainingTurn:
                         request=dict(capture.request), response=_response(record), metadata=_metadata(record))
 
 
+def _link_sequences(turns: list[TrainingTurn]) -> None:
+    """Mark how the calls chain, as openenv's capture graph links nodes by exact token prefix:
+    a call whose prompt starts with the previous call's prompt + completion gets
+    `metadata["parent_node_id"]` (a trainer merges the chain into one row: with token-in, the whole
+    rollout), and every call its `metadata["sequence"]` (0-based, +1 at each break)."""
+    sequence, previous = -1, None
+    for turn in turns:
+        if previous is not None:
+            done = previous.prompt_token_ids + previous.completion_token_ids
+            if turn.prompt_token_ids[:len(done)] == done:
+                turn.metadata["parent_node_id"] = previous.node_id
+        if "parent_node_id" not in turn.metadata:
+            sequence += 1
+        turn.metadata["sequence"] = sequence
+        previous = turn
+
+
 def _trace_entry(record: TurnRecord, node_id: str) -> dict[str, Any]:
     capture = record.capture
     entry: dict[str, Any] = {"metadata": {"node_id": node_id, **_metadata(record)}}
@@ -363,4 +381,6 @@ def _metadata(record: TurnRecord) -> dict[str, Any]:
             metadata["token_ids_missing_reason"] = capture.token_ids_missing_reason
         if capture.fallback:
             metadata["capture_fallback"] = capture.fallback
+        if capture.token_in:
+            metadata["token_in"] = {k: v for k, v in capture.token_in.items() if k != "engine_request"}
     return metadata

@@ -55,6 +55,9 @@ class RolloutTurn(BaseModel):
     token_ids_missing_reason: str | None = None
     capture_fallback: str | None = None
     message: dict[str, Any] | None = None  # the assistant message as assembled from the stream
+    # Token-in (docs/token-in.md): the renderer, how the prompt was made ("first", "bridged", or
+    # "full_render" with its `reason`), the `sequence` index, whether the engine echoed the ids sent.
+    token_in: dict[str, Any] | None = None
     latency_s: float | None = None
     ttfb_s: float | None = None
     timestamp: float | None = None

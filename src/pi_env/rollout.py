@@ -125,6 +125,7 @@ class PiSession:
         else:
             self.endpoint = oracle_endpoint(task) if config.endpoint == ORACLE else resolve_endpoint(config)
         result.endpoint, result.model, result.synthetic = self.endpoint.name, self.endpoint.model, self.endpoint.synthetic
+        token_in = self._token_in() if config.proxy_token_in else None  # bad input: raises here
         try:
             with self._phase("runtime"):
                 runtime = self.factory.runtime
@@ -135,8 +136,10 @@ class PiSession:
                          connect_timeout_s=config.upstream_connect_timeout_s,
                          read_timeout_s=config.upstream_read_timeout_s),
                 mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
-                capture=self._capture_options(), trace_path=self._trace_path())
+                capture=self._capture_options(), trace_path=self._trace_path(), token_in=token_in)
             result.trace_path = self.gateway_session.trace_path
+            if token_in is not None:
+                result.proxy_log_tail += f"\ntoken-in: renderer {token_in.resolved} over tokenizer {token_in.tokenizer}"
             if self._on_event is not None:
                 self.gateway_session.on_record = lambda record: self._emit("turn", turn=_rollout_turn(record))
             if config.mode == "interception_gate":
@@ -174,6 +177,19 @@ class PiSession:
                               return_token_ids=return_token_ids, max_tokens_cap=config.proxy_max_tokens_cap,
                               disable_thinking=disable_thinking, model=endpoint.model,
                               sampling=dict(config.proxy_sampling))
+
+    def _token_in(self):
+        """The session's renderer, and in transparent_proxy a checked token-in endpoint; raises
+        TokenInUnavailable (a ValueError) naming what is missing."""
+        from .proxy.token_in import check_endpoint_sync, load_renderer
+
+        config, endpoint = self.config, self.endpoint
+        spec = load_renderer(config.proxy_renderer, config.proxy_tokenizer or endpoint.model)
+        if config.mode == "transparent_proxy":
+            check_endpoint_sync(Upstream(endpoint.base_url, endpoint.api_key, endpoint.model,
+                                         connect_timeout_s=config.upstream_connect_timeout_s,
+                                         read_timeout_s=config.upstream_read_timeout_s), spec)
+        return spec
 
     def _trace_path(self) -> str | None:
         if self.config.mode == "black_box":
@@ -462,6 +478,7 @@ def _rollout_turn(record: TurnRecord) -> RolloutTurn:
         turn.token_ids_missing_reason = capture.token_ids_missing_reason
         turn.capture_fallback = capture.fallback
         turn.message = first.message() if first else None
+        turn.token_in = capture.token_in
     return turn
 
 

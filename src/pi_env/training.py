@@ -60,7 +60,7 @@ class TrainingTrace(BaseModel):
 def build_training_trace(turns: Iterable[TurnIds]) -> TrainingTrace:
     trace = TrainingTrace()
     current: TrainingSegment | None = None
-    for turn in turns:
+    for turn in sorted(turns, key=lambda t: t.turn):  # the order the agent made its calls
         prompt, completion = list(turn.prompt_token_ids), list(turn.completion_token_ids)
         if not prompt or not completion:
             what = "prompt" if not prompt else "completion"
@@ -77,6 +77,9 @@ def build_training_trace(turns: Iterable[TurnIds]) -> TrainingTrace:
             note = None
         else:
             note = None if current is None else "prompt does not extend the previous turn: new sequence"
+            why = (getattr(turn, "token_in", None) or {}).get("reason")
+            if note and why:  # token-in says why it rendered in full
+                note += f" ({why})"
             current = TrainingSegment(prompt_length=len(prompt))
             current._extend(prompt, generated=False)
             trace.segments.append(current)

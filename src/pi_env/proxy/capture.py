@@ -132,6 +132,9 @@ class TurnCapture:
     fallback: str | None = None  # how a rejected capture parameter was worked around
     malformed_chunks: int = 0
     synthetic_answer: str | None = None  # the gateway answered itself (e.g. "budget")
+    # token-in (proxy/token_in.py): the renderer, the bridge outcome ("first", "bridged",
+    # "full_render" with its reason), the sequence index, what was asked of the engine.
+    token_in: dict[str, Any] | None = None
 
     # Convenience views of choice 0, the one an agent continues with.
     @property

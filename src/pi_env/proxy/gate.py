@@ -82,6 +82,11 @@ class GateRequest:
     stream: bool
     received_at: float  # unix time
     expires_at: float  # unix time: undelivered by then, the agent is answered with a stop
+    # Token-in (PiConfig.proxy_token_in): the prompt ids to generate from, bridged from the
+    # previous turn's prompt + delivered ids (or a full render: `token_in` says which and why).
+    # Deliver only `token_ids` (+ logprobs): the same renderer parses them for the agent.
+    prompt_token_ids: list[int] | None = field(default=None, repr=False)
+    token_in: dict[str, Any] | None = None
 
 
 @dataclass
@@ -295,10 +300,10 @@ _NOTHING = object()
 
 
 class _Held:
-    __slots__ = ("request", "record_body", "loop", "future", "state", "capture")
+    __slots__ = ("request", "record_body", "loop", "future", "state", "capture", "plan")
 
-    def __init__(self, request: GateRequest, record_body: dict, loop: asyncio.AbstractEventLoop):
-        self.request, self.record_body, self.loop = request, record_body, loop
+    def __init__(self, request: GateRequest, record_body: dict, loop: asyncio.AbstractEventLoop, plan=None):
+        self.request, self.record_body, self.loop, self.plan = request, record_body, loop, plan
         self.future: asyncio.Future = loop.create_future()
         self.state = _QUEUED
         self.capture: TurnCapture | None = None
@@ -327,6 +332,11 @@ class InterceptionGate:
         self._queue: deque[_Held] = deque()
         self._requests: dict[str, _Held] = {}  # every request of the session, by id
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.ledger = None  # token-in: the session's prompt ids and parser (proxy/token_in.py)
+        if session.token_in is not None:
+            from pi_env.proxy.token_in import TokenLedger
+
+            self.ledger = TokenLedger(session.token_in)
 
     # -- the agent's side (on the gateway's loop)
 
@@ -338,14 +348,20 @@ class InterceptionGate:
             reason = self.stop_reason or self.ended
             turn.upstream_error = self.stop_message or f"interception_gate: the session ended ({reason})"
             return await self._answer(call, turn, request, stop_capture(request, reason, turn.upstream_error))
-        now = time.time()
         mine = msgspec.json.decode(body)  # the trainer's own copy: what it does to it is not recorded
+        plan = None
+        if self.ledger is not None:
+            plan = await asyncio.get_running_loop().run_in_executor(
+                None, self.ledger.plan, request.get("messages") or [], request.get("tools") or None)
+        now = time.time()
         held = _Held(GateRequest(
             request_id=f"gate-{secrets.token_hex(12)}", session_id=self.session.id, turn=turn.turn,
             messages=mine.get("messages") or [], tools=mine.get("tools"),
             sampling=request_sampling(mine, self.session.capture_options), body=mine,
             stream=mine.get("stream") is True, received_at=now, expires_at=now + self.timeout_s,
-        ), request, asyncio.get_running_loop())
+            prompt_token_ids=list(plan.token_ids) if plan else None,
+            token_in=plan.record(self.session.token_in) if plan else None,
+        ), request, asyncio.get_running_loop(), plan)
         # Until it is settled (delivered, expired, withdrawn, released) the call is the trainer's,
         # not in flight for wait_idle(): whoever settles it makes it in flight again.
         self.session.set_waiting(True)
@@ -359,6 +375,8 @@ class InterceptionGate:
         except asyncio.CancelledError:
             self._settle(held, "agent_disconnected")
             raise
+        if held.state != _DELIVERED and self.ledger is not None:
+            self.ledger.forget(f"the call was not delivered ({held.state})")
         if held.state == _DELIVERED:
             capture = held.capture
         elif held.state == GATE_TIMEOUT:
@@ -498,15 +516,44 @@ class InterceptionGate:
         request_id = _request_id(request)
         with self._lock:
             held = self._check_pending(request, request_id)
-        capture = build_capture(held.record_body, GateCompletion.coerce(completion))
+        completion = GateCompletion.coerce(completion)
+        if held.plan is not None:
+            capture = self._token_in_capture(held, completion)
+        else:
+            capture = build_capture(held.record_body, completion)
         with self._lock:
             self._check_pending(request, request_id)
             held.capture = capture
+            if held.plan is not None:
+                self.ledger.remember(held.plan, capture.choices[0].token_ids, capture.choices[0].message())
             self._settled(held, _DELIVERED)  # in flight again at once: a trace read now waits for it
         held.loop.call_soon_threadsafe(_wake, held.future)
 
     async def adeliver(self, request: GateRequest | str | dict, completion: GateCompletion | dict | str) -> None:
         self.deliver(request, completion)  # never blocks
+
+    def _token_in_capture(self, held: _Held, completion: GateCompletion) -> TurnCapture:
+        """With a renderer: the trainer's ids, parsed by the same renderer into the agent's answer."""
+        if completion.text is not None or completion.message is not None:
+            raise CompletionInvalid("this session renders (token-in): deliver token_ids (and logprobs); the "
+                                    "renderer parses them, so text and message must be left out")
+        ids = _int_list(completion.token_ids, "token_ids")
+        if not ids:
+            raise CompletionInvalid("token_ids is empty: a token-in completion is its ids")
+        plan = held.plan
+        if completion.prompt_token_ids is not None and _int_list(completion.prompt_token_ids,
+                                                                 "prompt_token_ids") != plan.token_ids:
+            raise CompletionInvalid("prompt_token_ids differ from the request's: generate from "
+                                    "GateRequest.prompt_token_ids (or leave prompt_token_ids out)")
+        message, unparsed = self.ledger.parse(ids, plan.token_ids, held.request.tools)
+        stops = set(self.ledger.renderer.get_stop_token_ids())
+        finish = completion.finish_reason or ("tool_calls" if message.get("tool_calls") else
+                                              "stop" if ids[-1] in stops else "length")
+        capture = build_capture(held.record_body, GateCompletion(
+            token_ids=ids, logprobs=completion.logprobs, message=message, finish_reason=finish,
+            prompt_token_ids=plan.token_ids, usage=completion.usage, model=completion.model))
+        capture.token_in = {**plan.record(self.session.token_in), **({"unparsed_tool_calls": unparsed} if unparsed else {})}
+        return capture
 
     def _check_pending(self, request: Any, request_id: str) -> _Held:
         held = self._requests.get(request_id)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
 import logging
 import os
 import secrets
@@ -29,7 +30,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import IO, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
 import aiohttp
 import msgspec
@@ -40,6 +41,9 @@ from yarl import URL
 from pi_env._aio import run_sync
 from pi_env.proxy.capture import TurnCapture, sse_payloads
 from pi_env.proxy.rewrite import CaptureOptions
+
+if TYPE_CHECKING:
+    from pi_env.proxy.token_in import TokenInSpec
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +148,10 @@ class BlackBox:
 
 
 def _transparent_proxy(session: "GatewaySession") -> Strategy:
+    if session.token_in is not None:  # the gateway renders: ids in, ids out (proxy/token_in.py)
+        from pi_env.proxy.token_in import TokenIn
+
+        return TokenIn(session, session.token_in)
     from pi_env.proxy.transparent import TransparentProxy  # parses: loaded only when used
 
     return TransparentProxy(session)
@@ -168,7 +176,8 @@ class GatewaySession:
     base_url_path = BASE_URL_PATH
 
     def __init__(self, upstream: Upstream, mode: str, max_turns: int | None, trace_path: str | None,
-                 capture: CaptureOptions | None = None, max_total_tokens: int | None = None):
+                 capture: CaptureOptions | None = None, max_total_tokens: int | None = None,
+                 token_in: "TokenInSpec | None" = None):
         if mode not in STRATEGIES:
             raise ValueError(f"unknown gateway mode {mode!r}; supported: {sorted(STRATEGIES)}")
         self.id = secrets.token_hex(8)
@@ -178,6 +187,7 @@ class GatewaySession:
         self.capture_options = capture or CaptureOptions(model=upstream.model)
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
+        self.token_in = token_in  # the renderer, when the gateway renders (transparent_proxy, interception_gate)
         self.strategy: Strategy = STRATEGIES[mode](self)
         self.trace_path = trace_path
         self.turns: list[TurnRecord] = []
@@ -210,8 +220,13 @@ class GatewaySession:
         return self._calls_started - 1
 
     def record(self, turn: TurnRecord) -> None:
-        """Keep the finished turn, and put it on disk at once so a crash loses nothing."""
-        self.turns.append(turn)
+        """Keep the finished turn, and put it on disk at once so a crash loses nothing. `turns`
+        stays in the order the agent made its calls: a long answer whose record is finished
+        later (in the capture worker, or a slow call overtaken by a faster one) keeps its place."""
+        if not self.turns or self.turns[-1].turn < turn.turn:
+            self.turns.append(turn)
+        else:
+            bisect.insort(self.turns, turn, key=lambda t: t.turn)
         self.tokens_used += turn.total_tokens or 0
         with self._trace_lock:
             if self._trace is not None:
@@ -351,8 +366,9 @@ class Gateway:
         trace_path: str | None = None,
         capture: CaptureOptions | None = None,
         max_total_tokens: int | None = None,
+        token_in: "TokenInSpec | None" = None,
     ) -> GatewaySession:
-        session = GatewaySession(upstream, mode, max_turns, trace_path, capture, max_total_tokens)
+        session = GatewaySession(upstream, mode, max_turns, trace_path, capture, max_total_tokens, token_in)
         self._sessions[session.token] = session
         return session
 

@@ -35,12 +35,15 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from pi_env._aio import run_sync
+
+if TYPE_CHECKING:
+    from pi_env.testing.token_engine import TokenEngine
 
 SYNTHETIC_FINGERPRINT = "pi-env-synthetic"
 SYNTHETIC_HEADERS = {"x-pi-env-synthetic": "1"}
@@ -438,9 +441,12 @@ class ScriptedServer:
     """
 
     def __init__(self, *, port: int = 0, default: list[ScriptedTurn | dict] | None = None,
-                 quirks: EngineQuirks | None = None):
+                 quirks: EngineQuirks | None = None, token_engine: "TokenEngine | None" = None):
         self._port = port
         self.quirks = quirks or EngineQuirks()  # may be replaced between requests
+        # With a real tokenizer (pi_env.testing.token_engine): real prompt ids, non-canonical
+        # answer ids, and a token-in /v1/completions.
+        self.token_engine = token_engine
         self._scripts: dict[str, Script] = {}
         self._default: Script | None = coerce_script(default) if default is not None else None
         self._received: deque[ReceivedRequest] = deque(maxlen=MAX_RECORDED_REQUESTS)
@@ -497,6 +503,7 @@ class ScriptedServer:
     async def _start(self) -> None:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         # Engine-like: answers the probe that tells vLLM >= 0.10.2 (it honours return_token_ids).
         app.router.add_get("/version", self._version)
@@ -549,12 +556,53 @@ class ScriptedServer:
         if fault.http_status is not None:
             return fault_response(fault)
 
+        if self.token_engine is not None:
+            from pi_env.testing.token_engine import with_engine_tokens
+
+            plain = {k: v for k, v in body.items() if k not in ("logprobs", "return_token_ids")}
+            answer = Answer(turn, turn_index, plain, self._render_cache, script, self.quirks)
+            if not body.get("stream"):
+                return web.json_response(with_engine_tokens(self.token_engine, body, turn, answer.completion()),
+                                         headers=SYNTHETIC_HEADERS)
+            return await self._stream(request, with_engine_tokens(self.token_engine, body, turn, answer.sse_events()),
+                                      fault)
         answer = Answer(turn, turn_index, body, self._render_cache, script, self.quirks)
         if not body.get("stream"):
             if fault.truncate_body_at is not None:
                 return await self._truncated(request, json.dumps(answer.completion()).encode(), fault.truncate_body_at)
             return web.json_response(answer.completion(), headers=SYNTHETIC_HEADERS)
         return await self._stream(request, answer.sse_events(), fault)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        """Token-in (vLLM's /v1/completions with a token-id prompt), with a token engine only."""
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            body = None
+        self._record(request, body)
+        if self.token_engine is None:
+            return openai_error(404, "this scripted server has no token engine: /v1/completions is not served",
+                                "not_found")
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), list) \
+                or not all(isinstance(i, int) for i in body["prompt"]):
+            return openai_error(400, "prompt must be a list of token ids", "invalid_request_error")
+        script = self._scripts.get(bearer_token(request.headers.get("Authorization")) or "", self._default)
+        if script is None:
+            return openai_error(401, "Incorrect API key provided", "invalid_request_error", "invalid_api_key")
+        from pi_env.testing.token_engine import completion_events
+
+        engine = self.token_engine
+        turn_index = engine.turn_index(body["prompt"])
+        turn = script[turn_index] if turn_index < len(script) else FINISHED_TURN
+        fault = turn.fault or Fault()
+        if fault.hang_s:
+            await asyncio.sleep(fault.hang_s)
+        if fault.http_status is not None:
+            return fault_response(fault)
+        events = completion_events(engine, body, turn)
+        if not body.get("stream"):
+            return web.json_response(events, headers=SYNTHETIC_HEADERS)
+        return await self._stream(request, events, fault)
 
     async def _stream(self, request: web.Request, events: list[bytes], fault: Fault):
         if fault.malformed_chunk:

@@ -1,0 +1,648 @@
+"""Token-in: the gateway owns rendering, so a multi-turn rollout is one exact token sequence.
+
+Per session (`TokenLedger`): the first call's messages + tools are rendered to ids with the
+model's renderer (PyPI `renderers`); every later call is checked to be exactly the previous
+request's messages + the assistant message the gateway gave the agent + new messages (tool
+results, a user turn), and then bridged from the previous prompt + completion ids
+(`bridge_to_next_turn`), so the sampled ids are never re-tokenised. When the agent's history
+diverged (compaction, a retry, an edit), the tools changed, or the renderer cannot prove the
+bridge, the call is rendered in full and starts a new sequence, with the reason recorded on the
+turn. Nothing is ever spliced.
+
+In transparent_proxy (`TokenIn`), the ids go to the engine's token-in endpoint (vLLM:
+`/v1/completions` with a token-id prompt, `return_token_ids`, logprobs, streamed), and the
+completion ids come back to the agent as an OpenAI chat answer parsed by the same renderer:
+plain text as it arrives, tool calls once parsed, usage and the finish reason at the end; a
+call that is cut off or does not parse reaches the agent as text, never invented. The record
+holds the prompt ids sent, the completion ids and logprobs received, and the bridge outcome.
+interception_gate uses the same ledger and parser (pi_env.proxy.gate).
+
+`renderers` (and transformers, for tokenizers) are the optional extra `pi-env[token-in]`,
+imported only when a session asks for token-in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from yarl import URL
+
+from pi_env.proxy.capture import NO_TOP_LOGPROBS, ChoiceCapture, TurnCapture
+from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, Upstream, agent_request, describe, json_error, \
+    not_a_json_object, upstream_request_headers
+from pi_env.proxy.rewrite import SAMPLING_KEYS, rewrite_request
+
+CHATML_HERMES = "chatml-hermes"
+EXTRA_HINT = "token-in needs the optional extra: pip install 'pi-env[token-in]'"
+
+
+class TokenInUnavailable(ValueError):
+    """Token-in cannot work for this session (no renderer, no tokenizer, no token-in endpoint);
+    the message names what is missing and what to pass instead."""
+
+
+# --------------------------------------------------------------------------- the renderer
+
+
+@dataclass(frozen=True)
+class TokenInSpec:
+    """What a session renders with: the renderer's name as configured and as resolved, and the
+    renderer itself (shared by every session with the same name and tokenizer)."""
+
+    name: str
+    resolved: str
+    tokenizer: str
+    renderer: Any = field(repr=False, compare=False)
+
+
+_renderers: dict[tuple[str, str], TokenInSpec] = {}
+_renderers_lock = threading.Lock()
+
+
+def load_renderer(name: str, tokenizer: str) -> TokenInSpec:
+    """The renderer called `name` ("auto", "chatml-hermes", a `renderers` name such as "qwen3",
+    or a custom class as "module.Class" / "file.py:Class") over the tokenizer at `tokenizer` (a
+    local directory or a model id). Loaded once per process. Raises TokenInUnavailable."""
+    key = (name, tokenizer)
+    with _renderers_lock:
+        spec = _renderers.get(key)
+        if spec is None:
+            spec = _renderers[key] = _load_renderer(name, tokenizer)
+        return spec
+
+
+def _load_renderer(name: str, tokenizer_id: str) -> TokenInSpec:
+    try:
+        import renderers
+        from renderers.base import MODEL_RENDERER_MAP, RENDERER_REGISTRY, _populate_registry, load_tokenizer
+    except ImportError as error:
+        raise TokenInUnavailable(f"{EXTRA_HINT} ({error})") from None
+    try:
+        tokenizer = load_tokenizer(tokenizer_id)
+    except Exception as error:  # noqa: BLE001 - any loader failure: say what to pass instead
+        raise TokenInUnavailable(f"token-in could not load the tokenizer {tokenizer_id!r} ({type(error).__name__}: "
+                                 f"{str(error)[:300]}); pass --tokenizer (PiConfig.proxy_tokenizer) a local "
+                                 "directory with the model's tokenizer files") from None
+    resolved = name
+    if name == "auto":
+        resolved = MODEL_RENDERER_MAP.get(getattr(tokenizer, "name_or_path", "")) or _template_renderer(tokenizer)
+        if resolved is None:
+            _populate_registry()
+            known = ", ".join(sorted({*RENDERER_REGISTRY} - {"default"} | {CHATML_HERMES}))
+            raise TokenInUnavailable(
+                f"token-in: no renderer for the model of tokenizer {tokenizer_id!r} (renderers "
+                f"{renderers.__version__} knows it by no name, and its chat template is not one pi-env ships a "
+                f"renderer for); pass --renderer NAME (PiConfig.proxy_renderer), one of: {known}, or a custom "
+                "renderer class as module.Class / file.py:Class")
+    try:
+        renderer = renderers.create_renderer(tokenizer, _renderer_config(resolved))
+    except TokenInUnavailable:
+        raise
+    except Exception as error:  # noqa: BLE001 - a bad name, a tokenizer without the template's tokens
+        raise TokenInUnavailable(f"token-in: renderer {resolved!r} cannot be built for tokenizer {tokenizer_id!r}: "
+                                 f"{type(error).__name__}: {str(error)[:300]}") from None
+    return TokenInSpec(name=name, resolved=resolved, tokenizer=tokenizer_id, renderer=renderer)
+
+
+def _renderer_config(name: str):
+    from renderers import CustomRendererConfig
+    from renderers.configs import config_from_name
+
+    if name == CHATML_HERMES:
+        return CustomRendererConfig(import_path="pi_env.proxy.chatml_hermes.ChatMLHermesRenderer")
+    try:
+        return config_from_name(name)
+    except ValueError as error:
+        if ":" in name or "." in name:  # module.Class or file.py:Class
+            return CustomRendererConfig(import_path=name)
+        raise TokenInUnavailable(f"token-in: unknown renderer {name!r} ({error}); {CHATML_HERMES} is pi-env's own, "
+                                 "a custom renderer class is module.Class or file.py:Class") from None
+
+
+def _template_renderer(tokenizer) -> str | None:
+    """A renderer pi-env ships for the tokenizer's own chat template, recognised by its hash."""
+    import hashlib
+
+    from pi_env.proxy.chatml_hermes import TEMPLATE_SHA256
+
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and hashlib.sha256(template.encode()).hexdigest() == TEMPLATE_SHA256:
+        return CHATML_HERMES
+    return None
+
+
+# --------------------------------------------------------------------------- the ledger
+
+
+@dataclass
+class PromptPlan:
+    """The ids of one call's prompt and how they were made."""
+
+    token_ids: list[int]
+    outcome: str  # "first" (full render), "bridged", "full_render" (a new sequence)
+    sequence: int  # 0-based: how many times the session started a new sequence before
+    reason: str | None = None  # why a later call was not bridged
+    bridged_tokens: int = 0  # ids the bridge added after the previous prompt + completion
+    messages: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    tools: list[dict[str, Any]] | None = field(default=None, repr=False)
+
+    def record(self, spec: TokenInSpec) -> dict[str, Any]:
+        return {"renderer": spec.resolved, "outcome": self.outcome, "sequence": self.sequence, "reason": self.reason,
+                "prompt_tokens": len(self.token_ids), "bridged_tokens": self.bridged_tokens}
+
+
+@dataclass
+class _Previous:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    answer: dict[str, Any]  # the assistant message the agent was given
+
+
+class TokenLedger:
+    """One session's token state: what the next call's prompt is, and what the last turn was."""
+
+    def __init__(self, spec: TokenInSpec):
+        self.spec = spec
+        self.renderer = spec.renderer
+        self.sequence = -1
+        self._previous: _Previous | None = None
+        self._lock = threading.Lock()
+        self._broken: str | None = None  # why the next call cannot be bridged (a failed turn)
+
+    def plan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> PromptPlan:
+        """The prompt ids for a call carrying `messages` and `tools`."""
+        with self._lock:
+            previous, broken = self._previous, self._broken
+        reason = broken or (None if previous is None else _divergence(previous, messages, tools))
+        if previous is not None and reason is None:
+            bridged = self.renderer.bridge_to_next_turn(previous.prompt_ids, previous.completion_ids,
+                                                        messages[len(previous.messages) + 1:], tools=tools)
+            if bridged is not None:
+                ids = list(bridged.token_ids)
+                base = len(previous.prompt_ids) + len(previous.completion_ids)
+                return PromptPlan(ids, "bridged", self.sequence, bridged_tokens=len(ids) - base,
+                                  messages=messages, tools=tools)
+            reason = f"the renderer could not bridge from the previous turn ({self.spec.resolved} returned None)"
+        ids = self.renderer.render_ids(messages, tools=tools, add_generation_prompt=True)
+        with self._lock:
+            self.sequence += 1
+            sequence = self.sequence
+        return PromptPlan(ids, "first" if previous is None and broken is None else "full_render", sequence,
+                          reason=reason, messages=messages, tools=tools)
+
+    def remember(self, plan: PromptPlan, completion_ids: list[int], answer: dict[str, Any]) -> None:
+        """The turn ended with this answer given to the agent: the next call may bridge from it."""
+        with self._lock:
+            self._previous = _Previous(plan.messages, plan.tools, plan.token_ids, list(completion_ids), answer)
+            self._broken = None
+
+    def forget(self, why: str) -> None:
+        """The turn failed (no complete answer): the next call is rendered in full."""
+        with self._lock:
+            self._previous = None
+            self._broken = f"the previous call failed ({why})"
+
+    def parse(self, completion_ids: list[int], prompt_ids: list[int], tools) -> tuple[dict[str, Any], list[str]]:
+        """The assistant message for the agent from completion ids, and the raw text of every
+        tool call that did not parse (already appended to the content)."""
+        parsed = self.renderer.parse_response(list(completion_ids), tools=tools, prompt_ids=prompt_ids)
+        return answer_message(parsed)
+
+
+def _divergence(previous: _Previous, messages: list, tools) -> str | None:
+    """Why `messages` is not the previous request + the answer given + new messages (None: it is)."""
+    if tools != previous.tools:
+        return "the request's tools differ from the previous call's"
+    count = len(previous.messages)
+    if len(messages) < count + 2:
+        return (f"the agent sent {len(messages)} messages, not the previous call's {count} + its answer + new ones "
+                "(a retry or a compaction)")
+    for index in range(count):
+        if messages[index] != previous.messages[index]:
+            return f"the agent's history differs from the previous call's at message {index} (a compaction or an edit)"
+    differs = _answer_differs(messages[count], previous.answer)
+    if differs:
+        return f"message {count} is not the answer the agent was given: {differs}"
+    return None
+
+
+def _answer_differs(sent: Any, given: dict[str, Any]) -> str | None:
+    if not isinstance(sent, dict) or sent.get("role") != "assistant":
+        return "it is not an assistant message"
+    if _text(sent.get("content")) != _text(given.get("content")):
+        return "its content differs"
+    sent_calls, given_calls = sent.get("tool_calls") or [], given.get("tool_calls") or []
+    if len(sent_calls) != len(given_calls):
+        return f"it has {len(sent_calls)} tool calls, the answer had {len(given_calls)}"
+    for position, (mine, theirs) in enumerate(zip(given_calls, sent_calls)):
+        function = theirs.get("function") if isinstance(theirs, dict) else None
+        if not isinstance(function, dict) or function.get("name") != mine["function"]["name"]:
+            return f"tool call {position} has another name"
+        if _arguments(function.get("arguments")) != json.loads(mine["function"]["arguments"]):
+            return f"tool call {position} has other arguments"
+    return None
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""
+
+
+def _arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def answer_message(parsed) -> tuple[dict[str, Any], list[str]]:
+    """An OpenAI assistant message from a `renderers` ParsedResponse: content, reasoning, the
+    tool calls that parsed; a call that did not parse (cut off, not JSON, no name) is appended
+    to the content as the model wrote it."""
+    from renderers import ToolCallParseStatus
+
+    unparsed = [call.raw for call in parsed.tool_calls if call.status != ToolCallParseStatus.OK]
+    content = parsed.content or ""
+    if unparsed:
+        content += ("\n" if content else "") + "\n".join(unparsed)
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if parsed.reasoning_content:
+        message["reasoning_content"] = parsed.reasoning_content
+    calls = [{"id": call.id or f"call_{secrets.token_hex(12)}", "type": "function",
+              "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)
+                           if not isinstance(call.arguments, str) else call.arguments}}
+             for call in parsed.tool_calls if call.status == ToolCallParseStatus.OK]
+    if calls:
+        message["tool_calls"] = calls
+    return message, unparsed
+
+
+# --------------------------------------------------------------------------- the engine side
+
+
+class _CompletionLogprobs(msgspec.Struct):
+    token_logprobs: list[float | None] | None = None
+    tokens: list[str] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
+class _CompletionChoice(msgspec.Struct):
+    index: int = 0
+    text: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    logprobs: _CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class _CompletionChunk(msgspec.Struct):
+    choices: list[_CompletionChoice] | None = None
+    usage: dict[str, Any] | None = None
+    model: str | None = None
+
+
+_chunk = msgspec.json.Decoder(_CompletionChunk)
+_probed: set[tuple[str, str | None]] = set()
+
+
+def completions_url(upstream: Upstream) -> URL:
+    return URL(upstream.base_url.rstrip("/") + "/completions")
+
+
+async def check_endpoint(client: aiohttp.ClientSession, upstream: Upstream, probe_ids: list[int]) -> None:
+    """Raise TokenInUnavailable unless the upstream answers a token-id prompt with token ids
+    (one generated token, once per process and endpoint). Unreachable: aiohttp's own error."""
+    key = (upstream.base_url, upstream.model)
+    if key in _probed:
+        return
+    body = {"model": upstream.model, "prompt": probe_ids, "max_tokens": 1, "return_token_ids": True, "logprobs": 0}
+    headers = {"Content-Type": "application/json", **upstream.headers}
+    if upstream.api_key is not None:
+        headers["Authorization"] = f"Bearer {upstream.api_key}"
+    async with client.post(completions_url(upstream), data=msgspec.json.encode(body), headers=headers,
+                           timeout=upstream.timeout()) as answer:
+        raw = await answer.content.read(ERROR_LIMIT)
+        where = f"the endpoint {upstream.host}"
+        if answer.status >= 400:
+            raise TokenInUnavailable(f"token-in: {where} has no token-in /v1/completions: POST /v1/completions with a "
+                                     f"token-id prompt answered {answer.status}: {raw[:300].decode(errors='replace')} "
+                                     "(token-in needs vLLM >= 0.10.2 or an engine like it; the plain capture path "
+                                     "works without it)")
+    try:
+        choice = (_chunk.decode(raw).choices or [None])[0]
+    except msgspec.DecodeError:
+        choice = None
+    if choice is None or not choice.token_ids or choice.prompt_token_ids != probe_ids:
+        raise TokenInUnavailable(f"token-in: {where} answered a token-id prompt without its token ids "
+                                 "(it ignores return_token_ids or does not echo prompt_token_ids): it has no "
+                                 "token-in endpoint pi-env can use")
+    _probed.add(key)
+
+
+ERROR_LIMIT = 4096
+
+
+def check_endpoint_sync(upstream: Upstream, spec: TokenInSpec) -> None:
+    """`check_endpoint` from any thread, with a short prompt the renderer makes. An unreachable
+    upstream is not decided here: the agent's first call then fails like any other."""
+    from pi_env._aio import run_sync
+
+    probe = spec.renderer.render_ids([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+
+    async def probe_once() -> None:
+        async with aiohttp.ClientSession() as client:
+            await check_endpoint(client, upstream, probe)
+
+    try:
+        run_sync(probe_once(), timeout=(upstream.read_timeout_s or 60) + 30)
+    except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, OSError):
+        return
+
+
+@dataclass
+class _Stream:
+    """The engine's answer as it arrives: ids, logprobs, and the agent's side of it."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    top: list[msgspec.Raw] = field(default_factory=list)
+    echoed_prompt: list[int] | None = None
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    model: str | None = None
+    misaligned: bool = False
+    streamed: str = ""  # content already sent to the agent
+    held: bool = False  # content streaming stopped (markup may follow)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+
+
+# Characters that may open markup (tool calls, reasoning, JSON calls, special tokens): content is
+# streamed only up to the first of them; what follows is sent once the answer is parsed.
+MARKUP_START = "<{["
+
+
+class TokenIn:
+    """transparent_proxy with token-in (see the module docstring)."""
+
+    def __init__(self, session: GatewaySession, spec: TokenInSpec):
+        self.session = session
+        self.options = session.capture_options
+        self.spec = spec
+        self.ledger = TokenLedger(spec)
+        self.tokenizer = spec.renderer._tokenizer if hasattr(spec.renderer, "_tokenizer") else None
+
+    async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse:
+        request = agent_request(body)
+        if request is None:
+            return not_a_json_object()
+        rewritten = rewrite_request(request, self.options)
+        messages, tools = request.get("messages") or [], request.get("tools") or None
+        plan = await asyncio.get_running_loop().run_in_executor(None, self.ledger.plan, messages, tools)
+        engine_request = self._engine_request(rewritten, plan)
+        capture = turn.capture = TurnCapture(request=rewritten, prompt_token_ids=plan.token_ids,
+                                             model=self.options.model or request.get("model"))
+        capture.token_in = {**plan.record(self.spec),
+                            "engine_request": {k: v for k, v in engine_request.items() if k != "prompt"}}
+        headers = upstream_request_headers(call.request.headers, self.session.upstream)
+        headers["Content-Type"] = "application/json"
+        upstream = self.session.upstream
+        try:
+            answer = await call.gateway._client.post(completions_url(upstream), data=msgspec.json.encode(engine_request),
+                                                     headers=headers, allow_redirects=False,
+                                                     timeout=upstream.timeout() or call.gateway._timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            turn.upstream_error = f"upstream {upstream.host} unreachable: {describe(exc)}"
+            self.ledger.forget("upstream unreachable")
+            return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_unreachable")
+        if answer.status >= 400:
+            error = await call.read_error(answer, turn)
+            self.ledger.forget(f"upstream answered {answer.status}")
+            return web.Response(status=answer.status, body=error, content_type=answer.content_type or "application/json")
+        return await self._relay(call, answer, turn, capture, plan, request)
+
+    def _engine_request(self, rewritten: dict[str, Any], plan: PromptPlan) -> dict[str, Any]:
+        options = self.options
+        body: dict[str, Any] = {"model": rewritten.get("model"), "prompt": plan.token_ids, "stream": True,
+                                "stream_options": {"include_usage": True}, "return_token_ids": True,
+                                "stop_token_ids": self.spec.renderer.get_stop_token_ids(),
+                                "skip_special_tokens": False}
+        max_tokens = rewritten.get("max_tokens", rewritten.get("max_completion_tokens"))
+        if isinstance(max_tokens, int):
+            body["max_tokens"] = max_tokens
+        if options.logprobs:
+            body["logprobs"] = options.top_logprobs
+        for key in (*SAMPLING_KEYS, "stop"):
+            if rewritten.get(key) is not None:
+                body[key] = rewritten[key]
+        return body
+
+    async def _relay(self, call: Call, answer: aiohttp.ClientResponse, turn: TurnRecord, capture: TurnCapture,
+                     plan: PromptPlan, request: dict[str, Any]) -> web.StreamResponse:
+        streaming = request.get("stream") is True
+        include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
+        envelope = {"id": f"chatcmpl-pi-env-{secrets.token_hex(8)}", "object": "chat.completion.chunk",
+                    "created": int(time.time()), "model": capture.model or ""}
+        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"} if streaming
+                                      else {"Content-Type": "application/json"})
+        state = _Stream(held=self._reasoning_open(plan.token_ids))
+        completed = False
+        try:
+            if streaming:
+                await response.prepare(call.request)
+                await response.write(_sse(envelope, {"role": "assistant", "content": ""}))
+                turn.ttfb_s = time.perf_counter() - call.started
+            async for line in answer.content:
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if not payload or payload == b"[DONE]":
+                    continue
+                delta = self._take(state, payload)
+                if delta and streaming:
+                    await response.write(_sse(envelope, {"content": delta}))
+            completed = True
+        except asyncio.CancelledError:
+            turn.client_disconnected = True
+            self._finish(capture, turn, state, plan, request, None)
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            turn.upstream_error = f"upstream stream broken: {describe(exc)}"
+        finally:
+            answer.release() if completed else answer.close()
+            turn.upstream_status = answer.status
+        message = self._finish(capture, turn, state, plan, request, None if completed else turn.upstream_error)
+        if not completed:
+            if streaming:
+                call.request.transport.close()  # the agent must see a failed answer, not a short one
+            else:
+                return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_error")
+            return response
+        finish = capture.choices[0].finish_reason or "stop"
+        if not streaming:
+            body = {**envelope, "object": "chat.completion",
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                    **({"usage": capture.usage} if capture.usage else {})}
+            turn.ttfb_s = time.perf_counter() - call.started
+            return web.json_response(body)
+        rest = (message.get("content") or "")
+        events = []
+        if rest.startswith(state.streamed):
+            rest = rest[len(state.streamed):]
+        if rest:
+            events.append(_sse(envelope, {"content": rest}))
+        if message.get("reasoning_content"):
+            events.append(_sse(envelope, {"reasoning_content": message["reasoning_content"]}))
+        for position, tool_call in enumerate(message.get("tool_calls") or []):
+            events.append(_sse(envelope, {"tool_calls": [{"index": position, **tool_call}]}))
+        events.append(_sse(envelope, {}, finish))
+        if include_usage and capture.usage:
+            events.append(b"data: " + msgspec.json.encode({**envelope, "choices": [], "usage": capture.usage}) + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        try:
+            await response.write(b"".join(events))
+            await response.write_eof()
+        except (ConnectionError, OSError):
+            turn.client_disconnected = True
+        turn.response_bytes = sum(len(e) for e in events)
+        return response
+
+    def _reasoning_open(self, prompt_ids: list[int]) -> bool:
+        """Does the prompt open a reasoning block (then nothing is content until parsed)?"""
+        try:
+            parsed = self.spec.renderer.parse_response([], prompt_ids=prompt_ids)
+        except Exception:  # noqa: BLE001 - unknown: hold the content back, it is sent at the end
+            return True
+        return parsed.reasoning_complete is False
+
+    def _take(self, state: _Stream, payload: bytes) -> str:
+        """Add one engine chunk; the content that can go to the agent now."""
+        try:
+            chunk = _chunk.decode(payload)
+        except msgspec.DecodeError:
+            state.misaligned = True
+            return ""
+        if chunk.usage:
+            state.usage = chunk.usage
+        if chunk.model and not state.model:
+            state.model = chunk.model
+        for choice in chunk.choices or ():
+            if choice.index != 0:
+                continue
+            if choice.prompt_token_ids and state.echoed_prompt is None:
+                state.echoed_prompt = choice.prompt_token_ids
+            ids = choice.token_ids or []
+            entries = choice.logprobs
+            logprobs = entries.token_logprobs if entries is not None and entries.token_logprobs is not None else None
+            if logprobs is not None and len(logprobs) != len(ids):
+                state.misaligned = True
+                logprobs = None
+            state.ids.extend(ids)
+            if logprobs is None:
+                state.logprobs.extend([None] * len(ids))
+                state.tokens.extend([""] * len(ids))
+                state.top.extend([NO_TOP_LOGPROBS] * len(ids))
+            else:
+                state.logprobs.extend(logprobs)
+                state.tokens.extend(entries.tokens or [""] * len(ids))
+                tops = entries.top_logprobs or [None] * len(ids)
+                state.top.extend(msgspec.Raw(msgspec.json.encode([{"token": t, "logprob": lp} for t, lp in (top or {}).items()]))
+                                 for top in tops)
+            if choice.finish_reason:
+                state.finish_reason = choice.finish_reason
+        return self._stream_content(state)
+
+    def _stream_content(self, state: _Stream) -> str:
+        """Decode the new ids (incrementally, as engines do) and return the content that is
+        certainly content: text before any markup, without trailing whitespace (a separator
+        before a tool call belongs to it)."""
+        if state.held or self.tokenizer is None or state.read_offset >= len(state.ids):
+            return ""
+        stops = set(self.spec.renderer.get_stop_token_ids())
+        ids = state.ids
+        if any(i in stops for i in ids[state.read_offset:]):
+            state.held = True
+            return ""
+        decode = self.tokenizer.decode
+        before = decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=False)
+        after = decode(ids[state.prefix_offset:], skip_special_tokens=False)
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""  # a character split across tokens: wait for its end
+        state.text += after[len(before):]
+        state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+        cut = min((state.text.find(c) for c in MARKUP_START if c in state.text), default=-1)
+        if cut >= 0:
+            state.held = True
+            safe = state.text[:cut]
+        else:
+            safe = state.text
+        safe = safe.rstrip()
+        if len(safe) <= len(state.streamed):
+            return ""
+        delta, state.streamed = safe[len(state.streamed):], safe
+        return delta
+
+    def _finish(self, capture: TurnCapture, turn: TurnRecord, state: _Stream, plan: PromptPlan,
+                request: dict[str, Any], failure: str | None) -> dict[str, Any]:
+        """Fill the record; parse the completion into the agent's message; tell the ledger."""
+        choice = ChoiceCapture(index=0, token_ids=state.ids, logprobs=state.logprobs, tokens=state.tokens,
+                               top_logprobs=state.top, finish_reason=state.finish_reason,
+                               ids_complete=not state.misaligned)
+        capture.choices = [choice]
+        capture.usage = state.usage or {"prompt_tokens": len(plan.token_ids), "completion_tokens": len(state.ids),
+                                         "total_tokens": len(plan.token_ids) + len(state.ids)}
+        capture.model = state.model or capture.model
+        if isinstance(capture.usage.get("total_tokens"), int):
+            turn.total_tokens = capture.usage["total_tokens"]
+        capture.token_in["engine_prompt_token_ids_match"] = (None if state.echoed_prompt is None
+                                                            else state.echoed_prompt == plan.token_ids)
+        if state.misaligned:
+            capture.token_ids_missing_reason = "an engine chunk could not be read or its ids and logprobs disagreed"
+        elif state.echoed_prompt is not None and state.echoed_prompt != plan.token_ids:
+            capture.token_ids_missing_reason = "the engine echoed other prompt ids than the ones sent"
+        elif state.ids:
+            capture.token_ids_source = "token_in"
+        else:
+            capture.token_ids_missing_reason = "the engine generated no tokens"
+        message, unparsed = self.ledger.parse(state.ids, plan.token_ids, request.get("tools"))
+        if not message.get("content") and state.streamed:
+            message["content"] = state.streamed
+        elif message.get("content") and not (message["content"]).startswith(state.streamed):
+            # What the agent got first cannot be taken back: it is part of its answer.
+            capture.token_in["stream_note"] = "streamed text was not a prefix of the parsed content"
+            message["content"] = state.streamed + message["content"]
+        if unparsed:
+            capture.token_in["unparsed_tool_calls"] = unparsed
+        finish = state.finish_reason
+        if finish != "length":
+            finish = "tool_calls" if message.get("tool_calls") else "stop"
+        choice.finish_reason = finish
+        choice.content = message.get("content") or ""
+        choice.reasoning_content = message.get("reasoning_content") or ""
+        choice.tool_calls = message.get("tool_calls") or []
+        if failure or turn.client_disconnected or state.misaligned:
+            self.ledger.forget(failure or ("the agent hung up" if turn.client_disconnected else "unreadable answer"))
+        else:
+            self.ledger.remember(plan, state.ids, message)
+        return message
+
+
+def _sse(envelope: dict[str, Any], delta: dict[str, Any], finish: str | None = None) -> bytes:
+    chunk = {**envelope, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"

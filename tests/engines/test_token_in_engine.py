@@ -1,0 +1,173 @@
+"""Token-in against the real engine (vLLM CPU, SmolLM2-135M-Instruct, the chatml_tools template):
+real Pi rollouts with two tool-calling turns each stay one exact sequence; every prompt sent is
+what the engine echoes, every completion id and logprob is what the engine streamed; transformers
+scoring the merged sequence reproduces the captured logprobs; the same rollouts through the plain
+capture path, for comparison, extend far less often.
+
+SmolLM2 never calls a tool on its own, so a tier-only knob forces the first two answers of each
+rollout into a Hermes tool call: a loopback relay between the gateway and vLLM adds a
+`structured_outputs` regex to those requests (same regex in both modes; the tokens are still
+sampled by the model, and vLLM's logprobs stay the raw ones). The relay also keeps a copy of
+every answer the engine streamed, to check the gateway's records against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from engine import NOTES
+from pi_env import PiConfig, PiTask, run_rollout
+from pi_env._aio import run_sync
+from scoring import score_with_transformers
+
+pytest.importorskip("renderers", reason="token-in needs pi-env[token-in]")
+
+ROLLOUTS = 20
+FORCED_CALLS = 2
+COMMANDS = ["ls", "pwd", "ls -la", "cat notes.txt", "echo hello", "date", "wc -l notes.txt", "head notes.txt"]
+TOOL_CALL_REGEX = ('<tool_call>\\n\\{"name": "bash", "arguments": \\{"command": "('
+                   + "|".join(c.replace(".", "\\.") for c in COMMANDS) + ')"\\}\\}\\n</tool_call>')
+
+
+@dataclass
+class Relay:
+    """Forward to vLLM; force the first FORCED_CALLS answers of a conversation into a tool call;
+    keep what vLLM streamed back (per request: prompt ids echoed, completion ids, logprobs)."""
+
+    upstream: str  # http://127.0.0.1:PORT/v1
+    assistant_ids: list[int]  # "<|im_start|>assistant": counts a token prompt's past turns
+    seen: list[dict] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+    port: int = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def past_turns(self, body: dict) -> int:
+        if "messages" in body:
+            return sum(1 for m in body["messages"] if m.get("role") == "assistant")
+        prompt, marker = body.get("prompt") or [], self.assistant_ids
+        return sum(prompt[i:i + len(marker)] == marker for i in range(len(prompt))) - 1
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("stream") and self.past_turns(body) < FORCED_CALLS:
+            body["structured_outputs"] = {"regex": TOOL_CALL_REGEX}
+        async with aiohttp.ClientSession() as client:
+            async with client.post(self.upstream + "/" + request.match_info["rest"], json=body) as answer:
+                response = web.StreamResponse(status=answer.status, headers={"Content-Type": answer.content_type})
+                await response.prepare(request)
+                raw = bytearray()
+                async for chunk in answer.content.iter_any():
+                    raw += chunk
+                    await response.write(chunk)
+                await response.write_eof()
+        if body.get("stream"):
+            self.seen.append(engine_answer(bytes(raw), chat="messages" in body))
+        return response
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/{rest:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self.runner, sock).start()
+
+
+def engine_answer(raw: bytes, chat: bool) -> dict:
+    """Prompt ids, completion ids and logprobs as the engine streamed them."""
+    prompt, ids, logprobs = None, [], []
+    for line in raw.decode().split("\n"):
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[6:]).get("choices") or ():
+            prompt = prompt or choice.get("prompt_token_ids")
+            ids += choice.get("token_ids") or []
+            entries = choice.get("logprobs") or {}
+            logprobs += [e["logprob"] for e in entries.get("content") or []] if chat else entries.get("token_logprobs") or []
+        chunk = json.loads(line[6:])
+        prompt = prompt or chunk.get("prompt_token_ids")
+    return {"prompt": prompt, "ids": ids, "logprobs": logprobs}
+
+
+@pytest.fixture(scope="module")
+def relay(vllm_engine):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(vllm_engine.model_dir))
+    relay = Relay(vllm_engine.base_url, tokenizer.encode("<|im_start|>assistant", add_special_tokens=False))
+    run_sync(relay.start(), timeout=30)
+    yield relay
+    run_sync(relay.runner.cleanup(), timeout=30)
+
+
+def rollouts(relay, vllm_engine, tmp_path, token_in: bool) -> list:
+    results = []
+    for index in range(ROLLOUTS):
+        config = PiConfig(endpoint=relay.base_url, model=vllm_engine.model, proxy_return_token_ids=True,
+                          mode="transparent_proxy", proxy_token_in=token_in, proxy_renderer="auto",
+                          proxy_tokenizer=str(vllm_engine.model_dir), max_turns=4, max_tokens=64,
+                          proxy_max_tokens_cap=64, context_window=8192, proxy_top_logprobs=1,
+                          proxy_sampling={"temperature": 1.0, "seed": 1000 + index}, trace_dir=str(tmp_path))
+        task = PiTask(task_id=f"token-in-{index}", instruction="Look around the work dir with bash, then say what "
+                      "you found in one sentence.", files={"notes.txt": "alpha\nbeta\n"}, verify=["true"],
+                      timeouts={"agent_s": 600})
+        results.append(run_rollout(task, config))
+    return results
+
+
+def transitions(result) -> list[bool]:
+    return [t.extends_previous for t in result.training.turns[1:]]
+
+
+def test_token_in_rollouts_are_one_exact_sequence_and_plain_ones_break(relay, vllm_engine, tmp_path):
+    relay.seen.clear()
+    token_in = rollouts(relay, vllm_engine, tmp_path / "token-in", True)
+    seen_token_in = list(relay.seen)
+    relay.seen.clear()
+    plain = rollouts(relay, vllm_engine, tmp_path / "plain", False)
+
+    diffs, turns_checked = [], 0
+    answers = iter(seen_token_in)
+    for result in token_in:
+        assert result.error_kind is None, result.error
+        calls = [t for t in result.proxy_turns if t.message and t.message.get("tool_calls")]
+        assert len(calls) >= FORCED_CALLS, [t.message for t in result.proxy_turns]
+        assert all(transitions(result)) and result.training.append_only
+        for turn in result.proxy_turns:
+            engine = next(answers)
+            assert turn.token_in["engine_prompt_token_ids_match"] is True
+            assert turn.prompt_token_ids == engine["prompt"]
+            assert turn.completion_token_ids == engine["ids"] and turn.per_token_logps == engine["logprobs"]
+            turns_checked += 1
+        segment = result.training.segments[0]
+        start = segment.loss_mask.index(1)
+        scored = score_with_transformers(vllm_engine.model_dir, segment.token_ids[:start], segment.token_ids[start:])
+        for k, (mask, captured) in enumerate(zip(segment.loss_mask[start:], segment.logprobs[start:])):
+            if mask:
+                diffs.append(abs(scored[k] - captured))
+    assert max(diffs) < 1e-3
+    token_in_rate = sum(sum(transitions(r)) for r in token_in) / sum(len(transitions(r)) for r in token_in)
+    plain_transitions = [x for r in plain if r.training for x in transitions(r)]
+    plain_rate = sum(plain_transitions) / len(plain_transitions)
+    plain_calls = sum(1 for r in plain for t in r.proxy_turns if t.message and t.message.get("tool_calls"))
+    NOTES.append(f"token-in: {len(token_in)} real Pi rollouts, {turns_checked} turns, "
+                 f"{sum(len(transitions(r)) for r in token_in)} transitions, extend rate {token_in_rate:.0%}; "
+                 f"prompt ids == engine's echo and completion ids/logprobs == engine's on every turn")
+    NOTES.append(f"token-in: transformers on the merged sequences vs captured logprobs over {len(diffs)} sampled "
+                 f"tokens: max abs diff {max(diffs):.2e}, mean {statistics.fmean(diffs):.2e}")
+    NOTES.append(f"plain capture, same {len(plain)} rollouts (same forcing, seeds): {len(plain_transitions)} "
+                 f"transitions, extend rate {plain_rate:.0%} ({plain_calls} tool-calling turns); "
+                 f"errors {[r.error_kind for r in plain if r.error_kind]}")
+    assert token_in_rate == 1.0

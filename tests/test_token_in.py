@@ -1,0 +1,425 @@
+"""Token-in: the chatml-hermes renderer against the template itself (transformers), the gateway's
+token-in path against the scripted server's token engine (non-canonical ids, as real models
+sample them), and real Pi rollouts that stay one sequence through tool calls where the plain
+capture path breaks."""
+
+import asyncio
+import hashlib
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+pytest.importorskip("renderers", reason="token-in needs pi-env[token-in] (the dev extra installs it)")
+transformers = pytest.importorskip("transformers")
+
+from conftest import scripted_config  # noqa: E402
+from pi_env import PiTask, run_rollout  # noqa: E402
+from pi_env.proxy import Upstream  # noqa: E402
+from pi_env.proxy.chatml_hermes import TEMPLATE_SHA256, ChatMLHermesRenderer, parse_hermes_text  # noqa: E402
+from pi_env.proxy.token_in import TokenInUnavailable, check_endpoint_sync, load_renderer  # noqa: E402
+from pi_env.testing import ScriptedServer, ScriptedToolCall, ScriptedTurn  # noqa: E402
+from pi_env.testing.tiny_tokenizer import make_tokenizer_dir  # noqa: E402
+from pi_env.testing.token_engine import TokenEngine  # noqa: E402
+from pi_env.training import build_training_trace  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = (ROOT / "scripts/engines/chatml_tools.jinja").read_text()
+BASH_TOOL = {"type": "function", "function": {"name": "bash", "description": "Run a command",
+                                              "parameters": {"type": "object", "properties": {
+                                                  "command": {"type": "string", "description": "the command"},
+                                                  "timeout": {"type": "number"}}, "required": ["command"]}}}
+READ_TOOL = {"type": "function", "function": {"name": "read", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}}}}
+EMPTY_TOOL = {"type": "function", "function": {"name": "noop", "description": "", "parameters": {}}}
+
+
+def corpus():
+    texts = [TEMPLATE, json.dumps([BASH_TOOL, READ_TOOL])]
+    for path in sorted((ROOT / "src/pi_env").rglob("*.py"))[:40]:
+        texts.append(path.read_text())
+    return texts
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return make_tokenizer_dir(tmp_path_factory.mktemp("tokenizer"), corpus(), chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def renderer(tokenizer):
+    return ChatMLHermesRenderer(tokenizer)
+
+
+def template_ids(tokenizer, messages, tools=None, add_generation_prompt=False):
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+SYSTEM = {"role": "system", "content": "You are Pi, a coding agent. Be brief."}
+USER = {"role": "user", "content": "Write hello.txt holding Hello, world! then show it."}
+CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "bash",
+                                                      "arguments": '{"command":"echo \'Hello, world!\' > hello.txt"}'}}]}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "(no output)"}
+CONVERSATIONS = {
+    "plain": [SYSTEM, USER],
+    "default_system": [USER],
+    "tool_history": [SYSTEM, USER, CALL, RESULT, {"role": "assistant", "content": "Done: héllo wörld ✓."},
+                     {"role": "user", "content": "thanks"}],
+    "content_and_two_calls_then_two_results": [
+        SYSTEM, USER, {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "read", "arguments": {"path": "x.txt"}}},
+            {"id": "b", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls -la"}'}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "x"}, {"role": "tool", "tool_call_id": "b", "content": "y\n"}],
+    "empty_assistant": [SYSTEM, USER, {"role": "assistant", "content": ""}, {"role": "user", "content": "again"}],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("tools", [None, [BASH_TOOL, READ_TOOL, EMPTY_TOOL]], ids=["no_tools", "tools"])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_full_render_equals_the_template_token_for_token(tokenizer, renderer, name, tools, generation_prompt):
+    messages = CONVERSATIONS[name]
+    expected = template_ids(tokenizer, messages, tools, generation_prompt)
+    assert renderer.render_ids(messages, tools=tools, add_generation_prompt=generation_prompt) == expected
+
+
+def test_the_renderer_mirrors_this_very_template():
+    """An edited template must come with an edited renderer: the hash pins the pair."""
+    assert hashlib.sha256(TEMPLATE.encode()).hexdigest() == TEMPLATE_SHA256
+
+
+def test_render_attributes_sampled_tokens_to_the_assistant_only(tokenizer, renderer):
+    messages = CONVERSATIONS["tool_history"]
+    rendered = renderer.render(messages, tools=[BASH_TOOL])
+    sampled = [t for t, s in zip(rendered.token_ids, rendered.sampled_mask) if s]
+    owners = {rendered.message_indices[k] for k, s in enumerate(rendered.sampled_mask) if s}
+    assert owners == {2, 4}  # the two assistant messages
+    text = tokenizer.decode(sampled, skip_special_tokens=False)
+    assert text.startswith("<tool_call>\n") and text.endswith("Done: héllo wörld ✓.<|im_end|>")
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": "Plain answer, with <b>markup</b> and a trailing space "},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls"}}}]},
+    {"role": "assistant", "content": "Two calls:", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "read", "arguments": {"path": "a b.txt"}}},
+        {"id": "y", "type": "function", "function": {"name": "write", "arguments": {"path": "é", "content": "1\n2"}}}]},
+], ids=["content", "one_call", "content_two_calls"])
+def test_parse_inverts_render(tokenizer, renderer, message):
+    prompt = renderer.render_ids([SYSTEM, USER], add_generation_prompt=True)
+    full = renderer.render_ids([SYSTEM, USER, message])
+    assert full[:len(prompt)] == prompt
+    completion = full[len(prompt):-1]  # without the template's newline after <|im_end|>
+    parsed = renderer.parse_response(completion, prompt_ids=prompt)
+    assert parsed.content == (message["content"] or "")
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls
+    assert all(c.status == "ok" for c in parsed.tool_calls)
+
+
+def test_unparseable_and_cut_off_calls_are_reported_not_repaired():
+    parsed = parse_hermes_text('Hi\n<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call>\n'
+                               '<tool_call>\n{"arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "ba')
+    assert parsed.content == "Hi"
+    assert [c.status for c in parsed.tool_calls] == ["invalid_json", "missing_name", "unclosed_block"]
+    assert parsed.tool_calls[2].raw == '<tool_call>\n{"name": "ba'
+
+
+def test_bridge_extends_the_sampled_ids_exactly(tokenizer, renderer):
+    """From the model's own (non-canonical) ids the bridge appends only the new messages; from
+    canonical ids it equals a full render of the whole conversation."""
+    tools = [BASH_TOOL]
+    prompt = renderer.render_ids([SYSTEM, USER], tools=tools, add_generation_prompt=True)
+    engine = TokenEngine(tokenizer)
+    turn = ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"})])
+    sampled = engine.answer_ids(turn)
+    canonical = TokenEngine(tokenizer, split="canonical").answer_ids(turn)
+    assert sampled != canonical and tokenizer.decode(sampled) == tokenizer.decode(canonical)
+    new = [{"role": "tool", "tool_call_id": "c", "content": "a.txt\n"}]
+    bridged = renderer.bridge_to_next_turn(prompt, sampled, new, tools=tools).token_ids
+    assert bridged[:len(prompt) + len(sampled)] == prompt + sampled
+    history = [SYSTEM, USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls"}}}]}, *new]
+    full = renderer.render_ids(history, tools=tools, add_generation_prompt=True)
+    assert renderer.bridge_to_next_turn(prompt, canonical, new, tools=tools).token_ids == full
+    assert full == template_ids(tokenizer, history, tools, True)
+    assert bridged[len(prompt) + len(sampled):] == full[len(prompt) + len(canonical):]
+    # Cut off (no <|im_end|>): the close is added as prompt context after the sampled ids.
+    cut = renderer.bridge_to_next_turn(prompt, sampled[:-3], new, tools=tools).token_ids
+    assert cut[:len(prompt) + len(sampled) - 3] == prompt + sampled[:-3]
+    assert cut[len(prompt) + len(sampled) - 3] == renderer.get_stop_token_ids()[0]
+    assert renderer.bridge_to_next_turn(prompt, sampled, [{"role": "assistant", "content": "x"}]) is None
+
+
+def test_auto_finds_chatml_hermes_by_the_tokenizers_template(tokenizer_dir, tmp_path):
+    assert load_renderer("auto", str(tokenizer_dir)).resolved == "chatml-hermes"
+    other = make_tokenizer_dir(tmp_path / "other", corpus()[:3], chat_template="{{ messages[0].content }}")
+    with pytest.raises(TokenInUnavailable, match="no renderer for the model.*--renderer NAME.*chatml-hermes"):
+        load_renderer("auto", str(other))
+    with pytest.raises(TokenInUnavailable, match="could not load the tokenizer.*--tokenizer"):
+        load_renderer("chatml-hermes", str(tmp_path / "missing"))
+    with pytest.raises(TokenInUnavailable, match="unknown renderer 'nonesuch'"):
+        load_renderer("nonesuch", str(tokenizer_dir))
+
+
+# ------------------------------------------------------------------ the gateway's token-in
+
+
+@pytest.fixture
+def token_server(tokenizer):
+    with ScriptedServer(token_engine=TokenEngine(tokenizer)) as scripted:
+        yield scripted
+
+
+def test_an_engine_without_token_in_is_refused_by_name(server, tokenizer_dir):
+    spec = load_renderer("chatml-hermes", str(tokenizer_dir))
+    upstream = Upstream(server.base_url, server.add_script([ScriptedTurn(text="x")]), "m")
+    with pytest.raises(TokenInUnavailable, match=r"no token-in /v1/completions.*answered 404"):
+        check_endpoint_sync(upstream, spec)
+
+
+def sse_chunks(raw: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: {")]
+
+
+async def _post(url, token, body):
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url, json=body, headers={"Authorization": f"Bearer {token}"}) as answer:
+            return answer.status, await answer.read()
+
+
+def chat(gateway, session, messages, tools=(BASH_TOOL,), **extra):
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "messages": messages,
+            "tools": list(tools), **extra}
+    status, raw = asyncio.run(_post(gateway.tcp_base_url + "/chat/completions", session.token, body))
+    assert status == 200, raw
+    chunks = sse_chunks(raw)
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    calls = [call for c in chunks if c["choices"] for call in c["choices"][0]["delta"].get("tool_calls") or []]
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    return {"content": content, "calls": calls, "finish": finish, "chunks": chunks}
+
+
+def pi_history(answer) -> dict:
+    """The assistant message as Pi sends it back: arguments re-serialised compactly."""
+    calls = [{"id": c["id"], "type": "function", "function": {
+        "name": c["function"]["name"], "arguments": json.dumps(json.loads(c["function"]["arguments"]),
+                                                               separators=(",", ":"))}} for c in answer["calls"]]
+    return {"role": "assistant", "content": answer["content"] or None, **({"tool_calls": calls} if calls else {})}
+
+
+def open_token_in(gateway, token_server, tokenizer_dir, turns):
+    spec = load_renderer("chatml-hermes", str(tokenizer_dir))
+    key = token_server.add_script(turns)
+    from pi_env.proxy.rewrite import CaptureOptions
+
+    return gateway.open_session(Upstream(token_server.base_url, key, "scripted-model"), mode="transparent_proxy",
+                                capture=CaptureOptions(model="scripted-model", top_logprobs=2), token_in=spec)
+
+
+def test_token_in_bridges_each_turn_and_records_what_it_sent_and_received(gateway, token_server, tokenizer_dir,
+                                                                          tokenizer):
+    turns = [ScriptedTurn(text="I will list the files.", tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"})]),
+             ScriptedTurn(text="Two files: a and b.")]
+    session = open_token_in(gateway, token_server, tokenizer_dir, turns)
+    try:
+        first = chat(gateway, session, [SYSTEM, USER])
+        assert first["content"] == "I will list the files." and first["finish"] == ["tool_calls"]
+        assert [c["function"]["name"] for c in first["calls"]] == ["bash"]
+        assert json.loads(first["calls"][0]["function"]["arguments"]) == {"command": "ls"}
+        assert first["chunks"][-1]["usage"]["completion_tokens"] > 0
+        history = [SYSTEM, USER, pi_history(first), {"role": "tool", "tool_call_id": first["calls"][0]["id"],
+                                                     "content": "a\nb"}]
+        second = chat(gateway, session, history)
+        assert second["content"] == "Two files: a and b." and second["finish"] == ["stop"] and not second["calls"]
+        assert session.wait_idle()
+    finally:
+        gateway.close_session(session)
+    records = [t.capture for t in session.turns]
+    sent = [r.body for r in token_server.requests if r.path == "/v1/completions" and r.body.get("stream")]
+    assert [r.token_in["outcome"] for r in records] == ["first", "bridged"]
+    assert [r.token_in["sequence"] for r in records] == [0, 0]
+    assert all(r.token_in["engine_prompt_token_ids_match"] for r in records)
+    for record, request in zip(records, sent):
+        assert record.prompt_token_ids == request["prompt"]  # the ids recorded are the ids sent
+        assert request["return_token_ids"] is True and request["logprobs"] == 2 and request["stream"] is True
+        assert request["stop_token_ids"] == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        answer = token_server.token_engine.answer_ids(turns[records.index(record)])
+        assert record.completion_token_ids == answer  # the engine's ids, non-canonical as sampled
+        assert len(record.per_token_logps) == len(answer) and None not in record.per_token_logps
+        assert record.token_ids_source == "token_in"
+    assert records[1].prompt_token_ids[:len(sent[0]["prompt"]) + len(records[0].completion_token_ids)] == \
+        sent[0]["prompt"] + records[0].completion_token_ids
+    trace = build_training_trace([_ids(t) for t in session.turns])
+    assert trace.append_only
+    generated = [i for i, m in zip(trace.segments[0].token_ids, trace.segments[0].loss_mask) if m]
+    assert generated == records[0].completion_token_ids + records[1].completion_token_ids
+
+
+class _ids:
+    def __init__(self, record):
+        self.turn = record.turn
+        self.prompt_token_ids = record.capture.prompt_token_ids
+        self.completion_token_ids = record.capture.completion_token_ids
+        self.per_token_logps = record.capture.per_token_logps
+        self.token_in = record.capture.token_in
+
+
+def test_a_diverged_history_is_rendered_in_full_as_a_new_sequence_with_the_reason(gateway, token_server,
+                                                                                  tokenizer_dir):
+    turns = [ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"})]),
+             ScriptedTurn(text="ok"), ScriptedTurn(text="again")]
+    session = open_token_in(gateway, token_server, tokenizer_dir, turns)
+    try:
+        first = chat(gateway, session, [SYSTEM, USER])
+        result = {"role": "tool", "tool_call_id": first["calls"][0]["id"], "content": "a"}
+        edited = {**pi_history(first), "tool_calls": [{**pi_history(first)["tool_calls"][0], "function": {
+            "name": "bash", "arguments": '{"command":"ls -la"}'}}]}
+        chat(gateway, session, [SYSTEM, USER, edited, result])
+        chat(gateway, session, [SYSTEM, {"role": "user", "content": "compacted"}, edited, result,
+                                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
+        assert session.wait_idle()
+    finally:
+        gateway.close_session(session)
+    records = [t.capture.token_in for t in session.turns]
+    assert [r["outcome"] for r in records] == ["first", "full_render", "full_render"]
+    assert [r["sequence"] for r in records] == [0, 1, 2]
+    assert "tool call 0 has other arguments" in records[1]["reason"]
+    assert "differs from the previous call's at message 1" in records[2]["reason"]
+    trace = build_training_trace([_ids(t) for t in session.turns])
+    assert len(trace.segments) == 3 and "tool call 0 has other arguments" in trace.turns[1].note
+
+
+def test_a_cut_off_tool_call_reaches_the_agent_as_text(gateway, token_server, tokenizer_dir, tokenizer):
+    turns = [ScriptedTurn(text="Run:", tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls -la /"})])]
+    session = open_token_in(gateway, token_server, tokenizer_dir, turns)
+    try:
+        answer = chat(gateway, session, [SYSTEM, USER], max_tokens=20)
+        assert session.wait_idle()
+    finally:
+        gateway.close_session(session)
+    text = TokenEngine.answer_text(turns[0])
+    ids = token_server.token_engine.answer_ids(turns[0])[:20]
+    assert answer["calls"] == [] and answer["finish"] == ["length"]
+    assert answer["content"] == tokenizer.decode(ids) and text.startswith(answer["content"])
+    assert "<tool_call>" in answer["content"]
+    assert session.turns[0].capture.token_in["unparsed_tool_calls"]
+
+
+# ------------------------------------------------------------------ real Pi rollouts
+
+
+def bash(command: str) -> ScriptedTurn:
+    return ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": command})])
+
+
+@pytest.mark.slow
+@pytest.mark.needs_bwrap
+def test_pi_rollouts_stay_one_sequence_with_token_in_and_break_without(token_server, tokenizer_dir, tmp_path):
+    """The same script through real Pi: the plain capture path's prompts are the engine's canonical
+    re-render, which no longer extends the model's non-canonical ids at the first tool call;
+    token-in bridges every turn: one sequence, loss mask 1 exactly on the sampled ids."""
+    turns = [bash("echo one > a.txt"), bash("cat a.txt"), ScriptedTurn(text="Done: a.txt holds one.")]
+    task = PiTask(instruction="Write one into a.txt and show it.", verify=["grep -q one a.txt"])
+    results = {}
+    for token_in in (False, True):
+        key = token_server.add_script(turns)
+        config = scripted_config(token_server, key, mode="transparent_proxy", proxy_return_token_ids=True,
+                                 proxy_token_in=token_in, proxy_tokenizer=str(tokenizer_dir),
+                                 trace_dir=str(tmp_path))
+        results[token_in] = run_rollout(task, config)
+    plain, token_in = results[False], results[True]
+    for result in (plain, token_in):
+        assert result.reward == 1.0 and result.error_kind is None, result.error
+        assert len(result.proxy_turns) == 3
+    assert [t.turn for t in plain.training.turns] == [0, 1, 2]
+    assert not plain.training.append_only and not plain.training.turns[1].extends_previous
+    training = token_in.training
+    assert training.append_only and [t.extends_previous for t in training.turns] == [False, True, True]
+    assert [t.token_in["outcome"] for t in token_in.proxy_turns] == ["first", "bridged", "bridged"]
+    segment = training.segments[0]
+    sampled = [i for i, m in zip(segment.token_ids, segment.loss_mask) if m]
+    assert sampled == [i for t in token_in.proxy_turns for i in t.completion_token_ids]
+    assert sum(segment.loss_mask) == sum(len(t.completion_token_ids) for t in token_in.proxy_turns)
+    assert token_in.proxy_turns[0].message["tool_calls"][0]["function"]["name"] == "bash"
+    sent = [r.body["prompt"] for r in token_server.requests if r.path == "/v1/completions" and r.body.get("stream")]
+    assert [t.prompt_token_ids for t in token_in.proxy_turns] == sent[-3:]
+
+
+# ------------------------------------------------------------------ interception_gate
+
+
+def test_gate_requests_carry_bridged_ids_and_delivered_ids_are_parsed(gateway, tokenizer_dir, tokenizer, renderer):
+    """The trainer generates from GateRequest.prompt_token_ids and delivers ids only; the gateway's
+    renderer turns them into Pi's answer and bridges the next request from them."""
+    import concurrent.futures
+
+    from pi_env.proxy.gate import CompletionInvalid
+
+    spec = load_renderer("chatml-hermes", str(tokenizer_dir))
+    session = gateway.open_session(Upstream("http://interception-gate.invalid/v1", None, "trainer"),
+                                   mode="interception_gate", token_in=spec)
+    engine = TokenEngine(tokenizer)
+    turn = ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"})])
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    try:
+        first = pool.submit(chat, gateway, session, [SYSTEM, USER])
+        request = session.strategy.next_request(timeout_s=10)
+        assert request.prompt_token_ids == renderer.render_ids([SYSTEM, USER], tools=[BASH_TOOL],
+                                                               add_generation_prompt=True)
+        assert request.token_in["outcome"] == "first"
+        with pytest.raises(CompletionInvalid, match="token_ids"):
+            session.strategy.deliver(request, {"text": "hello"})
+        ids = engine.answer_ids(turn)
+        session.strategy.deliver(request, {"token_ids": ids, "logprobs": [-0.5] * len(ids)})
+        answer = first.result(timeout=10)
+        assert [c["function"]["name"] for c in answer["calls"]] == ["bash"] and answer["finish"] == ["tool_calls"]
+        history = [SYSTEM, USER, pi_history(answer), {"role": "tool", "tool_call_id": answer["calls"][0]["id"],
+                                                      "content": "a.txt"}]
+        second = pool.submit(chat, gateway, session, history)
+        again = session.strategy.next_request(timeout_s=10)
+        assert again.token_in["outcome"] == "bridged"
+        assert again.prompt_token_ids[:len(request.prompt_token_ids) + len(ids)] == request.prompt_token_ids + ids
+        final = engine.answer_ids(ScriptedTurn(text="Found a.txt."))
+        session.strategy.deliver(again, {"token_ids": final})
+        assert second.result(timeout=10)["content"] == "Found a.txt."
+        assert session.wait_idle()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        gateway.close_session(session)
+    trace = build_training_trace([_ids(t) for t in session.turns])
+    assert trace.append_only and [t.capture.token_ids_source for t in session.turns] == ["trainer", "trainer"]
+
+
+def test_token_in_is_refused_where_the_gateway_does_not_render():
+    from pydantic import ValidationError
+
+    from pi_env import PiConfig
+
+    with pytest.raises(ValidationError, match="proxy_token_in renders at the gateway.*transparent_proxy"):
+        PiConfig(proxy_token_in=True)
+
+
+def test_session_start_names_what_is_missing(server, token_server, tokenizer_dir, tmp_path):
+    from pi_env import PiSessionFactory
+
+    task = PiTask(instruction="x", verify=["true"])
+    plain_engine = scripted_config(server, server.add_script([ScriptedTurn(text="x")]), mode="transparent_proxy",
+                                   proxy_token_in=True, proxy_tokenizer=str(tokenizer_dir))
+    with pytest.raises(TokenInUnavailable, match=rf"endpoint 127.0.0.1:{server.port} has no token-in"):
+        PiSessionFactory(plain_engine).create(task)
+    no_template = make_tokenizer_dir(tmp_path / "plain", corpus()[:3], chat_template="{{ messages }}")
+    unknown_model = scripted_config(token_server, token_server.add_script([ScriptedTurn(text="x")]),
+                                    mode="transparent_proxy", proxy_token_in=True, proxy_tokenizer=str(no_template))
+    with pytest.raises(TokenInUnavailable, match="no renderer for the model"):
+        PiSessionFactory(unknown_model).create(task)
