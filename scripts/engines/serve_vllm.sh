@@ -7,7 +7,9 @@
 #   bash scripts/engines/stop_engine.sh "$pid"
 #
 # Options: --port N (default $ENGINE_PORT or 8011), --timeout S to wait for /health (default
-# 300), --log FILE (default .engines/logs/vllm-PORT.log); anything after `--` goes to vLLM.
+# 300), --log FILE (default .engines/logs/vllm-PORT.log), --model-dir DIR (another checkpoint
+# of the same model, e.g. a fine-tuned one: config, safetensors, tokenizer, chat_template.jinja;
+# default the converted SmolLM2); anything after `--` goes to vLLM.
 # The server runs in its own session (process group = PID), so stop_engine.sh ends vLLM and
 # its engine-core child together.
 set -euo pipefail
@@ -20,6 +22,7 @@ SERVED_NAME=${ENGINE_MODEL_NAME:-smollm2-135m-instruct}
 PORT=${ENGINE_PORT:-8011}
 TIMEOUT=300
 LOG=
+CUSTOM_MODEL=
 extra=()
 die() { echo "[serve_vllm] ERROR: $*" >&2; exit 1; }
 while [ $# -gt 0 ]; do
@@ -27,6 +30,7 @@ while [ $# -gt 0 ]; do
     --port) PORT=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
     --log) LOG=$2; shift 2 ;;
+    --model-dir) MODEL_DIR=$(cd "$2" && pwd); CUSTOM_MODEL=1; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     *) die "unknown option '$1' (see the header of $0)" ;;
   esac
@@ -34,7 +38,12 @@ done
 LOG=${LOG:-$ENGINES_DIR/logs/vllm-$PORT.log}
 
 [ -f "$VENV/.installed" ] || die "vLLM is not installed in $VENV: run bash scripts/engines/install.sh"
-[ -f "$MODEL_DIR/.installed" ] || die "the model is not in $MODEL_DIR: run bash scripts/engines/install.sh"
+if [ -n "${CUSTOM_MODEL:-}" ]; then
+  [ -f "$MODEL_DIR/config.json" ] && [ -f "$MODEL_DIR/chat_template.jinja" ] \
+    || die "--model-dir $MODEL_DIR needs config.json and chat_template.jinja (a saved checkpoint)"
+else
+  [ -f "$MODEL_DIR/.installed" ] || die "the model is not in $MODEL_DIR: run bash scripts/engines/install.sh"
+fi
 if curl -s -o /dev/null --max-time 2 "http://127.0.0.1:$PORT/health"; then
   die "something already answers on 127.0.0.1:$PORT"
 fi

@@ -230,6 +230,12 @@ def _check_languages(languages: Sequence[str], require_runtimes: bool) -> None:
                 f"{name!r}, or pass require_runtimes=False to generate tasks to run elsewhere.")
 
 
+def task_rng(split: str, seed: int, index: int, namespace: str = "pi-env-workspace") -> random.Random:
+    """The rng of one generated task: keyed by (split, seed, index), the same on every machine
+    (str seeds hash stably, unlike tuples)."""
+    return random.Random(f"{namespace}/{split}/{seed}/{index}")
+
+
 def generate_tasks(
     n: int,
     *,
@@ -258,7 +264,7 @@ def generate_tasks(
             raise ValueError(f"could not draw {n} distinct tasks from families {families}")
         family = families[index % len(families)]
         language = LANGUAGES[languages[(index // len(families)) % len(languages)]]
-        rng = random.Random(f"pi-env-workspace/{split}/{seed}/{index}")  # str seeds: stable
+        rng = task_rng(split, seed, index)
         files, question, answer, params = FAMILIES[family](rng)
         task = WorkspaceTask(
             task_id=f"{split}-{seed}-{index}-{family}-{language.name}",
@@ -273,8 +279,9 @@ def generate_tasks(
     return tasks
 
 
-def check_disjoint(**splits: Iterable[WorkspaceTask]) -> None:
-    """Raise SplitOverlapError if any task digest appears in two of the named splits."""
+def check_disjoint(**splits: Iterable) -> None:
+    """Raise SplitOverlapError if any task digest appears in two of the named splits (any task
+    with `task_id` and `digest()`: WorkspaceTask, PiTask)."""
     owner: dict[str, tuple[str, str]] = {}
     for name, tasks in splits.items():
         for task in tasks:

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# A model learns to code through pi-env on this CPU (docs/learning.md): SmolLM2-135M-Instruct,
+# base eval -> SFT on oracle rollouts -> on-policy GRPO through the real Pi -> eval after each,
+# then report.json and learning_curve.png in the run directory. Every stage resumes from its
+# outputs: run the same command again after an interruption.
+#
+#   bash scripts/learn_on_cpu.sh                       # the full run (RUN_DIR=runs/learn_on_cpu)
+#   RUN_DIR=/tmp/tiny bash scripts/learn_on_cpu.sh --n-train 4 --n-eval 2 --rl-steps 1
+#
+# Options go to `python -m pi_env.learning` (see its --help): sizes, budgets, learning rates.
+# The trainer runs in the engine venv (torch + transformers + vLLM; bash scripts/engines/install.sh),
+# with pi-env from src/; the report's plot with the main venv (matplotlib). Training and rollouts
+# run under `nice -n 10` (the machine is shared).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PI_ENV_ENGINES_DIR=${PI_ENV_ENGINES_DIR:-$PWD/.engines}
+RUN_DIR=${RUN_DIR:-runs/learn_on_cpu}
+ENGINE_PY=$PI_ENV_ENGINES_DIR/vllm-venv/bin/python
+[ -x .venv/bin/python ] || bash scripts/bootstrap.sh            # Pi, bubblewrap, the main venv
+[ -f "$PI_ENV_ENGINES_DIR/vllm-venv/.installed" ] || bash scripts/engines/install.sh vllm
+mkdir -p "$RUN_DIR"
+export PYTHONPATH=$PWD/src HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft eval_sft rl eval_rl --run-dir "$RUN_DIR" "$@"
+.venv/bin/python -m pi_env.learning report --run-dir "$RUN_DIR" "$@"
+echo "[learn] report: $RUN_DIR/report.json, plot: $RUN_DIR/learning_curve.png"

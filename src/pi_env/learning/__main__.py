@@ -1,0 +1,49 @@
+"""`python -m pi_env.learning STAGE... --run-dir DIR [--option value]`: run stages of the
+learning run in order (each resumes from its outputs); `all` runs every stage."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+
+from pi_env.learning.pipeline import STAGES, LearnConfig, log, run_stage
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pi_env.learning", description=__doc__)
+    parser.add_argument("stages", nargs="+", help=f"all, or some of: {', '.join(STAGES)}")
+    hints = typing.get_type_hints(LearnConfig)
+    for f in dataclasses.fields(LearnConfig):
+        if f.name == "extra":
+            continue
+        kind = hints[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "families":
+            parser.add_argument(flag, default=None, help="comma-separated coding families (default: all)")
+        elif kind in (int, float, Path, str) or f.name == "sft_limit":
+            convert = int if f.name == "sft_limit" else kind
+            parser.add_argument(flag, type=convert, required=f.name == "run_dir",
+                                default=None if f.name == "run_dir" else dataclasses.MISSING)
+    args = parser.parse_args(argv)
+    values = {k: v for k, v in vars(args).items() if k != "stages" and v is not dataclasses.MISSING}
+    if values.get("families"):
+        values["families"] = values["families"].split(",")
+    cfg = LearnConfig(**values)
+    stages = list(STAGES) if args.stages == ["all"] else args.stages
+    for stage in stages:
+        if stage not in STAGES:
+            parser.error(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    for stage in stages:
+        log(f"stage {stage}")
+        result = run_stage(cfg, stage)
+        if stage != "report":
+            log(f"stage {stage} done: {json.dumps(result, default=str)[:400]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The torch side of the learning run: SFT on rendered oracle conversations and GRPO on the
+sessions' exact training traces, on the CPU.
+
+Both score many sequences that share one long start (Pi's system prompt and tool schemas,
+~1,500 tokens, about 90 % of a short rollout). `masked_logprobs` runs that shared prefix ONCE
+per batch, with gradients: its keys/values become leaf tensors, each micro-batch of suffixes
+attends to them and back-propagates into them, and the prefix's own graph is back-propagated
+once at the end with the accumulated key/value gradients. Same loss and gradients as scoring
+every row whole, at a fraction of the cost and memory.
+
+Needs torch and transformers (`pi-env[learn]`, or the engine venv).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from pi_env.learning.rows import Row
+from pi_env.training import build_training_trace
+
+
+def load_policy(model_dir: str | Path):
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    template = Path(model_dir) / "chat_template.jinja"
+    if template.is_file():
+        tokenizer.chat_template = template.read_text()
+    return model, tokenizer
+
+
+def save_policy(model, tokenizer, source_dir: str | Path, out_dir: str | Path) -> Path:
+    """A directory vLLM serves: weights, config, tokenizer, the engine's chat template. Written
+    next to the target and renamed, so a killed save never leaves a half checkpoint."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+    for name in ("chat_template.jinja", "generation_config.json"):
+        if (Path(source_dir) / name).is_file():
+            shutil.copyfile(Path(source_dir) / name, tmp / name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering SFT conversations the way the engine sees them
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Tool-call arguments as dicts, content parts as one string (what vLLM does before templating)."""
+    out = json.loads(json.dumps(messages))
+    for message in out:
+        if isinstance(message.get("content"), list):
+            message["content"] = "".join(p.get("text", "") for p in message["content"] if isinstance(p, dict))
+        message["content"] = message.get("content") or ""
+        for call in message.get("tool_calls") or []:
+            arguments = call.get("function", {}).get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    call["function"]["arguments"] = json.loads(arguments) if arguments else {}
+                except json.JSONDecodeError:
+                    pass  # left a string: the template writes it as the model wrote it
+    return out
+
+
+@dataclass
+class _Turn:
+    turn: int
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    per_token_logps: list[float | None]
+
+
+def render_sft_rows(messages: list[dict], tools: list[dict], tokenizer) -> list[Row]:
+    """A conversation as the engine would have seen it, turn by turn: each assistant message's
+    prompt is the chat template's rendering of what came before (+ the generation prompt), its
+    completion the model's own text tokenised alone plus EOS, as a sampled completion is. The
+    turns are merged by `pi_env.training.build_training_trace`, the same code that merges a live
+    session's turns, so SFT and RL train on sequences of the same shape."""
+    messages = _template_messages(messages)
+    eos = tokenizer.eos_token_id
+    turns = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:index], tools=tools or None, tokenize=False,
+                                               add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages[:index + 1], tools=tools or None, tokenize=False)
+        if full.startswith(prompt):
+            completion = full[len(prompt):]
+            completion = completion[:completion.rindex(tokenizer.eos_token)]
+        else:  # an empty answer renders without the generation prompt's newline
+            completion = ""
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
+        turns.append(_Turn(len(turns), prompt_ids, completion_ids, [None] * len(completion_ids)))
+    trace = build_training_trace(turns)
+    return [Row(segment.token_ids, segment.loss_mask) for segment in trace.segments]
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring with a shared prefix
+
+
+def _shared_prefix(rows: Sequence[Row]) -> int:
+    """Tokens every row starts with, stopping before the first trained position of any row (a
+    trained token's logprob comes from the position before it, which must be in the suffix)."""
+    first = rows[0].token_ids
+    length = min(len(r.token_ids) for r in rows)
+    for row in rows:
+        trained = row.loss_mask.index(1) if 1 in row.loss_mask else len(row.loss_mask)
+        length = min(length, trained - 1)
+        for i in range(length):
+            if row.token_ids[i] != first[i]:
+                length = i
+                break
+    return max(length, 0)
+
+
+def backward_rows(model, rows: Sequence[Row], loss_fn: Callable, *, micro_batch: int = 2,
+                  normaliser: float = 1.0) -> dict:
+    """Score `rows` with gradients (shared prefix once), call `loss_fn(row, logprobs)` per row
+    (logprobs of the row's trained tokens, in order) for a scalar, back-propagate
+    sum(loss) / normaliser. Returns {"loss": ..., "prefix_tokens": ..., "tokens": ...}."""
+    prefix_len = _shared_prefix(rows)
+    lm_head, body = model.get_output_embeddings(), model.get_decoder()
+    total, tokens = 0.0, 0
+    leaves: list[torch.Tensor] = []
+    prefix_out: list[torch.Tensor] = []
+    if prefix_len:
+        cache = DynamicCache()
+        body(input_ids=torch.tensor([rows[0].token_ids[:prefix_len]]), past_key_values=cache, use_cache=True)
+        for layer in range(len(cache)):
+            key, value = _layer_kv(cache, layer)
+            prefix_out += [key, value]
+            leaves += [key.detach().requires_grad_(), value.detach().requires_grad_()]
+    for start in range(0, len(rows), micro_batch):
+        chunk = rows[start:start + micro_batch]
+        width = max(len(r.token_ids) for r in chunk) - prefix_len
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        attention = torch.zeros(len(chunk), prefix_len + width, dtype=torch.long)
+        attention[:, :prefix_len] = 1
+        for b, row in enumerate(chunk):
+            suffix = row.token_ids[prefix_len:]
+            ids[b, :len(suffix)] = torch.tensor(suffix)
+            attention[b, prefix_len:prefix_len + len(suffix)] = 1
+        cache = None
+        if prefix_len:
+            cache = DynamicCache()
+            for layer in range(len(leaves) // 2):
+                key, value = leaves[2 * layer], leaves[2 * layer + 1]
+                cache.update(key.expand(len(chunk), -1, -1, -1), value.expand(len(chunk), -1, -1, -1), layer)
+        positions = torch.arange(prefix_len, prefix_len + width).unsqueeze(0).expand(len(chunk), -1)
+        hidden = body(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                      use_cache=cache is not None).last_hidden_state
+        loss = hidden.new_zeros(())
+        for b, row in enumerate(chunk):
+            targets = [t for t in range(prefix_len, len(row.token_ids)) if row.loss_mask[t]]
+            if not targets:
+                continue
+            states = hidden[b, [t - 1 - prefix_len for t in targets]]
+            logprobs = torch.log_softmax(lm_head(states).float(), -1)
+            picked = logprobs.gather(1, torch.tensor([[row.token_ids[t]] for t in targets]))[:, 0]
+            loss = loss + loss_fn(row, picked, targets)
+            tokens += len(targets)
+        if loss.requires_grad:  # a micro-batch with no trained token has nothing to back-propagate
+            (loss / normaliser).backward()
+        total += float(loss.detach())
+    if prefix_len:
+        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+        torch.autograd.backward(prefix_out, grads)
+    return {"loss": total / normaliser, "prefix_tokens": prefix_len, "tokens": tokens}
+
+
+def _layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+# ---------------------------------------------------------------------------------------------
+# SFT
+
+
+def sft_train(model, rows: list[Row], *, epochs: int, batch_size: int, learning_rate: float, seed: int = 0,
+              micro_batch: int = 2, log: Callable[[dict], None] = print) -> list[dict]:
+    """Full fine-tune, AdamW, linear warm-up then cosine; loss = mean NLL over trained tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    steps_per_epoch = math.ceil(len(rows) / batch_size)
+    total_steps = max(1, steps_per_epoch * epochs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, total_steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / total_steps)))))
+    model.train()
+    history = []
+    step = 0
+    for epoch in range(epochs):
+        order = torch.randperm(len(rows), generator=generator).tolist()
+        for start in range(0, len(order), batch_size):
+            batch = [rows[i] for i in order[start:start + batch_size]]
+            started = time.monotonic()
+            trained = sum(sum(r.loss_mask) for r in batch)
+            stats = backward_rows(model, batch, lambda row, logprobs, _: -logprobs.sum(),
+                                  micro_batch=micro_batch, normaliser=trained)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            entry = {"step": step, "epoch": epoch, "loss": round(stats["loss"], 5), "rows": len(batch),
+                     "tokens": sum(len(r.token_ids) for r in batch), "trained_tokens": trained,
+                     "prefix_tokens": stats["prefix_tokens"], "wall_s": round(time.monotonic() - started, 2)}
+            history.append(entry)
+            log(entry)
+    model.eval()
+    return history
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO
+
+
+def grpo_step(model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro_batch: int = 2) -> dict:
+    """One policy-gradient step on rows carrying advantages (`weight`) and the engine's sampled
+    logprobs: PPO-clipped ratio objective, token-level mean (DAPO/TRL's `loss_type="dapo"`
+    normalisation), no reference-model KL term (beta = 0, TRL's default); the statistics of
+    the ratio new/old and the k3 estimate of KL(old || new) on the sampled tokens are returned."""
+    rows = [r for r in rows if r.weight != 0.0 and sum(r.loss_mask)]
+    if not rows:
+        return {"rows": 0, "loss": 0.0, "tokens": 0, "skipped": "every group had equal rewards"}
+    trained = sum(sum(r.loss_mask) for r in rows)
+    ratios: list[torch.Tensor] = []
+    missing = 0
+
+    def loss_fn(row: Row, logprobs: torch.Tensor, targets: list[int]) -> torch.Tensor:
+        nonlocal missing
+        old = [row.old_logprobs[t] for t in targets]
+        known = torch.tensor([o is not None for o in old])
+        missing += int((~known).sum())
+        old_t = torch.tensor([o if o is not None else 0.0 for o in old])
+        # Unknown old logprob (the engine gave none): on-policy, ratio 1 (old = current, detached).
+        old_t = torch.where(known, old_t, logprobs.detach())
+        ratio = torch.exp(logprobs - old_t)
+        ratios.append(ratio.detach())
+        unclipped, clipped = ratio * row.weight, ratio.clamp(1 - clip_eps, 1 + clip_eps) * row.weight
+        return -torch.minimum(unclipped, clipped).sum()
+
+    model.train()
+    stats = backward_rows(model, rows, loss_fn, micro_batch=micro_batch, normaliser=trained)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    ratio = torch.cat(ratios)
+    log_ratio = ratio.log()
+    return {"rows": len(rows), "loss": round(stats["loss"], 6), "tokens": trained,
+            "prefix_tokens": stats["prefix_tokens"], "grad_norm": round(grad_norm, 4),
+            "ratio_mean": round(float(ratio.mean()), 5), "ratio_min": round(float(ratio.min()), 5),
+            "ratio_max": round(float(ratio.max()), 5),
+            "clip_fraction": round(float(((ratio < 1 - clip_eps) | (ratio > 1 + clip_eps)).float().mean()), 5),
+            "kl_old_new_k3": round(float((ratio - 1 - log_ratio).mean()), 6),
+            "old_logprobs_missing": missing}

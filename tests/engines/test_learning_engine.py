@@ -1,0 +1,120 @@
+"""The learning run's stages on tiny sizes, for real: base eval, oracle collect + SFT, eval of
+the SFT checkpoint, one GRPO step with rollouts through the real Pi against vLLM serving the
+checkpoint, eval of the RL checkpoint, the report (scripts/learn_on_cpu.sh is the full run).
+Plus the trainer's shared-prefix scoring against scoring every row whole.
+
+The torch side runs in the engine venv (it has torch + transformers), pi-env from src/."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine import ENGINE_PYTHON, MODEL_DIR, ROOT, free_port, vllm_missing
+
+pytestmark = pytest.mark.timeout(3600)
+
+
+def _engine_env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _needs_vllm():
+    reason = vllm_missing()
+    if reason:
+        if os.environ.get("ENGINE_TIER") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+GRADIENT_CHECK = textwrap.dedent("""
+    import json, torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from pi_env.learning.rows import Row
+    from pi_env.learning.trainer import backward_rows
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    prefix = torch.randint(0, 64, (20,)).tolist()
+    rows = []
+    for n in (7, 11, 4):
+        tail = torch.randint(0, 64, (n,)).tolist()
+        rows.append(Row(prefix + tail, [0] * 20 + [0, 0] + [1] * (n - 2), weight=float(n)))
+    loss_fn = lambda row, logprobs, targets: -(logprobs * row.weight).sum()
+
+    stats = backward_rows(model, rows, loss_fn, micro_batch=2, normaliser=10.0)
+    shared = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    whole = 0.0  # every row scored alone, no cache, plain cross entropy
+    for row in rows:
+        logits = model(input_ids=torch.tensor([row.token_ids])).logits[0]
+        logprobs = torch.log_softmax(logits, -1)
+        picked = torch.stack([logprobs[t - 1, row.token_ids[t]] for t in range(len(row.token_ids)) if row.loss_mask[t]])
+        loss = -(picked * row.weight).sum() / 10.0
+        loss.backward()
+        whole += float(loss)
+    worst = max(float((shared[k] - p.grad).abs().max() / (p.grad.abs().max() + 1e-12)) for k, p in model.named_parameters())
+    print(json.dumps({"prefix_tokens": stats["prefix_tokens"], "loss_shared": stats["loss"], "loss_whole": whole,
+                      "worst_relative_grad_diff": worst}))
+""")
+
+
+def test_shared_prefix_scoring_matches_scoring_every_row_whole():
+    out = subprocess.run([str(ENGINE_PYTHON), "-c", GRADIENT_CHECK], env=_engine_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["prefix_tokens"] == 20
+    assert abs(result["loss_shared"] - result["loss_whole"]) < 1e-4 * abs(result["loss_whole"])
+    assert result["worst_relative_grad_diff"] < 1e-3, result
+
+
+def test_every_stage_on_tiny_sizes(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--run-dir", str(run_dir), "--n-train", "3", "--n-eval", "2", "--families", "write_file,fix_bug",
+            "--sft-epochs", "2", "--sft-batch", "3", "--rl-steps", "1", "--rl-tasks-per-step", "1",
+            "--group-size", "4", "--max-turns", "4", "--max-tokens", "96", "--agent-timeout-s", "180",
+            "--engine-port", str(free_port()), "--base-model", str(MODEL_DIR)]
+    stages = ["tasks", "oracle", "eval_base", "sft", "eval_sft", "rl", "eval_rl"]
+    out = subprocess.run(["nice", "-n", "10", str(ENGINE_PYTHON), "-m", "pi_env.learning", *stages, *args],
+                         env=_engine_env(), capture_output=True, text=True, timeout=3000)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report_out = subprocess.run([sys.executable, "-m", "pi_env.learning", "report", *args],
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
+                                timeout=300)
+    assert report_out.returncode == 0, report_out.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert (run_dir / "learning_curve.png").stat().st_size > 10_000
+
+    evals = [report["stages"]["base"], report["stages"]["sft"]["eval"], report["stages"]["rl"]["eval"]]
+    for summary in evals:
+        assert summary["count"] == 2 and summary["unscored"] == 0, summary
+        assert summary["held_out_checked_against"] >= 3  # every eval checked against what was trained on
+    assert report["stages"]["oracle"]["sft_rows"] == 3
+    sft = report["stages"]["sft"]["train"]
+    assert sft["steps"] == 2 and sft["loss_last"] < sft["loss_first"]
+
+    (step,) = report["rl_steps"]
+    assert len(step["rows_per_rollout"]) == 4 and all(n >= 1 for n in step["rows_per_rollout"])
+    assert step["generated_tokens"] > 0
+    assert set(step["time_s"]) >= {"engine_start", "rollouts", "generation_summed", "pi_and_sandbox_summed", "train"}
+    if step["trained_rows"]:  # a group with different rewards: a real gradient step on the sampled trace
+        assert 0.5 < step["ratio_mean"] < 2.0 and step["old_logprobs_missing"] == 0
+    # The RL checkpoint is what the last eval served, and it is not the SFT one.
+    assert report["stages"]["rl"]["eval"]["model_dir"].endswith("rl/policy")
+    sft_weights = (run_dir / "sft" / "policy" / "model.safetensors").read_bytes()
+    rl_weights = (run_dir / "rl" / "policy" / "model.safetensors").read_bytes()
+    assert (sft_weights != rl_weights) == bool(step["trained_rows"])
+
+    # Resumable: a second run finds every stage's outputs and redoes nothing.
+    again = subprocess.run([str(ENGINE_PYTHON), "-m", "pi_env.learning", *stages, *args], env=_engine_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "vLLM" not in again.stderr and "sft step" not in again.stdout
