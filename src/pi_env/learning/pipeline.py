@@ -63,6 +63,7 @@ class LearnConfig:
     rl_temperature: float = 1.0
     clip_eps: float = 0.2
     micro_batch: int = 2
+    train_layers: int = 0  # train only the top N decoder layers (0: all); see trainer.train_top_layers
     extra: dict = field(default_factory=dict)
 
     def path(self, *parts: str) -> Path:
@@ -260,6 +261,7 @@ def stage_sft(cfg: LearnConfig) -> dict:
     torch.manual_seed(cfg.seed)
     started = time.monotonic()
     model, tokenizer = trainer.load_policy(cfg.base_model)
+    trained_parameters = trainer.train_top_layers(model, cfg.train_layers)
     rows = []
     data = [json.loads(line) for line in cfg.path("oracle", "exports", "sft.jsonl").read_text().splitlines() if line.strip()]
     data = data[:cfg.sft_limit] if cfg.sft_limit else data
@@ -278,6 +280,7 @@ def stage_sft(cfg: LearnConfig) -> dict:
                                     learning_rate=cfg.sft_lr, seed=cfg.seed, micro_batch=cfg.micro_batch, log=note)
     trainer.save_policy(model, tokenizer, cfg.base_model, cfg.path("sft", "policy"))
     summary = {"conversations": len(data), "rows": len(rows), "steps": len(history),
+               "trained_parameters": trained_parameters, "train_layers": cfg.train_layers or "all",
                "loss_first": history[0]["loss"] if history else None,
                "loss_last": history[-1]["loss"] if history else None,
                "train_s": round(sum(h["wall_s"] for h in history), 1), "wall_s": round(time.monotonic() - started, 1)}
@@ -304,8 +307,9 @@ def stage_rl(cfg: LearnConfig) -> dict:
     source = policy_dir if steps else cfg.path("sft", "policy")
     torch.manual_seed(cfg.seed + len(steps))
     model, tokenizer = trainer.load_policy(source)
+    trainer.train_top_layers(model, cfg.train_layers)
     # Resuming starts Adam's moments afresh (the weights are the last finished step's).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.rl_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainer.trainable(model), lr=cfg.rl_lr, betas=(0.9, 0.99), weight_decay=0.0)
     for step in range(len(steps), cfg.rl_steps):
         started = time.monotonic()
         tasks = rl_tasks(cfg, step)

@@ -37,6 +37,27 @@ def load_policy(model_dir: str | Path):
     return model, tokenizer
 
 
+def train_top_layers(model, count: int | None) -> int:
+    """Train only the top `count` decoder layers and the final norm (None or 0: everything).
+    The frozen bottom needs no backward pass and no optimizer state, which on a shared 2-core
+    CPU is the difference between a run that fits and one that does not. The embeddings (tied
+    to the LM head in SmolLM2) stay frozen with the bottom. Returns the trainable parameters."""
+    if count:
+        layers = model.get_decoder().layers
+        if not 0 < count <= len(layers):
+            raise ValueError(f"train_layers: {count}; the model has {len(layers)} decoder layers")
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        for module in [*layers[len(layers) - count:], model.get_decoder().norm]:
+            for parameter in module.parameters():
+                parameter.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def trainable(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def save_policy(model, tokenizer, source_dir: str | Path, out_dir: str | Path) -> Path:
     """A directory vLLM serves: weights, config, tokenizer, the engine's chat template. Written
     next to the target and renamed, so a killed save never leaves a half checkpoint."""
@@ -144,7 +165,7 @@ def backward_rows(model, rows: Sequence[Row], loss_fn: Callable, *, micro_batch:
         for layer in range(len(cache)):
             key, value = _layer_kv(cache, layer)
             prefix_out += [key, value]
-            leaves += [key.detach().requires_grad_(), value.detach().requires_grad_()]
+            leaves += [key.detach().requires_grad_(key.requires_grad), value.detach().requires_grad_(value.requires_grad)]
     for start in range(0, len(rows), micro_batch):
         chunk = rows[start:start + micro_batch]
         width = max(len(r.token_ids) for r in chunk) - prefix_len
@@ -178,8 +199,9 @@ def backward_rows(model, rows: Sequence[Row], loss_fn: Callable, *, micro_batch:
             (loss / normaliser).backward()
         total += float(loss.detach())
     if prefix_len:
-        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
-        torch.autograd.backward(prefix_out, grads)
+        pairs = [(out, leaf.grad) for out, leaf in zip(prefix_out, leaves) if out.requires_grad and leaf.grad is not None]
+        if pairs:  # frozen bottom layers' keys/values have no graph to go back through
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
     return {"loss": total / normaliser, "prefix_tokens": prefix_len, "tokens": tokens}
 
 
@@ -199,7 +221,7 @@ def sft_train(model, rows: list[Row], *, epochs: int, batch_size: int, learning_
     generator = torch.Generator().manual_seed(seed)
     steps_per_epoch = math.ceil(len(rows) / batch_size)
     total_steps = max(1, steps_per_epoch * epochs)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable(model), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, total_steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / total_steps)))))
@@ -214,7 +236,7 @@ def sft_train(model, rows: list[Row], *, epochs: int, batch_size: int, learning_
             trained = sum(sum(r.loss_mask) for r in batch)
             stats = backward_rows(model, batch, lambda row, logprobs, _: -logprobs.sum(),
                                   micro_batch=micro_batch, normaliser=trained)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(trainable(model), 1.0)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
@@ -259,7 +281,7 @@ def grpo_step(model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro
 
     model.train()
     stats = backward_rows(model, rows, loss_fn, micro_batch=micro_batch, normaliser=trained)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable(model), 1.0))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     model.eval()
