@@ -48,8 +48,7 @@ def test_oracle_solves_and_a_lazy_agent_fails(family):
     """Real Pi, real sandbox: the family's oracle solution scores 1; the same task with a
     solution that only looks around scores below 1 (the verify commands really check)."""
     task = generate_coding_tasks(1, split="eval", seed=7, families=[family])[0]
-    lazy = task.model_copy(update={"solution": [{"tool": "bash", "command": "ls -R"}]})
-    lazy = PiTask.model_validate(lazy.model_dump())
+    lazy = PiTask.model_validate({**task.model_dump(), "solution": [{"tool": "bash", "command": "ls -R"}]})
     factory = PiSessionFactory(PiConfig(endpoint="oracle", mode="black_box"))
     with factory.create(task) as session:
         solved = session.wait_for_completion()
