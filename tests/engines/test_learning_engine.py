@@ -34,14 +34,15 @@ def _needs_vllm():
 
 
 GRADIENT_CHECK = textwrap.dedent("""
-    import json, torch
+    import json, sys, torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from pi_env.learning.rows import Row
-    from pi_env.learning.trainer import backward_rows
+    from pi_env.learning.trainer import backward_rows, train_top_layers
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    trained = train_top_layers(model, int(sys.argv[1]))
     prefix = torch.randint(0, 64, (20,)).tolist()
     rows = []
     for n in (7, 11, 4):
@@ -50,7 +51,8 @@ GRADIENT_CHECK = textwrap.dedent("""
     loss_fn = lambda row, logprobs, targets: -(logprobs * row.weight).sum()
 
     stats = backward_rows(model, rows, loss_fn, micro_batch=2, normaliser=10.0)
-    shared = {k: p.grad.clone() for k, p in model.named_parameters()}
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    shared = {k: p.grad.clone() for k, p in params.items()}
     model.zero_grad()
     whole = 0.0  # every row scored alone, no cache, plain cross entropy
     for row in rows:
@@ -60,18 +62,22 @@ GRADIENT_CHECK = textwrap.dedent("""
         loss = -(picked * row.weight).sum() / 10.0
         loss.backward()
         whole += float(loss)
-    worst = max(float((shared[k] - p.grad).abs().max() / (p.grad.abs().max() + 1e-12)) for k, p in model.named_parameters())
+    worst = max(float((shared[k] - p.grad).abs().max() / (p.grad.abs().max() + 1e-12)) for k, p in params.items())
     print(json.dumps({"prefix_tokens": stats["prefix_tokens"], "loss_shared": stats["loss"], "loss_whole": whole,
-                      "worst_relative_grad_diff": worst}))
+                      "worst_relative_grad_diff": worst, "trained_parameters": trained,
+                      "all_parameters": sum(p.numel() for p in model.parameters())}))
 """)
 
 
-def test_shared_prefix_scoring_matches_scoring_every_row_whole():
-    out = subprocess.run([str(ENGINE_PYTHON), "-c", GRADIENT_CHECK], env=_engine_env(), capture_output=True,
-                         text=True, timeout=600)
+@pytest.mark.parametrize("train_layers", [0, 1])
+def test_shared_prefix_scoring_matches_scoring_every_row_whole(train_layers):
+    """Same loss and gradients as whole rows, training every layer or only the top one."""
+    out = subprocess.run([str(ENGINE_PYTHON), "-c", GRADIENT_CHECK, str(train_layers)], env=_engine_env(),
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["prefix_tokens"] == 20
+    assert (result["trained_parameters"] < result["all_parameters"]) == bool(train_layers)
     assert abs(result["loss_shared"] - result["loss_whole"]) < 1e-4 * abs(result["loss_whole"])
     assert result["worst_relative_grad_diff"] < 1e-3, result
 

@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "families":
             parser.add_argument(flag, default=None, help="comma-separated coding families (default: all)")
-        elif kind in (int, float, Path, str) or f.name == "sft_limit":
-            convert = int if f.name == "sft_limit" else kind
+        elif kind in (int, float, Path, str) or f.name in ("sft_limit", "eval_limit"):
+            convert = int if f.name in ("sft_limit", "eval_limit") else kind
             parser.add_argument(flag, type=convert, required=f.name == "run_dir",
                                 default=None if f.name == "run_dir" else dataclasses.MISSING)
     args = parser.parse_args(argv)

@@ -54,7 +54,8 @@ class LearnConfig:
     sft_epochs: int = 2
     sft_batch: int = 8
     sft_lr: float = 1e-4
-    sft_limit: int | None = None  # rows (for the fast test)
+    sft_limit: int | None = None  # use only the first N oracle conversations (default: all)
+    eval_limit: int | None = None  # evaluate only the first N eval tasks (families alternate; default: all)
     # RL
     rl_steps: int = 8
     rl_tasks_per_step: int = 4
@@ -233,7 +234,7 @@ def stage_eval(cfg: LearnConfig, name: str, model_dir: Path) -> dict:
     done = _read_json(cfg.path(f"eval_{name}", "summary.json"))
     if done:
         return done
-    evaluation = read_tasks(cfg.path("tasks", "eval.jsonl"))
+    evaluation = read_tasks(cfg.path("tasks", "eval.jsonl"))[:cfg.eval_limit or None]
     trained = check_held_out(cfg, evaluation)
     started = time.monotonic()
     with Engine(model_dir, cfg.engine_port, cfg.path("logs", f"vllm-eval_{name}.log")) as engine:
