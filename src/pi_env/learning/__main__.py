@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         kind = hints[f.name]
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "families":
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=dataclasses.MISSING)
+        elif f.name == "families":
             parser.add_argument(flag, default=None, help="comma-separated coding families (default: all)")
         elif kind in (int, float, Path, str) or f.name in ("sft_limit", "eval_limit"):
             convert = int if f.name in ("sft_limit", "eval_limit") else kind

@@ -49,6 +49,9 @@ class LearnConfig:
     max_tokens: int = 384  # per model call
     agent_timeout_s: float = 240
     eval_temperature: float = 0.0
+    # Token-in (docs/token-in.md): the gateway renders and bridges ids, so a rollout is one
+    # training sequence; off: the engine's own ids through plain transparent_proxy capture.
+    token_in: bool = True
     engine_port: int = 8031
     # SFT
     sft_epochs: int = 2
@@ -175,10 +178,12 @@ class Engine:
 
 
 def rollout_config(cfg: LearnConfig, engine: Engine, temperature: float) -> PiConfig:
+    token_in = {"proxy_token_in": True, "proxy_renderer": "chatml-hermes",
+                "proxy_tokenizer": str(engine.model_dir)} if cfg.token_in else {}
     return PiConfig(endpoint="vllm", base_url=engine.base_url, model="policy", api_key="none",
                     mode="transparent_proxy", max_turns=cfg.max_turns, proxy_max_tokens_cap=cfg.max_tokens,
                     agent_timeout_s=cfg.agent_timeout_s, proxy_return_token_ids=True,
-                    proxy_sampling={"temperature": temperature, "top_p": 1.0})
+                    proxy_sampling={"temperature": temperature, "top_p": 1.0}, **token_in)
 
 
 def collect(tasks: list[PiTask], out: Path, config: PiConfig, *, group_size: int, concurrency: int):
