@@ -30,6 +30,19 @@ def test_splits_are_deterministic_sized_and_disjoint():
     assert hidden and all(t.verify_files and not set(t.verify_files) & set(t.files) for t in hidden)
 
 
+def test_every_generated_python_file_compiles():
+    """Every file a family writes, visible or hidden, over a whole split (one broken quoting
+    in one variant would make its tasks unsolvable)."""
+    train, evaluation = make_coding_splits(200, 50)
+    for task in train + evaluation:
+        for path, text in {**task.files, **task.verify_files}.items():
+            if path.endswith(".py"):
+                compile(text, f"{task.task_id}:{path}", "exec")
+        for step in task.solution:
+            if step.tool == "write" and step.path.endswith(".py"):
+                compile(step.content, f"{task.task_id}:solution", "exec")
+
+
 def test_a_shared_task_is_caught():
     train = generate_coding_tasks(5, split="train")
     clone = train[2].model_copy(update={"task_id": "eval-renamed"})

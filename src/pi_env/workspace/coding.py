@@ -149,8 +149,9 @@ def _fix_bug(rng: random.Random, split: str) -> dict:
     hidden = [h.capitalize() if kind == "str" else h for h in hidden]
     test_file = f"test_{module}.py"
     test = (f"from {module} import {function}\n\n"
-            f"got = {function}({visible!r})\n"
-            f"assert got == {run(visible)!r}, f'{function}({visible!r}) returned {{got!r}}, expected {run(visible)!r}'\n"
+            f"ARGS = {visible!r}\nWANT = {run(visible)!r}\n"
+            f"got = {function}(ARGS)\n"
+            f"assert got == WANT, f\"{function}({{ARGS!r}}) returned {{got!r}}, expected {{WANT!r}}\"\n"
             f"print('ok')\n")
     check = f"tests/check_{module}.py"
     return dict(
