@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import typing
 from pathlib import Path
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.add_argument(flag, type=convert, required=f.name == "run_dir",
                                 default=None if f.name == "run_dir" else dataclasses.MISSING)
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so a stage's engine is stopped and its stores closed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     values = {k: v for k, v in vars(args).items() if k != "stages" and v is not dataclasses.MISSING}
     if values.get("families"):
         values["families"] = values["families"].split(",")
