@@ -35,7 +35,7 @@ from scoring import score_with_transformers
 pytest.importorskip("renderers", reason="token-in needs pi-env[token-in]")
 
 ROLLOUTS = int(os.environ.get("TOKEN_IN_ROLLOUTS", "20"))  # fewer while working on it
-CONCURRENCY = int(os.environ.get("TOKEN_IN_CONCURRENCY", "4"))
+CONCURRENCY = int(os.environ.get("TOKEN_IN_CONCURRENCY", "8"))
 FORCED_CALLS = 2
 UNFORCED_MAX_TOKENS = 16
 COMMANDS = ["ls", "pwd", "ls -la", "cat notes.txt", "echo hello", "date", "wc -l notes.txt", "head notes.txt"]
@@ -148,7 +148,7 @@ def test_token_in_rollouts_are_one_exact_sequence_and_plain_ones_break(relay, vl
     token_in = [result for (mode, _), result in zip(jobs, done) if mode]
     plain = [result for (mode, _), result in zip(jobs, done) if not mode]
 
-    diffs, turns_checked = [], 0
+    diffs, forced, turns_checked = [], [], 0
     for result in token_in:
         assert result.error_kind is None, result.error
         calls = [t for t in result.proxy_turns if t.message and t.message.get("tool_calls")]
@@ -160,13 +160,17 @@ def test_token_in_rollouts_are_one_exact_sequence_and_plain_ones_break(relay, vl
             assert turn.prompt_token_ids == engine["prompt"]
             assert turn.completion_token_ids == engine["ids"] and turn.per_token_logps == engine["logprobs"]
             turns_checked += 1
+        # transformers scores the whole merged sequence once; each turn's completion sits right
+        # after its prompt in it. vLLM applies the forcing grammar's mask to the logits before it
+        # computes logprobs, so only the free answers are comparable to unconstrained scoring;
+        # the forced ones are reported, not asserted.
         segment = result.training.segments[0]
         start = segment.loss_mask.index(1)
         scored = score_with_transformers(vllm_engine.model_dir, segment.token_ids[:start], segment.token_ids[start:])
-        for k, (mask, captured) in enumerate(zip(segment.loss_mask[start:], segment.logprobs[start:])):
-            if mask:
-                diffs.append(abs(scored[k] - captured))
-    assert max(diffs) < 1e-3
+        for index, turn in enumerate(result.proxy_turns):
+            at = len(turn.prompt_token_ids) - start
+            for k, captured in enumerate(turn.per_token_logps):
+                (forced if index < FORCED_CALLS else diffs).append(abs(scored[at + k] - captured))
     token_in_rate = sum(sum(transitions(r)) for r in token_in) / sum(len(transitions(r)) for r in token_in)
     plain_transitions = [x for r in plain if r.training for x in transitions(r)]
     plain_rate = sum(plain_transitions) / len(plain_transitions)
@@ -174,9 +178,11 @@ def test_token_in_rollouts_are_one_exact_sequence_and_plain_ones_break(relay, vl
     NOTES.append(f"token-in: {len(token_in)} real Pi rollouts, {turns_checked} turns, "
                  f"{sum(len(transitions(r)) for r in token_in)} transitions, extend rate {token_in_rate:.0%}; "
                  f"prompt ids == engine's echo and completion ids/logprobs == engine's on every turn")
-    NOTES.append(f"token-in: transformers on the merged sequences vs captured logprobs over {len(diffs)} sampled "
-                 f"tokens: max abs diff {max(diffs):.2e}, mean {statistics.fmean(diffs):.2e}")
+    NOTES.append(f"token-in: transformers on the merged sequences vs captured logprobs over {len(diffs)} freely "
+                 f"sampled tokens: max abs diff {max(diffs):.2e}, mean {statistics.fmean(diffs):.2e}; over the "
+                 f"{len(forced)} grammar-forced tokens (vLLM's logprobs are the constrained ones): max "
+                 f"{max(forced):.2e}, mean {statistics.fmean(forced):.2e}")
     NOTES.append(f"plain capture, same {len(plain)} rollouts (same forcing, seeds): {len(plain_transitions)} "
                  f"transitions, extend rate {plain_rate:.0%} ({plain_calls} tool-calling turns); "
                  f"errors {[r.error_kind for r in plain if r.error_kind]}")
-    assert token_in_rate == 1.0
+    assert token_in_rate == 1.0 and max(diffs) < 1e-3
