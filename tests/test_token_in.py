@@ -423,3 +423,36 @@ def test_session_start_names_what_is_missing(server, token_server, tokenizer_dir
                                     mode="transparent_proxy", proxy_token_in=True, proxy_tokenizer=str(no_template))
     with pytest.raises(TokenInUnavailable, match="no renderer for the model"):
         PiSessionFactory(unknown_model).create(task)
+
+
+def test_each_tool_call_reaches_the_agent_as_soon_as_it_is_complete(gateway, token_server, tokenizer_dir):
+    from pi_env.testing import Fault
+
+    second = {"command": "echo " + "x" * 40}
+    turns = [ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"}),
+                                      ScriptedToolCall(name="bash", arguments=second)], fault=Fault(delay_s=0.01))]
+    session = open_token_in(gateway, token_server, tokenizer_dir, turns)
+    body = {"model": "m", "stream": True, "messages": [SYSTEM, USER], "tools": [BASH_TOOL]}
+
+    async def timed():
+        arrivals = []
+        async with aiohttp.ClientSession() as client:
+            async with client.post(gateway.tcp_base_url + "/chat/completions", json=body,
+                                   headers={"Authorization": f"Bearer {session.token}"}) as answer:
+                async for line in answer.content:
+                    if line.startswith(b"data: {"):
+                        arrivals.append((asyncio.get_running_loop().time(), json.loads(line[6:])))
+        return arrivals
+
+    try:
+        arrivals = asyncio.run(timed())
+        assert session.wait_idle()
+    finally:
+        gateway.close_session(session)
+    calls = [(at, c) for at, chunk in arrivals if chunk["choices"] for c in chunk["choices"][0]["delta"].get("tool_calls") or []]
+    finished = next(at for at, chunk in arrivals if chunk["choices"] and chunk["choices"][0]["finish_reason"])
+    assert [json.loads(c["function"]["arguments"]) for _, c in calls] == [{"command": "ls"}, second]
+    assert [c["index"] for _, c in calls] == [0, 1]
+    assert finished - calls[0][0] > 0.3  # the first call went out while the second was still being generated
+    given = session.turns[0].capture.choices[0].tool_calls
+    assert [c["id"] for c in given] == [c["id"] for _, c in calls]  # the record holds the ids the agent got

@@ -12,7 +12,8 @@ turn. Nothing is ever spliced.
 In transparent_proxy (`TokenIn`), the ids go to the engine's token-in endpoint (vLLM:
 `/v1/completions` with a token-id prompt, `return_token_ids`, logprobs, streamed), and the
 completion ids come back to the agent as an OpenAI chat answer parsed by the same renderer:
-plain text as it arrives, tool calls once parsed, usage and the finish reason at the end; a
+plain text as it arrives, each tool call as soon as it is complete, usage and the finish reason
+at the end; a
 call that is cut off or does not parse reaches the agent as text, never invented. The record
 holds the prompt ids sent, the completion ids and logprobs received, and the bridge outcome.
 interception_gate uses the same ledger and parser (pi_env.proxy.gate).
@@ -282,13 +283,17 @@ def answer_message(parsed) -> tuple[dict[str, Any], list[str]]:
     message: dict[str, Any] = {"role": "assistant", "content": content or None}
     if parsed.reasoning_content:
         message["reasoning_content"] = parsed.reasoning_content
-    calls = [{"id": call.id or f"call_{secrets.token_hex(12)}", "type": "function",
-              "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)
-                           if not isinstance(call.arguments, str) else call.arguments}}
-             for call in parsed.tool_calls if call.status == ToolCallParseStatus.OK]
+    calls = [openai_tool_call(call) for call in parsed.tool_calls if call.status == ToolCallParseStatus.OK]
     if calls:
         message["tool_calls"] = calls
     return message, unparsed
+
+
+def openai_tool_call(call) -> dict[str, Any]:
+    """A parsed call in the OpenAI shape (arguments as a JSON string, an id of its own)."""
+    arguments = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments, ensure_ascii=False)
+    return {"id": call.id or f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": call.name, "arguments": arguments}}
 
 
 # --------------------------------------------------------------------------- the engine side
@@ -388,6 +393,9 @@ class _Stream:
     misaligned: bool = False
     streamed: str = ""  # content already sent to the agent
     held: bool = False  # content streaming stopped (markup may follow)
+    prompt_ids: list[int] = field(default_factory=list)
+    calls_sent: list[dict[str, Any]] = field(default_factory=list)  # tool calls the agent already has
+    ended: bool = False  # a stop id arrived: nothing more to decode
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""
@@ -461,7 +469,7 @@ class TokenIn:
                     "created": int(time.time()), "model": capture.model or ""}
         response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"} if streaming
                                       else {"Content-Type": "application/json"})
-        state = _Stream(held=self._reasoning_open(plan.token_ids))
+        state = _Stream(held=self._reasoning_open(plan.token_ids), prompt_ids=plan.token_ids)
         completed = False
         try:
             if streaming:
@@ -474,9 +482,11 @@ class TokenIn:
                 payload = line[5:].strip()
                 if not payload or payload == b"[DONE]":
                     continue
-                delta = self._take(state, payload)
-                if delta and streaming:
-                    await response.write(_sse(envelope, {"content": delta}))
+                delta, calls = self._take(state, payload)
+                if streaming and (delta or calls):
+                    offset = len(state.calls_sent) - len(calls)
+                    await response.write((_sse(envelope, {"content": delta}) if delta else b"") + b"".join(
+                        _sse(envelope, {"tool_calls": [{"index": offset + k, **c}]}) for k, c in enumerate(calls)))
             completed = True
         except asyncio.CancelledError:
             turn.client_disconnected = True
@@ -510,7 +520,8 @@ class TokenIn:
         if message.get("reasoning_content"):
             events.append(_sse(envelope, {"reasoning_content": message["reasoning_content"]}))
         for position, tool_call in enumerate(message.get("tool_calls") or []):
-            events.append(_sse(envelope, {"tool_calls": [{"index": position, **tool_call}]}))
+            if position >= len(state.calls_sent):  # the others went out as soon as they were complete
+                events.append(_sse(envelope, {"tool_calls": [{"index": position, **tool_call}]}))
         events.append(_sse(envelope, {}, finish))
         if include_usage and capture.usage:
             events.append(b"data: " + msgspec.json.encode({**envelope, "choices": [], "usage": capture.usage}) + b"\n\n")
@@ -568,24 +579,45 @@ class TokenIn:
                 state.finish_reason = choice.finish_reason
         return self._stream_content(state)
 
-    def _stream_content(self, state: _Stream) -> str:
-        """Decode the new ids (incrementally, as engines do) and return the content that is
-        certainly content: text before any markup, without trailing whitespace (a separator
-        before a tool call belongs to it)."""
-        if state.held or self.tokenizer is None or state.read_offset >= len(state.ids):
-            return ""
+    def _complete_calls(self, state: _Stream) -> list[dict[str, Any]]:
+        """Tool calls that are complete in the ids so far and not yet sent: the leading run of
+        calls that parse (one cut off or malformed may still be growing, or reaches the agent as
+        text at the end)."""
+        from renderers import ToolCallParseStatus
+
+        parsed = self.spec.renderer.parse_response(list(state.ids), prompt_ids=state.prompt_ids)
+        new = []
+        for position, call in enumerate(parsed.tool_calls):
+            if call.status != ToolCallParseStatus.OK:
+                break
+            if position >= len(state.calls_sent):
+                new.append(openai_tool_call(call))
+        state.calls_sent.extend(new)
+        return new
+
+    def _stream_content(self, state: _Stream) -> tuple[str, list[dict[str, Any]]]:
+        """Decode the new ids (incrementally, as engines do). Returns the content that is
+        certainly content (text before any markup, without trailing whitespace: a separator
+        before a tool call belongs to it) and the tool calls completed by this chunk (looked for
+        when a tag closes)."""
+        if state.ended or self.tokenizer is None or state.read_offset >= len(state.ids):
+            return "", []
         stops = set(self.spec.renderer.get_stop_token_ids())
         ids = state.ids
         if any(i in stops for i in ids[state.read_offset:]):
-            state.held = True
-            return ""
+            state.ended = True  # the rest is parsed from the whole answer at its end
+            return "", []
         decode = self.tokenizer.decode
         before = decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=False)
         after = decode(ids[state.prefix_offset:], skip_special_tokens=False)
         if after.endswith("\ufffd") or len(after) <= len(before):
-            return ""  # a character split across tokens: wait for its end
-        state.text += after[len(before):]
+            return "", []  # a character split across tokens: wait for its end
+        new_text = after[len(before):]
+        state.text += new_text
         state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+        calls = self._complete_calls(state) if state.held and ">" in new_text else []
+        if state.held:
+            return "", calls
         cut = min((state.text.find(c) for c in MARKUP_START if c in state.text), default=-1)
         if cut >= 0:
             state.held = True
@@ -594,9 +626,9 @@ class TokenIn:
             safe = state.text
         safe = safe.rstrip()
         if len(safe) <= len(state.streamed):
-            return ""
+            return "", calls
         delta, state.streamed = safe[len(state.streamed):], safe
-        return delta
+        return delta, calls
 
     def _finish(self, capture: TurnCapture, turn: TurnRecord, state: _Stream, plan: PromptPlan,
                 request: dict[str, Any], failure: str | None) -> dict[str, Any]:
@@ -629,6 +661,13 @@ class TokenIn:
             message["content"] = state.streamed + message["content"]
         if unparsed:
             capture.token_in["unparsed_tool_calls"] = unparsed
+        final_calls = message.get("tool_calls") or []
+        for position, sent in enumerate(state.calls_sent):  # the agent has these already: keep their ids
+            if position < len(final_calls) and final_calls[position]["function"] == sent["function"]:
+                final_calls[position]["id"] = sent["id"]
+            else:
+                capture.token_in["stream_note"] = f"tool call {position} was sent before the answer ended and " \
+                                                  "does not match the final parse"
         finish = state.finish_reason
         if finish != "length":
             finish = "tool_calls" if message.get("tool_calls") else "stop"
