@@ -1,7 +1,9 @@
 """How much the sandbox backends cost.
 
 Local backend: create + close, exec("true"), and the same command line run bare
-(subprocess.run, no output pipes or threads, no shell as the namespace's init).
+(subprocess.run, no output pipes or threads, no shell as the namespace's init). Side by side:
+create + close without the per-sandbox totals (no memory cgroup, no size-capped home), and
+exec("true") with network="full" (its own namespace given the internet by slirp4netns).
 Every backend that runs here (local, podman): create-to-ready (create() until a first
 exec("true") has returned: the sandbox provably runs commands) and teardown (close() of a
 sandbox that ran a command), N rounds each.
@@ -21,8 +23,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from pi_env.sandbox import SandboxSpec, SandboxUnavailable, get_backend
+from pi_env.sandbox import SandboxLimits, SandboxSpec, SandboxUnavailable, get_backend
 from pi_env.sandbox.local import LocalSandboxBackend
+from pi_env.sandbox.totals import host_totals
 
 LIFECYCLE_BACKENDS = ("local", "podman")
 
@@ -85,9 +88,14 @@ def main() -> None:
     backend = LocalSandboxBackend()
     spec = SandboxSpec()
 
-    create_close = timings_ms(lambda: backend.create(spec).close(), n)
+    no_totals = SandboxSpec(limits=SandboxLimits(max_total_memory_bytes=None, max_disk_bytes=None))
+    create_close, create_close_no_totals = [], []
+    for _ in range(2):  # interleaved, so both see the same load
+        create_close += timings_ms(lambda: backend.create(spec).close(), n // 2)
+        create_close_no_totals += timings_ms(lambda: backend.create(no_totals).close(), n // 2)
     with backend.create(spec) as sandbox:
         exec_true = timings_ms(lambda: sandbox.exec("true"), n)
+        exec_true_network = timings_ms(lambda: sandbox.exec("true", network="full"), n)
         # The exact command line exec() builds (setpriv, prlimit, bwrap and its flags), with
         # `true` run directly instead of under the shell that serves as the namespace's init.
         popen_args = sandbox._popen_args("true", None, None, "none")
@@ -97,7 +105,9 @@ def main() -> None:
 
     rows = [
         ("create + close", create_close),
+        ("  without totals", create_close_no_totals),
         ('exec("true")', exec_true),
+        ('  network="full"', exec_true_network),
         ("bare bwrap true", bare),
     ]
     print(f"{'N=' + str(n):<18}{'median ms':>10}{'p90 ms':>10}{'min ms':>10}")
@@ -112,6 +122,10 @@ def main() -> None:
                 "backends": backends,
                 "create_teardown_median_ms": round(statistics.median(create_close), 2),
                 "create_teardown_p90_ms": round(p90(create_close), 2),
+                "create_teardown_without_totals_median_ms": round(statistics.median(create_close_no_totals), 2),
+                "totals": host_totals().describe(),
+                "exec_true_network_full_median_ms": round(statistics.median(exec_true_network), 2),
+                "exec_true_network_full_p90_ms": round(p90(exec_true_network), 2),
                 "exec_true_median_ms": round(statistics.median(exec_true), 2),
                 "exec_true_p90_ms": round(p90(exec_true), 2),
                 "bare_bwrap_true_median_ms": round(statistics.median(bare), 2),

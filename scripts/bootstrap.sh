@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 
 need=()
 command -v bwrap >/dev/null || need+=(bubblewrap)
+command -v slirp4netns >/dev/null || need+=(slirp4netns)  # the internet, not the host, for setup/verify
+command -v ip >/dev/null || need+=(iproute2)          # the host's addresses, kept from the sandbox
 command -v rg >/dev/null || need+=(ripgrep)           # Pi's grep tool
 command -v fdfind >/dev/null || command -v fd >/dev/null || need+=(fd-find)  # Pi's find tool
 command -v npm >/dev/null || need+=(nodejs npm)       # installs the Pi runtime once

@@ -6,7 +6,8 @@ Each entry of BACKENDS is a `BackendEntry(name, make, features)`:
   missing and how to get it). It is called once per test module.
 - `features` says which host-bound parts of the contract the backend really exercises here;
   a contract test that needs a feature the entry lacks is skipped with that reason:
-    "network":  network="none" cannot reach a host TCP server, network="full" can;
+    "network":  network="none" reaches nothing; network="full" reaches the outside but no
+                host service (not on 127.0.0.1, not on the host's own addresses);
     "host_mounts": spec.ro_mounts (host paths) are mounted read-only;
     "gateway_socket": spec.gateway_socket (a host Unix socket) is reachable at GATEWAY_SOCKET
                   with network="gateway" only, and agent_masked_paths hide their content then;

@@ -92,9 +92,9 @@ def test_relays_stream_with_the_real_key(gateway, server, unix):
 
 def test_only_model_routes_are_relayed_and_listing_is_not_a_turn(gateway, server):
     session = gateway.open_session(upstream(server, []))
-    status, _, raw = call(gateway, session, "/models?limit=1", method="GET", body=None)
+    status, _, raw = call(gateway, session, "/models", method="GET", body=None)
     assert status == 200 and json.loads(raw)["data"][0]["id"] == "scripted"
-    assert server.requests[0].path == "/v1/models?limit=1"
+    assert server.requests[0].path == "/v1/models"
     assert session.turns == []
     for method, path in (("GET", "/files"), ("POST", "/files"), ("DELETE", "/models/scripted"), ("POST", "/embeddings")):
         status, _, raw = call(gateway, session, path, method=method, body=None if method != "POST" else {})
@@ -293,7 +293,8 @@ def test_trace_file_gets_one_flushed_line_per_turn(gateway, server, tmp_path):
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [r["turn"] for r in records] == [0, 1] and records[1]["upstream_status"] == 500
     assert set(records[0]) == {"turn", "started_at", "latency_s", "ttfb_s", "upstream_status", "upstream_error",
-                               "request_bytes", "response_bytes", "client_disconnected", "total_tokens", "capture"}
+                               "request_bytes", "response_bytes", "client_disconnected", "total_tokens",
+                               "reserved_tokens", "capture"}
     gateway.close_session(session)
 
 
@@ -481,3 +482,98 @@ def test_get_gateway_is_one_per_process():
     os.waitpid(pid, 0)
     assert os.read(read, 10) == b"own"
     assert asyncio.run(_call(gateway.tcp_base_url.removesuffix("/v1") + "/health", None, None, method="GET"))[0] == 200
+
+
+# ------------------------------------------------------------------ what the agent cannot do
+
+
+def raw_http(port: int, target: str, token: str, body: bytes = b"{}", method: str = "POST") -> tuple[int, bytes]:
+    """One request with exactly this request target (clients normalise theirs)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {token}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                     .encode() + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), payload
+
+
+@pytest.mark.parametrize("target", [
+    "http://evil.example/v1/chat/completions",  # absolute form: another host, with the real key
+    "/v1/chat%2Fcompletions", "/v1/chat/completions%3Fx", "/v1/x/../chat/completions", "/v1/./chat/completions",
+    "/v1//chat/completions", "/v1/chat/completions/", "/v1/chat/completions?api-version=1",
+    "/v1/chat/completions#frag", "/v1/models/../files",
+])
+def test_only_the_exact_routes_reach_the_upstream(gateway, server, target):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")] * 2))
+    body = json.dumps(BODY).encode()
+    status, _ = raw_http(gateway.tcp_port, target, session.token, body)
+    assert status in (403, 404) and server.requests == []
+    status, _ = raw_http(gateway.tcp_port, "/v1/chat/completions", session.token, body)
+    assert status == 200 and [r.path for r in server.requests] == ["/v1/chat/completions"]
+    gateway.close_session(session)
+
+
+@pytest.mark.parametrize(("sent", "cap", "forwarded"), [
+    ({"n": 64, "best_of": 8, "max_tokens": 1000000.0}, 100, {"n": 1, "best_of": 1, "max_tokens": 100}),
+    ({"n": 64, "max_tokens": 1000000.0}, None, {"n": 1, "max_tokens": 1000000}),
+    ({"max_tokens": "5000", "max_completion_tokens": True}, 100, {"max_tokens": 100, "max_completion_tokens": 100}),
+    ({"max_tokens": "12.7"}, None, {"max_tokens": 12}),
+    ({"max_tokens": "lots"}, None, {}),
+    ({"n": 1, "max_tokens": 50}, 100, {"n": 1, "max_tokens": 50}),
+])
+def test_one_choice_and_integer_token_limits_within_the_cap(gateway, server, sent, cap, forwarded):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")]), max_tokens_cap=cap)
+    assert call(gateway, session, body={**BODY, **sent})[0] == 200
+    (received,) = server.requests
+    got = {k: received.body[k] for k in ("n", "best_of", "max_tokens", "max_completion_tokens") if k in received.body}
+    assert got == forwarded and all(type(v) is int for v in got.values())
+    gateway.close_session(session)
+
+
+@pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
+def test_token_budget_counts_streams_that_did_not_ask_for_usage(gateway, server, mode):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="x" * 80)] * 8), mode=mode,
+                                   max_total_tokens=60)
+    body = {k: v for k, v in BODY.items() if k != "stream_options"}
+    for i in range(8):
+        messages = body["messages"] + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}] * i
+        call(gateway, session, body={**body, "messages": messages})
+    session.wait_idle(5)
+    assert all(turn.total_tokens for turn in session.turns)
+    assert session.tokens_used >= 60 and session.budget_exhausted == "max_total_tokens"
+    assert len(server.requests) <= 3  # each answer costs 20 tokens plus its prompt
+    assert all(r.body["max_tokens"] <= 60 for r in server.requests)
+    gateway.close_session(session)
+
+
+def test_concurrent_calls_cannot_overrun_the_token_budget(gateway, server):
+    server.set_default([ScriptedTurn(text="y" * 40, fault=Fault(delay_s=0.05))])
+    session = gateway.open_session(Upstream(server.base_url, None), max_total_tokens=50)
+
+    async def burst():
+        return await asyncio.gather(*(_call(gateway.tcp_base_url + "/chat/completions", session.token)
+                                      for _ in range(8)))
+
+    answers = asyncio.run(burst())
+    assert [status for status, _, _ in answers] == [200] * 8
+    assert len(server.requests) == 1 and server.requests[0].body["max_tokens"] == 50  # all it may use
+    assert sum("x-pi-env-budget" in headers for _, headers, _ in answers) == 7
+    gateway.close_session(session)
+
+
+@pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_upstream_key_is_masked_in_relayed_and_recorded_errors(gateway, server, mode, stream):
+    echo = {"error": {"message": f"bad request; headers were Authorization: Bearer {REAL_KEY}, "
+                                 f"X-Org: org-secret-value-42", "type": "invalid_request_error"}}
+    session = gateway.open_session(upstream(server, [ScriptedTurn(fault=Fault(http_status=400, body=echo))],
+                                            headers={"X-Org": "org-secret-value-42"}), mode=mode)
+    status, _, raw = call(gateway, session, body={**BODY, "stream": stream})
+    assert status == 400 and b"headers were Authorization: Bearer ***, X-Org: ***" in raw
+    session.wait_idle(5)
+    for text in (raw.decode(), session.turns[0].upstream_error, json.dumps(session.turns[0].to_json())):
+        assert REAL_KEY not in text and "org-secret-value-42" not in text
+    gateway.close_session(session)

@@ -236,14 +236,44 @@ def test_snapshot(sandbox):
 
 def test_symlinks_are_never_followed_by_file_operations(sandbox):
     sandbox.exec("ln -s /etc evil; ln -s /etc/passwd passwd_link")
-    with pytest.raises(SandboxError, match="symlink"):
-        sandbox.write_file("evil/pwned", "x")
+    with pytest.raises(FileNotFoundError):
+        sandbox.read_file("evil/passwd")
     with pytest.raises(FileNotFoundError):
         sandbox.read_file("passwd_link")
     assert not sandbox.exists("evil/passwd")
     sandbox.write_file("passwd_link", "replaces the link")
     assert sandbox.exec("cat /etc/passwd").stdout != "replaces the link"
     assert sandbox.exec("test -L passwd_link || cat passwd_link").stdout == "replaces the link"
+
+
+def test_write_file_replaces_whatever_is_in_the_way(sandbox, tmp_path):
+    """Staging (task files, verify_files) owns the paths it writes: a symlink to a host dir, a
+    file where a directory goes or a directory where the file goes is replaced, never followed."""
+    outside = tmp_path / "host-dir"  # a host dir the symlink points at (also /tmp inside)
+    outside.mkdir()
+    sandbox.exec(f"ln -s /tmp tests; ln -s {outside} hostlink; echo f > plain; mkdir -p isdir/sub; "
+                 "echo x > isdir/sub/y")
+    sandbox.write_file("tests/test_x.py", "staged")
+    sandbox.write_file("hostlink/a.txt", "staged")
+    sandbox.write_file("plain/b.txt", "staged")
+    sandbox.write_file("isdir", "staged")
+    assert list(outside.iterdir()) == []
+    assert sandbox.exec("test -d tests -a ! -L tests -a -d hostlink -a ! -L hostlink").exit_code == 0
+    for path in ("tests/test_x.py", "hostlink/a.txt", "plain/b.txt", "isdir"):
+        assert sandbox.read_file(path) == b"staged"
+
+
+def test_deep_trees_are_walked_without_recursion(sandbox):
+    """1,200 nested directories (past Python's recursion limit): snapshot() keeps what it can
+    reach within its depth bound, remove() and write_file() still work."""
+    sandbox.exec("echo top > top.txt; d=deep; for i in $(seq 1200); do d=$d/d; done; mkdir -p $d; "
+                 "echo bottom > $d/bottom.txt; mkdir -p deep/d/shallow && echo s > deep/d/shallow/s.txt",
+                 timeout_s=120)
+    files = sandbox.snapshot(".")
+    assert files["top.txt"] == b"top\n" and files["deep/d/shallow/s.txt"] == b"s\n"
+    sandbox.write_file("deep/d/new.txt", "n")
+    sandbox.remove("deep")
+    assert not sandbox.exists("deep") and sandbox.exists("top.txt")
 
 
 # --- network, mounts, limits --------------------------------------------------------------
@@ -315,11 +345,65 @@ def test_network_modes(entry, backend, tcp_server):
     with backend.create(SandboxSpec()) as sb:
         result = sb.exec(connect(f"127.0.0.1:{tcp_server}") + "; " + connect("1.1.1.1:80"))
         assert result.stdout.count("FAILED") == 2 and "pong" not in result.stdout
-        assert sb.exec(connect(f"127.0.0.1:{tcp_server}"), network="full").stdout == "pong\n"
+        assert "pong" not in sb.exec(connect(f"127.0.0.1:{tcp_server}"), network="full").stdout
         with pytest.raises(ValueError, match="gateway"):
             sb.exec("true", network="gateway")  # no gateway socket in the spec
         with pytest.raises(ValueError):
             sb.exec("true", network="everything")
+
+
+@pytest.fixture
+def host_address_server():
+    """A host TCP server on the host's own non-loopback address (a "host-local service")."""
+    from pi_env.sandbox.usernet import host_addresses
+
+    address = next((a for a in host_addresses() if ":" not in a), None)
+    if address is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    server = socket.create_server((address, 0))
+    with _serving(server, b"host-service"):
+        yield f"{address}:{server.getsockname()[1]}"
+
+
+def outside_nameserver() -> str | None:
+    """A nameserver of the host that is neither loopback nor the host itself, if the host
+    reaches it over TCP: something outside the machine to reach."""
+    from pi_env.sandbox.usernet import host_addresses
+
+    try:
+        with open("/etc/resolv.conf") as f:
+            servers = [line.split()[1] for line in f if line.startswith("nameserver") and len(line.split()) > 1]
+    except OSError:
+        return None
+    for server in servers:
+        if ":" in server or server.startswith("127.") or server in host_addresses():
+            continue
+        try:
+            socket.create_connection((server, 53), timeout=3).close()
+            return server
+        except OSError:
+            continue
+    return None
+
+
+def test_a_phase_with_network_reaches_the_outside_not_the_host(entry, backend, tcp_server, host_address_server):
+    """network="full" (setup, verify_network): the host's 127.0.0.1 listeners, the gateway
+    address that would lead to them, and the host's own addresses are all unreachable."""
+    need(entry, "network")
+    with backend.create(SandboxSpec()) as sb:
+        targets = [f"127.0.0.1:{tcp_server}", f"10.0.2.2:{tcp_server}", host_address_server]
+        result = sb.exec("; ".join(connect(target) for target in targets), network="full")
+        assert result.stdout.count("FAILED") == 3, result.stdout + result.stderr
+        nameserver = outside_nameserver()
+        if nameserver is None:
+            pytest.skip("nothing outside this machine is reachable from the host (no outside nameserver)")
+        # TCP to a machine outside, and a DNS answer through the sandbox's own resolver.
+        dns = ('python3 -c "import socket\n'
+               'try:\n    socket.getaddrinfo(\'name-that-does-not-exist.invalid\', 80)\n'
+               'except socket.gaierror as e:\n    print(\'answer\' if e.errno == socket.EAI_NONAME else e)"')
+        result = sb.exec(f"python3 -c \"import socket; socket.create_connection(('{nameserver}', 53), timeout=5); "
+                         f"print('outside-ok')\"; {dns}", network="full", timeout_s=60)
+        assert result.stdout.split() == ["outside-ok", "answer"], result.stdout + result.stderr
 
 
 def test_gateway_socket_only_in_gateway_mode(entry, backend, unix_server, tcp_server):
@@ -365,6 +449,38 @@ def test_limits(entry, backend):
         assert result.timed_out and result.exit_code is None
         assert "Resource temporarily unavailable" in result.stderr
         assert sb.exec("echo alive", timeout_s=60).stdout == "alive\n"
+
+
+def test_memory_total_spans_every_process(entry, backend):
+    """RLIMIT_DATA is per process: three children of 200 MB each must not all live in a
+    sandbox whose total is 256 MB (the kernel kills inside it; the host is fine)."""
+    need(entry, "limits")
+    from pi_env.sandbox.totals import host_totals
+
+    if entry.name == "local" and not host_totals().memory:
+        pytest.skip(f"no memory total on this host: {host_totals().describe()}")
+    limits = SandboxLimits(max_total_memory_bytes=256 << 20)
+    child = "python3 -c \"b = bytearray(200 << 20); import time; time.sleep(4); print('lived')\""
+    with backend.create(SandboxSpec(limits=limits)) as sb:
+        result = sb.exec(f"for i in 1 2 3; do {child} & done; wait", timeout_s=120)
+        assert result.stdout.count("lived") < 3, result.stdout + result.stderr
+        assert sb.exec(f"{child}", timeout_s=60).stdout == "lived\n"  # one alone fits: the sandbox works
+
+
+def test_disk_total_ends_in_enospc(entry, backend):
+    """Everything the sandbox can write persistently (its home, work dir included) is capped."""
+    need(entry, "limits")
+    from pi_env.sandbox.totals import host_totals
+
+    if entry.name in ("local", "podman") and not host_totals().disk:
+        pytest.skip(f"no disk total on this host: {host_totals().describe()}")
+    limits = SandboxLimits(max_disk_bytes=64 << 20)
+    with backend.create(SandboxSpec(limits=limits)) as sb:
+        result = sb.exec("head -c 100000000 /dev/zero > big; echo rc=$?; mkdir -p /root/elsewhere && "
+                         "head -c 100000000 /dev/zero > /root/elsewhere/big2; echo rc=$?")
+        assert "No space left on device" in result.stderr and result.stdout.split() == ["rc=1", "rc=1"]
+        sb.exec("rm -f big /root/elsewhere/big2")
+        assert sb.exec("head -c 30000000 /dev/zero > ok && echo fits").stdout == "fits\n"
 
 
 # --- lifecycle ----------------------------------------------------------------------------

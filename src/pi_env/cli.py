@@ -64,6 +64,7 @@ def _run(args) -> int:
     from pydantic import ValidationError
 
     from .endpoints import EndpointError
+    from .results import RolloutResult
     from .rollout import PiSessionFactory
     from .sandbox import SandboxUnavailable
     from .task import TaskError, load_tasks
@@ -89,6 +90,8 @@ def _run(args) -> int:
                     result = session.wait_for_completion()
             except (EndpointError, ValueError) as error:
                 return _bad_input(error)
+            except Exception as error:  # noqa: BLE001 - one rollout's failure never loses the others
+                result = RolloutResult(task_id=task.task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
             infra_failures += result.error_kind in INFRA_ERROR_KINDS
             results.append(result)
             line = result.model_dump_json()
@@ -169,6 +172,11 @@ def _doctor(args) -> int:
         return _probe_models(endpoint)
 
     check("sandbox", sandbox_check)
+    if config.sandbox_backend in ("local", "podman"):
+        from .sandbox.totals import host_totals
+
+        totals = host_totals()
+        print(f"{'[warn] ' if totals.why_not else '[ok]   '}sandbox totals: {totals.describe()}")
     check("runtime", runtime_check)
     check("endpoint", endpoint_check)
     return 0 if ok else EXIT_INFRA

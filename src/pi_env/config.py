@@ -48,8 +48,14 @@ class PiConfig(BaseModel):
     agent_timeout_s: float = Field(600, gt=0)
     verify_timeout_s: float = Field(300, gt=0)
     max_processes: int = Field(256, gt=8)
-    max_memory_bytes: int | None = 8 << 30
+    max_memory_bytes: int | None = 8 << 30  # per process (RLIMIT_DATA)
     max_file_bytes: int = 1 << 30
+    # Per sandbox, whatever it forks or writes (a task's `limits` win); None: no total.
+    max_total_memory_bytes: int | None = Field(4 << 30, gt=0)  # the memory cgroup
+    max_disk_bytes: int | None = Field(10 << 30, gt=0)  # its home: a size-capped filesystem
+    # Host-side reads of what the agent wrote (Pi's session file, logs, collected files):
+    # at most this much per rollout, so a huge file cannot balloon the pi-env process.
+    max_read_bytes: int = Field(64 << 20, gt=0)
 
     extra_env: dict[str, str] = Field(default_factory=dict)  # for setup, agent and verify
     extra_setup_shell: list[str] = Field(default_factory=list)  # run before the task's setup

@@ -136,10 +136,9 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
         if environment.get("allow_internet", True) and verifier.get("network_mode") is None:
             notes.append("the verifier runs offline in pi-env (Harbor would give it the environment's network); "
                          "set [verifier] network_mode = \"public\" if test.sh needs it")
-    for key in ("cpus", "memory_mb", "storage_mb", "memory", "storage"):
-        if key in environment:
-            notes.append(f"[environment] {key} = {environment[key]!r} is not enforced per task; PiConfig's "
-                         "max_memory_bytes / max_processes / max_file_bytes limit every sandbox")
+    if "cpus" in environment:
+        notes.append(f"[environment] cpus = {environment['cpus']!r} is not enforced per task")
+    limits = {name: _megabytes(environment, f"{name}_mb", name, task_dir) for name in ("memory", "storage")}
 
     meta = dict(config.get("metadata") or {})
     package = config.get("task") if isinstance(config.get("task"), dict) else {}
@@ -155,6 +154,7 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
         "timeouts": {"agent_s": _seconds(agent, "timeout_sec", task_dir),
                      "verify_s": _seconds(verifier, "timeout_sec", task_dir) or 600.0,
                      "setup_s": _seconds(environment, "build_timeout_sec", task_dir)},
+        "limits": {f"{name}_mb": value for name, value in limits.items() if value is not None},
         "setup_network": bool(environment.get("allow_internet", True)),
         "verify_network": verify_network,
     }
@@ -193,6 +193,23 @@ def _seconds(table: dict, key: str, task_dir: Path) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise TaskError(f"{task_dir}/task.toml: {key} = {value!r}; give a positive number of seconds")
     return float(value)
+
+
+_SIZE_UNITS_MB = {"": 1 / (1 << 20), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1 << 20}
+
+
+def _megabytes(table: dict, mb_key: str, size_key: str, task_dir: Path) -> int | None:
+    """memory_mb = 2048, or memory = "2G" (newer Harbor): megabytes, None when absent."""
+    if (value := table.get(mb_key)) is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise TaskError(f"{task_dir}/task.toml: {mb_key} = {value!r}; give a positive whole number of MB")
+        return value
+    if (value := table.get(size_key)) is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(value), re.I)
+    if not match or float(match[1]) <= 0:
+        raise TaskError(f"{task_dir}/task.toml: {size_key} = {value!r}; give a size such as \"512M\" or \"4G\"")
+    return max(1, round(float(match[1]) * _SIZE_UNITS_MB[match[2].upper()]))
 
 
 def _env_table(table: dict, where: str, task_dir: Path, notes: list[str]) -> dict[str, str]:

@@ -115,6 +115,40 @@ class RolloutResult(BaseModel):
     def scored(self) -> bool:
         return self.reward is not None
 
+    def make_valid_utf8(self) -> None:
+        """Replace lone surrogates (an agent can write `\\ud800` into any JSON it controls,
+        and json.loads turns it into one) in every string of the result, in place: they are
+        not UTF-8, so they would fail every later write of the record."""
+        for name in type(self).model_fields:
+            if name != "training":  # token ids and the harness's own notes only
+                setattr(self, name, valid_utf8(getattr(self, name)))
+
+
+_NUMERIC_TURN_FIELDS = frozenset({"prompt_token_ids", "completion_token_ids", "per_token_logps"})
+
+
+def valid_utf8(value: Any) -> Any:
+    """`value` with every string made valid UTF-8 (lone surrogates become U+FFFD), rebuilding
+    only what changes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            # through UTF-16: a lone surrogate becomes U+FFFD, a split pair is joined again
+            return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [valid_utf8(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(valid_utf8(item) for item in value)
+    if isinstance(value, dict):
+        return {valid_utf8(key): valid_utf8(item) for key, item in value.items()}
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            if name not in _NUMERIC_TURN_FIELDS:
+                setattr(value, name, valid_utf8(getattr(value, name)))
+    return value
+
 
 from .training import TrainingTrace  # noqa: E402 - after RolloutResult's own names
 

@@ -114,6 +114,7 @@ class PiSession:
         self._closed = False
         self._lock = threading.Lock()
         self._on_event = on_event
+        self._read_left = self.config.max_read_bytes  # of what the agent wrote, per rollout
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -136,7 +137,8 @@ class PiSession:
                          connect_timeout_s=config.upstream_connect_timeout_s,
                          read_timeout_s=config.upstream_read_timeout_s),
                 mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
-                capture=self._capture_options(), trace_path=self._trace_path(), token_in=token_in)
+                max_tokens_cap=config.max_tokens, capture=self._capture_options(), trace_path=self._trace_path(),
+                token_in=token_in)
             result.trace_path = self.gateway_session.trace_path
             if token_in is not None:
                 result.proxy_log_tail += f"\ntoken-in: renderer {token_in.resolved} over tokenizer {token_in.tokenizer}"
@@ -206,7 +208,9 @@ class PiSession:
             ro_mounts={SANDBOX_RUNTIME_DIR: runtime.root, FORWARDER_PATH: str(forwarder)},
             gateway_socket=gateway_socket,
             limits=SandboxLimits(max_processes=config.max_processes, max_file_bytes=config.max_file_bytes,
-                                 max_memory_bytes=config.max_memory_bytes),
+                                 max_memory_bytes=config.max_memory_bytes,
+                                 max_total_memory_bytes=_mb(self.task.limits.memory_mb) or config.max_total_memory_bytes,
+                                 max_disk_bytes=_mb(self.task.limits.storage_mb) or config.max_disk_bytes),
             env=dict(config.extra_env),
             # Old Pi has no -na: hide the task's .pi/ so it cannot change Pi's settings.
             agent_masked_paths=() if runtime.supports("-na") else (f"{SANDBOX_WORKDIR}/.pi",),
@@ -235,9 +239,13 @@ class PiSession:
                 if timeout_s is not None and timeout_s < remaining:
                     if not _wait_until_exit(self._agent, timeout_s):
                         raise TimeoutError(f"rollout {self.task.task_id!r} still running after {timeout_s} s")
-                self._finish_agent()
+                try:
+                    self._finish_agent()
+                except (SandboxError, OSError) as error:  # the sandbox failed, not the agent
+                    self._fail("infra", f"{type(error).__name__}: {error}")
             self._done = True
             self._collect()
+            self._result.make_valid_utf8()
             self._result.wall_s = round(time.monotonic() - self._started, 4)
             self._emit("done", reward=self._result.reward, error_kind=self._result.error_kind)
             return self._result
@@ -320,8 +328,7 @@ class PiSession:
         if self.sandbox is not None and config.result_max_files:
             try:
                 with self._phase("collect"):
-                    snapshot = self.sandbox.snapshot(SANDBOX_WORKDIR, max_files=config.result_max_files,
-                                                     max_file_bytes=config.result_max_file_bytes)
+                    snapshot = self._read_tree(SANDBOX_WORKDIR, config.result_max_files, config.result_max_file_bytes)
                 result.files = {path: _as_text(data) for path, data in snapshot.items()}
             except (SandboxError, OSError) as error:
                 result.agent_log_tail += f"\n[pi-env] could not collect files: {error}"
@@ -417,9 +424,16 @@ class PiSession:
         return CommandResult(cmd=command, exit_code=outcome.exit_code, stdout=outcome.stdout, stderr=outcome.stderr,
                              duration_s=round(outcome.duration_s, 4), timed_out=outcome.timed_out)
 
+    def _read_tree(self, path: str, max_files: int, max_file_bytes: int) -> dict[str, bytes]:
+        """Files the agent may have written, within what is left of the rollout's read budget."""
+        files = self.sandbox.snapshot(path, max_files=max_files, max_file_bytes=min(max_file_bytes, self._read_left),
+                                      max_total_bytes=self._read_left)
+        self._read_left -= sum(len(data) for data in files.values())
+        return files
+
     def _session_text(self) -> str:
         try:
-            files = self.sandbox.snapshot(SESSION_DIR, max_files=4, max_file_bytes=256 << 20)
+            files = self._read_tree(SESSION_DIR, 4, 256 << 20)
         except (SandboxError, OSError):
             return ""
         return "\n".join(data.decode("utf-8", "replace") for _, data in sorted(files.items()) if _.endswith(".jsonl"))
@@ -505,6 +519,10 @@ def _wait_until_exit(process: SandboxProcess, timeout_s: float) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def _mb(megabytes: int | None) -> int | None:
+    return megabytes << 20 if megabytes else None
 
 
 def _tail(text: str, limit: int) -> str:

@@ -70,6 +70,15 @@ class PhaseTimeouts(BaseModel):
     verify_s: float | None = Field(None, gt=0)
 
 
+class TaskLimits(BaseModel):
+    """What the task needs of its sandbox (Harbor's [environment] memory_mb / storage_mb); None
+    falls back to the PiConfig default (max_total_memory_bytes, max_disk_bytes)."""
+
+    model_config = ConfigDict(extra="forbid")
+    memory_mb: int | None = Field(None, gt=0)
+    storage_mb: int | None = Field(None, gt=0)
+
+
 class PiTask(BaseModel):
     """A task: an instruction for the agent, commands around it, and files to stage.
 
@@ -90,6 +99,7 @@ class PiTask(BaseModel):
     solution: list[SolutionStep] | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     timeouts: PhaseTimeouts = Field(default_factory=PhaseTimeouts)
+    limits: TaskLimits = Field(default_factory=TaskLimits)
     setup_network: bool = True  # tasks often install packages during setup
     verify_network: bool = False
 

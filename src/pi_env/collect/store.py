@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..results import valid_utf8
+
 RESULTS = "results.jsonl"
 DISCARDED = "discarded.jsonl"
 
@@ -80,7 +82,10 @@ class ResultStore:
             text = json.dumps(record, ensure_ascii=False, allow_nan=False)
         except ValueError:  # an engine's -inf logprob: JSON has no such number, a null says "unknown"
             text = json.dumps(_finite(record), ensure_ascii=False, allow_nan=False)
-        data = (text + "\n").encode()
+        try:
+            data = (text + "\n").encode()
+        except UnicodeEncodeError:  # a lone surrogate from the agent: never lose the record for it
+            data = (json.dumps(valid_utf8(_finite(record)), ensure_ascii=False, allow_nan=False) + "\n").encode()
         fd = self._fds[name]
         view = memoryview(data)
         while view:

@@ -40,6 +40,7 @@ from yarl import URL
 
 from pi_env._aio import run_sync
 from pi_env.proxy.capture import TurnCapture, sse_payloads
+from pi_env.proxy.policy import PolicyError, police_request, scrub, secrets_of, upstream_path
 from pi_env.proxy.rewrite import CaptureOptions
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 
 BASE_URL_PATH = "/v1"
 ERROR_BODY_LIMIT = 4096  # bytes of an upstream error body kept in the TurnRecord
+ERROR_RELAY_LIMIT = 1 << 20  # bytes of it relayed to the agent (read whole, to mask secrets)
 
 # RFC 9110 section 7.6.1: meaningful for one connection only, never relayed.
 HOP_BY_HOP = frozenset(
@@ -115,6 +117,7 @@ class TurnRecord:
     response_bytes: int = 0
     client_disconnected: bool = False  # the agent hung up before the answer ended
     total_tokens: int | None = None  # usage.total_tokens, when the answer reported it
+    reserved_tokens: int = 0  # held against max_total_tokens while the call ran
     capture: TurnCapture | None = None  # transparent_proxy: request, answer, ids, logprobs
 
     def to_json(self) -> dict:
@@ -177,7 +180,7 @@ class GatewaySession:
 
     def __init__(self, upstream: Upstream, mode: str, max_turns: int | None, trace_path: str | None,
                  capture: CaptureOptions | None = None, max_total_tokens: int | None = None,
-                 token_in: "TokenInSpec | None" = None):
+                 token_in: "TokenInSpec | None" = None, max_tokens_cap: int | None = None):
         if mode not in STRATEGIES:
             raise ValueError(f"unknown gateway mode {mode!r}; supported: {sorted(STRATEGIES)}")
         self.id = secrets.token_hex(8)
@@ -188,12 +191,15 @@ class GatewaySession:
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.token_in = token_in  # the renderer, when the gateway renders (transparent_proxy, interception_gate)
+        self.max_tokens_cap = max_tokens_cap  # per call (max_tokens / max_completion_tokens)
+        self.secrets = secrets_of(upstream.api_key, upstream.headers)  # masked in all it relays
         self.strategy: Strategy = STRATEGIES[mode](self)
         self.trace_path = trace_path
         self.turns: list[TurnRecord] = []
         self.on_record: Callable[[TurnRecord], None] | None = None  # told of each turn as it is recorded
         self.budget_exhausted: str | None = None  # why calls are refused: "max_turns" / "max_total_tokens"
         self.tokens_used = 0
+        self.tokens_reserved = 0  # by calls in flight: what they may still generate
         self._calls_started = 0
         self._in_flight = 0
         self._idle = threading.Condition()
@@ -206,17 +212,29 @@ class GatewaySession:
     def __repr__(self) -> str:  # no token
         return f"GatewaySession(id={self.id!r}, mode={self.mode!r}, upstream={self.upstream!r})"
 
-    def claim_turn(self) -> int | None:
-        """The index of a new chat/completions call, or None once a budget is spent."""
+    def tokens_left(self) -> int | None:
+        """What max_total_tokens still allows a new call, counting what the calls in flight
+        may yet generate; None without a token budget."""
+        if self.max_total_tokens is None:
+            return None
+        return self.max_total_tokens - self.tokens_used - self.tokens_reserved
+
+    def claim_turn(self, reserve: int | None = None) -> int | None:
+        """The index of a new chat/completions call, or None once a budget is spent. `reserve`:
+        the completion tokens the call may generate, held against max_total_tokens until it is
+        recorded (called on the gateway's loop, so checking and reserving are one step)."""
+        left = self.tokens_left()
         if self.max_turns is not None and self._calls_started >= self.max_turns:
             self.budget_exhausted = "max_turns"
-        elif self.max_total_tokens is not None and self.tokens_used >= self.max_total_tokens:
+        elif left is not None and left <= 0:
             self.budget_exhausted = "max_total_tokens"
         if self.budget_exhausted:
             return None
         with self._idle:
             self._in_flight += 1
         self._calls_started += 1
+        if left is not None:
+            self.tokens_reserved += reserve or 0
         return self._calls_started - 1
 
     def record(self, turn: TurnRecord) -> None:
@@ -227,6 +245,12 @@ class GatewaySession:
             self.turns.append(turn)
         else:
             bisect.insort(self.turns, turn, key=lambda t: t.turn)
+        if self.max_total_tokens is not None:
+            self.tokens_reserved -= turn.reserved_tokens
+            if turn.total_tokens is None and turn.upstream_status is not None and turn.upstream_status < 400:
+                # An answer without usage: charge all it was allowed to generate, plus its
+                # prompt at 4 bytes a token, so leaving usage out never buys extra tokens.
+                turn.total_tokens = turn.reserved_tokens + turn.request_bytes // 4
         self.tokens_used += turn.total_tokens or 0
         with self._trace_lock:
             if self._trace is not None:
@@ -367,8 +391,10 @@ class Gateway:
         capture: CaptureOptions | None = None,
         max_total_tokens: int | None = None,
         token_in: "TokenInSpec | None" = None,
+        max_tokens_cap: int | None = None,
     ) -> GatewaySession:
-        session = GatewaySession(upstream, mode, max_turns, trace_path, capture, max_total_tokens, token_in)
+        session = GatewaySession(upstream, mode, max_turns, trace_path, capture, max_total_tokens, token_in,
+                                 max_tokens_cap)
         self._sessions[session.token] = session
         return session
 
@@ -438,28 +464,33 @@ class Gateway:
         if session is None:
             return json_error(401, "pi-env gateway: unknown or missing session token",
                               "invalid_session_token")  # fmt: skip
-        route = (request.method, request.match_info["rest"])
-        if route == ("GET", "models"):
+        path = upstream_path(request.method, request.raw_path)
+        if path is None:
+            # The token must not unlock the rest of the upstream API (files, fine-tuning, ...)
+            # with the real key, nor reach another host or path through an odd request target.
+            return json_error(403, "pi-env gateway: only POST /v1/chat/completions and GET /v1/models "
+                                   "(exactly, without a query) are relayed", "route_not_allowed")
+        if path == "/models":
             # Harmless and sometimes probed; relayed, but not a turn: not recorded.
             untracked = TurnRecord(turn=-1, started_at=time.time())
-            return await Call(self, session, request, time.perf_counter()).relay(b"", untracked)
-        if route != ("POST", "chat/completions"):
-            # The token must not unlock the rest of the upstream API (files, fine-tuning, ...)
-            # with the real key.
-            return json_error(403, f"pi-env gateway: only POST /v1/chat/completions and GET /v1/models "
-                                   f"are relayed, not {request.method} /v1/{route[1]}", "route_not_allowed")
+            return await Call(self, session, request, time.perf_counter(), path).relay(b"", untracked)
 
-        index = session.claim_turn()
+        body = await request.read()
+        try:
+            body, allowed = police_request(body, cap=session.max_tokens_cap, budget_left=session.tokens_left())
+        except PolicyError:
+            return not_a_json_object()
+        index = session.claim_turn(reserve=allowed)  # no await since tokens_left(): one step
         if index is None:
             # End the agent's turn cleanly (an empty final answer), so it stops rather than
             # failing; the rollout reads session.budget_exhausted.
-            body = await request.read()
             return budget_answer(body, session.budget_exhausted)
         turn = TurnRecord(turn=index, started_at=time.time())
+        if session.max_total_tokens is not None:
+            turn.reserved_tokens = allowed or 0
         started = time.perf_counter()
         call = Call(self, session, request, started)
         try:
-            body = await request.read()
             turn.request_bytes = len(body)
             return await session.strategy.chat_completions(call, body, turn)
         except asyncio.CancelledError:
@@ -477,8 +508,10 @@ class Gateway:
 class Call:
     """One agent call in flight: how a strategy talks to the upstream and answers the agent."""
 
-    def __init__(self, gateway: Gateway, session: GatewaySession, request: web.Request, started: float):
+    def __init__(self, gateway: Gateway, session: GatewaySession, request: web.Request, started: float,
+                 path: str = "/chat/completions"):
         self.gateway, self.session, self.request, self.started = gateway, session, request, started
+        self.path = path  # on the upstream, after its base URL (see policy.ALLOWED_ROUTES)
         self.finishing: asyncio.Task | None = None  # see finish_record_later
 
     def finish_record_later(self, work: Awaitable[None]) -> None:
@@ -493,13 +526,22 @@ class Call:
         answer = await self.open(body, turn)
         if isinstance(answer, web.Response):
             return answer
+        if answer.status >= 400:  # read whole (bounded) so that secrets echoed in it are masked
+            error = await self.read_error(answer, turn)
+            return web.Response(status=answer.status, body=error, headers=self.agent_headers(answer))
         return await self.stream(answer, turn, keep=keep)
+
+    def agent_headers(self, answer: aiohttp.ClientResponse) -> CIMultiDict:
+        """The upstream's answer headers for the agent, minus any that carry a secret."""
+        headers = agent_response_headers(answer.headers)
+        for name in [k for k, v in headers.items() if any(s.decode() in v for s in self.session.secrets)]:
+            headers.popall(name, None)
+        return headers
 
     async def open(self, body: bytes, turn: TurnRecord) -> aiohttp.ClientResponse | web.Response:
         """Send the request upstream; a 502 answer for the agent when the upstream is unreachable."""
         request, upstream = self.request, self.session.upstream
-        url = URL(upstream.base_url.rstrip("/") + request.raw_path[len(BASE_URL_PATH) :],
-                  encoded=True)  # fmt: skip
+        url = URL(upstream.base_url.rstrip("/") + self.path)
         headers = upstream_request_headers(request.headers, upstream)
         try:
             timeout = upstream.timeout() or self.gateway._timeout
@@ -510,15 +552,18 @@ class Call:
             return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_unreachable")
 
     async def read_error(self, answer: aiohttp.ClientResponse, turn: TurnRecord) -> bytes:
-        """Read a non-2xx answer's body (bounded) and record it."""
+        """Read a non-2xx answer's body (bounded), masking the upstream's secrets, and record it."""
         try:
-            body = await answer.content.read(ERROR_BODY_LIMIT)
+            body = await answer.content.readexactly(ERROR_RELAY_LIMIT)
+        except asyncio.IncompleteReadError as short:
+            body = short.partial
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             body = f"(error body unreadable: {describe(exc)})".encode()
         finally:
             answer.close()
+        body = scrub(body, self.session.secrets)
         turn.upstream_status = answer.status
-        turn.upstream_error = body.decode(errors="replace") or f"HTTP {answer.status} (empty body)"
+        turn.upstream_error = body[:ERROR_BODY_LIMIT].decode(errors="replace") or f"HTTP {answer.status} (empty body)"
         return body
 
     async def stream(self, answer: aiohttp.ClientResponse, turn: TurnRecord, *, keep: bytearray | None = None,
@@ -527,8 +572,7 @@ class Call:
         bytes; `finish` ends the agent's response here rather than after the handler returns
         (so work done afterwards does not delay the agent)."""
         request, started = self.request, self.started
-        response = RelayedResponse(status=answer.status, reason=answer.reason,
-                                   headers=agent_response_headers(answer.headers))  # fmt: skip
+        response = RelayedResponse(status=answer.status, reason=answer.reason, headers=self.agent_headers(answer))
         completed = False
         response_bytes = 0
         error_body = bytearray() if answer.status >= 400 else None
@@ -569,7 +613,7 @@ class Call:
             turn.response_bytes = response_bytes
             turn.latency_s = time.perf_counter() - started
             if error_body is not None and not turn.upstream_error:
-                text = error_body.decode(errors="replace")
+                text = scrub(bytes(error_body), self.session.secrets).decode(errors="replace")
                 turn.upstream_error = text or f"HTTP {answer.status} (empty body)"
 
 

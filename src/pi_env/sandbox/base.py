@@ -33,6 +33,9 @@ class SandboxLimits:
     max_file_bytes: int = 1 << 30  # RLIMIT_FSIZE
     max_memory_bytes: int | None = 8 << 30  # RLIMIT_DATA (RLIMIT_AS breaks node)
     max_open_files: int = 4096
+    # Per sandbox, whatever it forks or writes (see sandbox/totals.py); None: no total.
+    max_total_memory_bytes: int | None = 4 << 30  # the memory cgroup: RSS, tmpfs and page cache
+    max_disk_bytes: int | None = 10 << 30  # its home (work dir included): a size-capped tmpfs
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,9 @@ class Sandbox(Protocol):
         ...
 
     def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
-        """Write a file, creating parent directories. Never follows a symlink planted inside."""
+        """Write a file, creating parent directories. Whatever the sandbox put in the way (a
+        symlink or a file where a directory goes, a directory or symlink where the file goes)
+        is replaced, never followed."""
         ...
 
     def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
@@ -123,10 +128,12 @@ class Sandbox(Protocol):
         ...
 
     def snapshot(
-        self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10
+        self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10,
+        max_total_bytes: int | None = None,
     ) -> dict[str, bytes]:
         """Regular files under `path` (relative path -> bytes), skipping symlinks and files
-        larger than max_file_bytes, at most max_files of them."""
+        larger than max_file_bytes or than what is left of max_total_bytes, at most max_files
+        of them."""
         ...
 
     def kill_all(self) -> None:

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from pi_env.sandbox.totals import host_totals, mount_capped_home, sweep_stale_cgroups, unmount_home
 from pi_env.sandbox.base import (
     SANDBOX_HOME,
     SANDBOX_WORKDIR,
@@ -53,6 +54,9 @@ _FILE_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 LOCK_SUFFIX = ".lock"  # <root>/sb-<id>.lock: flocked while <root>/sb-<id>/ has a living owner
 STALE_LOCK_AGE_S = 60.0  # a younger free lock may be one being created right now
 UNLOCKED_DIR_AGE_S = 86400.0  # a sandbox dir without a lock file (older pi-env) is dead after this
+# Host-side walks of a sandbox tree hold at most this many directories open: snapshot() does
+# not look deeper; deletion moves deeper subtrees up first.
+WALK_MAX_DEPTH = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,16 +85,19 @@ def make_dir(path: str, mode: int, owner: int | None = None) -> None:
         os.chown(path, owner, owner)
 
 
-def make_host_dir(root: str, owner: int | None) -> tuple[str, int]:
+def make_host_dir(root: str, owner: int | None, disk_bytes: int | None = None) -> tuple[str, int]:
     """<root>/<id>/ (0o711) with home/ and home/workdir/ owned by `owner` (None: by us), and
     the fd of <root>/<id>.lock, flocked before the dir exists and held while the sandbox
-    lives: a dir whose lock is free belongs to nobody (its owner died) and may be swept."""
+    lives: a dir whose lock is free belongs to nobody (its owner died) and may be swept.
+    `disk_bytes`: home/ is a tmpfs of that size where the host allows it (sandbox/totals.py)."""
     host_dir = os.path.join(root, "sb-" + secrets.token_hex(8))
     lock_fd = os.open(host_dir + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         make_dir(host_dir, 0o711)
         make_dir(os.path.join(host_dir, "home"), 0o700, owner)
+        if disk_bytes is not None and host_totals().disk:
+            mount_capped_home(os.path.join(host_dir, "home"), disk_bytes, owner)
         make_dir(os.path.join(host_dir, "home", "workdir"), 0o755, owner)
     except BaseException:
         discard_host_dir(host_dir, lock_fd)
@@ -103,6 +110,7 @@ def discard_host_dir(host_dir: str, lock_fd: int) -> None:
     the lock."""
     try:
         if os.path.isdir(host_dir):
+            unmount_home(os.path.join(host_dir, "home"))  # frees a capped home's content at once
             delete_tree(host_dir)
         os.unlink(host_dir + LOCK_SUFFIX)
     finally:
@@ -142,6 +150,7 @@ def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = Non
             if os.path.isdir(host_dir):
                 if reclaim is not None:
                     reclaim(host_dir)
+                unmount_home(os.path.join(host_dir, "home"))
                 delete_tree(host_dir)
                 swept.append(host_dir)
             with contextlib.suppress(FileNotFoundError):
@@ -151,6 +160,7 @@ def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = Non
         finally:
             os.close(fd)
     if swept:
+        sweep_stale_cgroups({os.path.basename(host_dir) for host_dir in swept})
         log.warning("deleted %d sandbox dir(s) left behind by dead processes under %s", len(swept), root)
     return swept
 
@@ -362,22 +372,55 @@ def relative_to_home(path: str) -> str:
 
 def _remove_entry(dir_fd: int, name: str) -> None:
     """Delete `name` under dir_fd (a file, a symlink or a whole tree), never following a
-    symlink."""
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-        return
-    except FileNotFoundError:
-        return
-    except IsADirectoryError:
-        pass
-    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    try:
-        os.fchmod(fd, 0o700)  # a read-only dir the sandbox made would stop a non-root owner
-        for child in os.listdir(fd):
-            _remove_entry(fd, child)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=dir_fd)
+    symlink. Iterative, with at most WALK_MAX_DEPTH directories open: a subtree deeper than
+    that is first moved up next to `name` (a rename never follows a symlink) and deleted in
+    its turn, so no nesting depth exhausts the stack or the fds."""
+    pending = [name]
+    while pending:
+        top = pending.pop()
+        try:
+            os.unlink(top, dir_fd=dir_fd)
+            continue
+        except FileNotFoundError:
+            continue
+        except IsADirectoryError:
+            pass
+        stack = [(top, os.open(top, _DIR_FLAGS, dir_fd=dir_fd))]  # (name in its parent, fd)
+        try:
+            _make_removable(stack[-1][1])
+            entries = [iter(os.listdir(stack[-1][1]))]
+            while stack:
+                parent_fd = stack[-1][1]
+                child = next(entries[-1], None)
+                if child is None:  # this directory is empty now
+                    done, fd = stack.pop()
+                    entries.pop()
+                    os.close(fd)
+                    os.rmdir(done, dir_fd=stack[-1][1] if stack else dir_fd)
+                    continue
+                try:
+                    os.unlink(child, dir_fd=parent_fd)
+                    continue
+                except FileNotFoundError:
+                    continue
+                except IsADirectoryError:
+                    pass
+                if len(stack) >= WALK_MAX_DEPTH:  # hoist it: delete it later from the top
+                    hoisted = f".pi-env-deleting-{secrets.token_hex(6)}"
+                    os.rename(child, hoisted, src_dir_fd=parent_fd, dst_dir_fd=dir_fd)
+                    pending.append(hoisted)
+                    continue
+                fd = os.open(child, _DIR_FLAGS, dir_fd=parent_fd)
+                stack.append((child, fd))
+                _make_removable(fd)
+                entries.append(iter(os.listdir(fd)))
+        finally:
+            for _, fd in stack:
+                os.close(fd)
+
+
+def _make_removable(fd: int) -> None:
+    os.fchmod(fd, 0o700)  # a read-only dir the sandbox made would stop a non-root owner
 
 
 def delete_tree(path: str) -> None:
@@ -386,9 +429,8 @@ def delete_tree(path: str) -> None:
     parent_fd = os.open(parent, _DIR_FLAGS)
     try:
         _remove_entry(parent_fd, name)
-    except (OSError, RecursionError):
-        # A tree nested deeper than Python's recursion limit (or the fd limit). Nothing runs in
-        # the sandbox any more, so the plain tools are safe here.
+    except OSError:
+        # Nothing runs in the sandbox any more, so the plain tools are safe here.
         log.warning("deleting %s with rm -rf", path, exc_info=True)
         subprocess.run(["chmod", "-R", "u+rwx", "--", path], stderr=subprocess.DEVNULL)
         subprocess.run(["rm", "-rf", "--", path], check=True)
@@ -506,6 +548,7 @@ class HostDirSandbox:
                 self._chown(fd)
         if stdin_r is None:
             stdin_r = subprocess.DEVNULL if stdin_file is None else stdin_file
+        usernet = popen_args.pop("usernet", None)  # local.py: a network to attach once spawned
 
         def spawn() -> subprocess.Popen:
             return subprocess.Popen(
@@ -516,6 +559,7 @@ class HostDirSandbox:
                 start_new_session=True,
             )
 
+        process = None
         try:
             with self._lock:  # close() cannot slip in between the check and the tracking
                 self._check_open()
@@ -526,14 +570,25 @@ class HostDirSandbox:
                 self._processes = {p for p in self._processes if p.poll() is None}
                 self._processes.add(process)
         except BaseException:
-            for fd in (stdout_r, stderr_r, stdin_w):
-                if fd is not None:
-                    os.close(fd)
+            if usernet is not None:
+                usernet.abandon()
+            if process is None:
+                for fd in (stdout_r, stderr_r, stdin_w):
+                    if fd is not None:
+                        os.close(fd)
+            else:
+                process.kill()
             raise
         finally:  # the child's ends: it has its own copies now
             for fd in (stdout_w, stderr_w, stdin_r if stdin_data else None):
                 if fd is not None:
                     os.close(fd)
+        if usernet is not None:
+            try:
+                usernet.attach()
+            except BaseException:
+                process.kill()
+                raise
         return process
 
     def kill_all(self) -> None:
@@ -603,11 +658,14 @@ class HostDirSandbox:
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
-            if create:
-                raise SandboxError(
-                    f"refusing to write {path}: {name} is a symlink or a file"
-                ) from exc
-            raise FileNotFoundError(f"{path}: {name} is a symlink or a file") from exc
+            if not create:
+                raise FileNotFoundError(f"{path}: {name} is a symlink or a file") from exc
+            # Staging owns the path it writes: a symlink or file the sandbox put where a
+            # directory goes is replaced (never followed).
+            _remove_entry(dir_fd, name)
+            os.mkdir(name, 0o755, dir_fd=dir_fd)
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            created = True
         if created:
             self._chown(fd)
         return fd
@@ -634,7 +692,11 @@ class HostDirSandbox:
                     f.write(data)
                     self._chown(f.fileno())
                     os.fchmod(f.fileno(), mode)
-                os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                try:
+                    os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                except IsADirectoryError:  # a directory where the file goes: replaced too
+                    _remove_entry(dir_fd, name)
+                    os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except BaseException:
                 os.unlink(temp, dir_fd=dir_fd)
                 raise
@@ -681,7 +743,8 @@ class HostDirSandbox:
             pass
 
     def snapshot(
-        self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10
+        self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10,
+        max_total_bytes: int | None = None,
     ) -> dict[str, bytes]:
         files: dict[str, bytes] = {}
         relative = relative_to_home(path)
@@ -694,31 +757,52 @@ class HostDirSandbox:
         except OSError:  # missing, a symlink or a file: no tree under it
             return files
         try:
-            self._collect(fd, "", files, max_files, max_file_bytes)
+            self._collect(fd, files, max_files, max_file_bytes, max_total_bytes)
         finally:
             os.close(fd)
         return files
 
     def _collect(
-        self, dir_fd: int, prefix: str, files: dict[str, bytes], max_files: int, max_file_bytes: int
+        self, top_fd: int, files: dict[str, bytes], max_files: int, max_file_bytes: int,
+        max_total_bytes: int | None,
     ) -> None:
-        for name in sorted(os.listdir(dir_fd)):
-            if len(files) >= max_files:
-                return
-            try:
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-                    try:
-                        self._collect(fd, f"{prefix}{name}/", files, max_files, max_file_bytes)
-                    finally:
-                        os.close(fd)
-                elif stat.S_ISREG(st.st_mode) and st.st_size <= max_file_bytes:
-                    fd = os.open(name, _FILE_READ_FLAGS, dir_fd=dir_fd)
-                    with open(fd, "rb") as f:
-                        if stat.S_ISREG(os.fstat(fd).st_mode):  # not swapped for a FIFO
-                            data = f.read(max_file_bytes + 1)
-                            if len(data) <= max_file_bytes:
-                                files[prefix + name] = data
-            except OSError:  # changed under our feet by a running command: skip it
-                continue
+        """Depth-first, in name order, iterative and at most WALK_MAX_DEPTH levels deep."""
+        left = max_total_bytes
+        stack: list[tuple[int, str, Iterator[str]]] = [(top_fd, "", iter(sorted(os.listdir(top_fd))))]
+        try:
+            while stack and len(files) < max_files:
+                dir_fd, prefix, names = stack[-1]
+                name = next(names, None)
+                if name is None:
+                    stack.pop()
+                    if dir_fd != top_fd:
+                        os.close(dir_fd)
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        if len(stack) < WALK_MAX_DEPTH:
+                            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                            try:
+                                listing = iter(sorted(os.listdir(fd)))
+                            except OSError:
+                                os.close(fd)
+                                raise
+                            stack.append((fd, f"{prefix}{name}/", listing))
+                    elif stat.S_ISREG(st.st_mode) and st.st_size <= max_file_bytes \
+                            and (left is None or st.st_size <= left):
+                        limit = max_file_bytes if left is None else min(max_file_bytes, left)
+                        fd = os.open(name, _FILE_READ_FLAGS, dir_fd=dir_fd)
+                        with open(fd, "rb") as f:
+                            if stat.S_ISREG(os.fstat(fd).st_mode):  # not swapped for a FIFO
+                                data = f.read(limit + 1)  # it may have grown since the stat
+                                if len(data) <= limit:
+                                    files[prefix + name] = data
+                                    if left is not None:
+                                        left -= len(data)
+                except OSError:  # changed under our feet by a running command: skip it
+                    continue
+        finally:
+            for dir_fd, _, _ in stack:
+                if dir_fd != top_fd:
+                    os.close(dir_fd)

@@ -7,9 +7,12 @@ What a command sees
     A minimal, read-only view of the host: /usr (with /bin, /lib, ... as on the host), a few
     /etc entries, a generated /etc/passwd and /etc/group, `spec.ro_mounts`, and new /proc and
     /dev. Writable: /root (the sandbox home, a host dir that persists across commands until
-    close()), and /tmp, /run and /dev/shm, which are size-capped tmpfs mounts private to each
-    command. No capabilities, a fresh pid/ipc/uts/net/user namespace per command, no host
-    environment variables. Everything a command starts dies when the command exits: use
+    close(); as root a tmpfs of limits.max_disk_bytes), and /tmp, /run and /dev/shm, which are
+    size-capped tmpfs mounts private to each command. No capabilities, a fresh
+    pid/ipc/uts/net/user namespace per command, no host environment variables. network="full"
+    keeps its own network namespace too, given the internet (not the host) by slirp4netns
+    (usernet.py). As root, every command also runs in the sandbox's own memory cgroup
+    (limits.max_total_memory_bytes for all it forks; totals.py). Everything a command starts dies when the command exits: use
     start() for servers that must outlive one call.
 
 Who it runs as
@@ -74,6 +77,8 @@ from pi_env.sandbox.hostdir import (
     shell,
     sweep_stale_host_dirs,
 )
+from pi_env.sandbox.totals import SandboxCgroup, sandbox_cgroup
+from pi_env.sandbox.usernet import RESOLV_CONF, UserNet, slirp4netns
 
 __all__ = ["LocalProcess", "LocalSandbox", "LocalSandboxBackend", "default_root"]
 
@@ -366,10 +371,13 @@ class LocalSandbox(HostDirSandbox):
         bwrap: str,
         lease: _UidLease | None,
         lock_fd: int,
+        cgroup: SandboxCgroup | None = None,
     ):
-        """ro_mounts and gateway_socket: host paths that bwrap can bind as the sandbox uid."""
+        """ro_mounts and gateway_socket: host paths that bwrap can bind as the sandbox uid;
+        cgroup: the sandbox's own (memory and process totals), entered by every command."""
         owner = lease.uid if lease else None
         super().__init__(host_dir, owner, lock_fd)
+        self.cgroup = cgroup
         self.uid = lease.uid if lease else os.getuid()  # the host uid its processes run as
         self._spec = spec
         self._bwrap = bwrap
@@ -377,6 +385,7 @@ class LocalSandbox(HostDirSandbox):
         # prlimit rather than Popen(preexec_fn=...), so that Popen can vfork (as in _as_user).
         rlimits = sandbox_rlimits(spec.limits, exclusive_uid=lease is not None)
         self._launcher = [
+            *(cgroup.join_command() if cgroup else []),
             *_as_user(owner),
             "prlimit",
             *(f"{_PRLIMIT_OPTIONS[res]}={value}" for res, value in rlimits.items()),
@@ -416,10 +425,11 @@ class LocalSandbox(HostDirSandbox):
         env: dict[str, str] | None,
         network: Network,
     ) -> dict:
-        argv = [*self._launcher, self._bwrap, "--unshare-all"]
-        if network == "full":
-            argv.append("--share-net")  # must follow --unshare-all
-        argv += [*_SANDBOX_FLAGS, *self._mount_args]
+        argv = [*self._launcher, self._bwrap, "--unshare-all", *_SANDBOX_FLAGS, *self._mount_args]
+        usernet = None
+        if network == "full":  # a network namespace of its own, given the internet by slirp4netns
+            usernet = UserNet()
+            argv += [*usernet.bwrap_args(), "--ro-bind", f"{self.host_dir}/files/resolv.conf", "/etc/resolv.conf"]
         if network == "gateway":
             if not self._gateway_args:
                 raise ValueError('network="gateway" needs spec.gateway_socket')
@@ -432,7 +442,9 @@ class LocalSandbox(HostDirSandbox):
         argv += ["--chdir", posixpath.normpath(posixpath.join(SANDBOX_WORKDIR, cwd or "."))]
         argv += ["--", *init_argv(command)]
         # env={}: bwrap itself needs nothing from the host environment.
-        return {"args": argv, "cwd": "/", "env": {}}
+        if usernet is None:
+            return {"args": argv, "cwd": "/", "env": {}}
+        return {"args": argv, "cwd": "/", "env": {}, "pass_fds": usernet.pass_fds, "usernet": usernet}
 
     def _terminate(self, popen: subprocess.Popen) -> None:
         """Kill one sandboxed command and everything it started.
@@ -468,8 +480,12 @@ class LocalSandbox(HostDirSandbox):
             _kill_all_of(self._lease.uid)
 
     def _release(self) -> None:
-        if self._lease:
-            self._lease.release()
+        try:
+            if self.cgroup:
+                self.cgroup.remove()
+        finally:
+            if self._lease:
+                self._lease.release()
 
 
 class LocalSandboxBackend:
@@ -493,6 +509,7 @@ class LocalSandboxBackend:
         if self._as_root and (why := _unreachable_why(os.path.abspath(self.root), readable=False)):
             raise SandboxError(f"sandbox uids cannot reach the sandbox root {self.root}: {why}")
         _check_user_namespaces(self._bwrap, self._as_root)
+        slirp4netns()  # SandboxUnavailable with advice, rather than on the first setup command
         sweep_stale_host_dirs(self.root, _reclaim_uid_of if self._as_root else None)
 
     def create(self, spec: SandboxSpec) -> LocalSandbox:
@@ -500,19 +517,22 @@ class LocalSandboxBackend:
             if not posixpath.isabs(target) or posixpath.normpath(target) != target:
                 raise ValueError(f"sandbox path {target!r} must be a normalised absolute path")
         lease = _lease_uid() if self._as_root else None
-        host_dir = lock_fd = None
+        host_dir = lock_fd = cgroup = None
         try:
-            host_dir, lock_fd = make_host_dir(self.root, lease.uid if lease else None)
+            host_dir, lock_fd = make_host_dir(self.root, lease.uid if lease else None, spec.limits.max_disk_bytes)
+            cgroup = sandbox_cgroup(os.path.basename(host_dir), spec.limits)
             # files/: what the sandbox sees read-only (root-owned, outside its home)
             make_dir(os.path.join(host_dir, "files"), 0o755)
-            for name, content in (("passwd", _PASSWD), ("group", _GROUP)):
+            for name, content in (("passwd", _PASSWD), ("group", _GROUP), ("resolv.conf", RESOLV_CONF)):
                 with open(os.path.join(host_dir, "files", name), "w") as f:
                     f.write(content)
                     os.fchmod(f.fileno(), 0o644)
             mounts = self._ro_mount_sources(spec.ro_mounts, host_dir, lease)
             socket = self._gateway_socket(spec.gateway_socket, host_dir, lease)
-            return LocalSandbox(host_dir, spec, mounts, socket, self._bwrap, lease, lock_fd)
+            return LocalSandbox(host_dir, spec, mounts, socket, self._bwrap, lease, lock_fd, cgroup)
         except BaseException:
+            if cgroup:
+                cgroup.remove()
             if host_dir:
                 discard_host_dir(host_dir, lock_fd)
             if lease:

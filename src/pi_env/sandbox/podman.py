@@ -14,7 +14,8 @@ is one `podman run --rm` of the image, so like the local backend's namespaces:
   host path but its mounts;
 - network "none" and "gateway": `--network none` (loopback only), with the gateway's Unix
   socket bound at GATEWAY_SOCKET and spec.agent_masked_paths hidden behind empty dirs in
-  "gateway"; network "full": the host's network (`--network host`);
+  "gateway"; network "full": the internet through slirp4netns without the host's loopback
+  (`--network slirp4netns:allow_host_loopback=false`; the host's other addresses stay reachable);
 - limits: `--pids-limit` (max_processes: the container's pids cgroup; RLIMIT_NPROC, given
   because podman needs it explicit here, is never enforced for host root), `--memory`
   (max_memory_bytes, a cgroup limit, so stricter than the local backend's RLIMIT_DATA),
@@ -103,8 +104,11 @@ class PodmanSandbox(HostDirSandbox):
             "--volume", f"{self.host_home}:{SANDBOX_HOME}:rw",
         ]
         # fmt: on
-        if limits.max_memory_bytes is not None:
-            self._base_args += ["--memory", str(limits.max_memory_bytes)]
+        # A cgroup limit of the container (RSS, tmpfs, page cache; no swap): the agent's Pi and
+        # every tool it runs are one container, so this is the agent's memory total.
+        memory = limits.max_total_memory_bytes or limits.max_memory_bytes
+        if memory is not None:
+            self._base_args += ["--memory", str(memory), "--memory-swap", str(memory)]
         for target in sorted(spec.ro_mounts, key=lambda t: t.count("/")):  # parents first
             self._base_args += ["--volume", f"{os.path.abspath(spec.ro_mounts[target])}:{target}:ro"]
         self._gateway_args: list[str] = []
@@ -135,7 +139,8 @@ class PodmanSandbox(HostDirSandbox):
         argv = init_argv(command)
         args = [*self._base_args, "--name", f"pi-env-{self.id}-{next(self._counter)}"]
         if network == "full":
-            args += ["--network", "host"]
+            # The internet through a user-mode stack, not the host's namespace: no host 127.0.0.1.
+            args += ["--network", "slirp4netns:allow_host_loopback=false"]
         elif network in ("none", "gateway"):
             args += ["--network", "none"]
             if network == "gateway":
@@ -213,7 +218,7 @@ class PodmanBackend:
                 raise SandboxError(f"ro_mount {source} -> {target}: podman cannot mount paths with ':' or ','")
         if spec.gateway_socket and not stat.S_ISSOCK(os.stat(spec.gateway_socket).st_mode):
             raise SandboxError(f"gateway socket {spec.gateway_socket} is not a Unix socket")
-        host_dir, lock_fd = make_host_dir(self.root, None)
+        host_dir, lock_fd = make_host_dir(self.root, None, spec.limits.max_disk_bytes)
         try:
             return PodmanSandbox(host_dir, lock_fd, spec, self)
         except BaseException:

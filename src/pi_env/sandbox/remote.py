@@ -229,6 +229,19 @@ def _no_symlink_in(full: str, *, last: bool) -> str:
     return "".join(checks)
 
 
+def _clear_the_way(full: str) -> str:
+    """Shell: remove whatever stands where write_file puts `full` and its parents (a symlink or
+    a file where a directory goes, a directory where the file goes), never following it."""
+    parts = full[len(SANDBOX_HOME) + 1:].split("/")
+    checks, current = [], SANDBOX_HOME
+    for part in parts[:-1]:
+        current = f"{current}/{part}"
+        checks.append(f"if [ -L {_q(current)} ] || {{ [ -e {_q(current)} ] && [ ! -d {_q(current)} ]; }}; "
+                      f"then rm -f {_q(current)}; fi; ")
+    checks.append(f"if [ -d {_q(full)} ] && [ ! -L {_q(full)} ]; then chmod -R u+w {_q(full)}; rm -rf {_q(full)}; fi; ")
+    return "".join(checks)
+
+
 def _full_path(path: str) -> str:
     relative = relative_to_home(path)  # ValueError naming /root for anything outside it
     return f"{SANDBOX_HOME}/{relative}" if relative else SANDBOX_HOME
@@ -501,8 +514,7 @@ class RemoteSandbox:
         self._retry("upload", lambda: self._session.upload(staging, data))
         # mv replaces a symlink at the target itself (rename never follows it).
         code, out = self._file_script(
-            f"{_no_symlink_in(full, last=False)}mkdir -p {_q(posixpath.dirname(full))} || exit 1; "
-            f"[ -d {_q(full)} ] && [ ! -L {_q(full)} ] && exit {_IS_DIR}; "
+            f"{_clear_the_way(full)}mkdir -p {_q(posixpath.dirname(full))} || exit 1; "
             f"chmod {mode:o} {staging} && mv -fT {staging} {_q(full)}")
         self._raise_for(code, path, out)
 
@@ -536,7 +548,8 @@ class RemoteSandbox:
         code, out = self._file_script(f"{_no_symlink_in(full, last=False)}{script}")
         self._raise_for(code, path, out)
 
-    def snapshot(self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10) -> dict[str, bytes]:
+    def snapshot(self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10,
+                 max_total_bytes: int | None = None) -> dict[str, bytes]:
         full = _full_path(path)
         staging = f"{JOBS_DIR}/snap-{secrets.token_hex(6)}.tar"
         code, out = self._file_script(
@@ -551,9 +564,11 @@ class RemoteSandbox:
         finally:
             self._control(f"rm -f {staging}", 60)
         files = {}
+        left = max_total_bytes
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             for member in tar.getmembers():
-                if member.isfile():
+                if member.isfile() and (left is None or member.size <= left):
                     files[posixpath.normpath(member.name)] = tar.extractfile(member).read()
+                    left = None if left is None else left - member.size
         return files
 
