@@ -14,8 +14,8 @@ is one `podman run --rm` of the image, so like the local backend's namespaces:
   host path but its mounts;
 - network "none" and "gateway": `--network none` (loopback only), with the gateway's Unix
   socket bound at GATEWAY_SOCKET and spec.agent_masked_paths hidden behind empty dirs in
-  "gateway"; network "full": the internet through slirp4netns without the host's loopback
-  (`--network slirp4netns:allow_host_loopback=false`; the host's other addresses stay reachable);
+  "gateway"; network "full": a network namespace of the sandbox's own given the internet, but
+  no host service, by slirp4netns (usernet.NetworkHolder, joined with `--network ns:PATH`);
 - limits: `--pids-limit` (max_processes: the container's pids cgroup; RLIMIT_NPROC, given
   because podman needs it explicit here, is never enforced for host root), `--memory`
   (max_memory_bytes, a cgroup limit, so stricter than the local backend's RLIMIT_DATA),
@@ -66,6 +66,7 @@ from pi_env.sandbox.hostdir import (
     sweep_stale_host_dirs,
 )
 from pi_env.sandbox.local import _DEFAULT_ENV, SMALL_TMPFS_BYTES, init_argv
+from pi_env.sandbox.usernet import SLIRP_DNS, NetworkHolder
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class PodmanSandbox(HostDirSandbox):
             for masked in spec.agent_masked_paths:
                 self._gateway_args += ["--volume", f"{empty}:{masked}:ro"]
         self._image = backend.image
+        self._network: NetworkHolder | None = None  # made by the first network="full" command
 
     def exec(self, command: str | list[str], **kwargs) -> ExecResult:
         result = super().exec(command, **kwargs)
@@ -139,8 +141,10 @@ class PodmanSandbox(HostDirSandbox):
         argv = init_argv(command)
         args = [*self._base_args, "--name", f"pi-env-{self.id}-{next(self._counter)}"]
         if network == "full":
-            # The internet through a user-mode stack, not the host's namespace: no host 127.0.0.1.
-            args += ["--network", "slirp4netns:allow_host_loopback=false"]
+            # The sandbox's own namespace with the internet but not the host (usernet.py).
+            if self._network is None:
+                self._network = NetworkHolder()
+            args += ["--network", f"ns:{self._network.path}", "--dns", SLIRP_DNS]
         elif network in ("none", "gateway"):
             args += ["--network", "none"]
             if network == "gateway":
@@ -169,6 +173,10 @@ class PodmanSandbox(HostDirSandbox):
                 popen.kill()  # the client is stuck: kill_all()'s label sweep gets its container
                 popen.wait()
                 return
+
+    def _release(self) -> None:
+        if self._network is not None:
+            self._network.stop()
 
     def kill_all(self) -> None:
         super().kill_all()

@@ -88,16 +88,7 @@ class UserNet:
         for fd in self.pass_fds:  # bwrap (and the command) hold their own copies
             os.close(fd)
         try:
-            pid = self._child_pid()
-            slirp, ready_r = self._start_slirp(pid)  # starts while the routes go in
-            try:
-                self._prohibit_host_addresses(pid)
-                self._wait_ready(slirp, ready_r)
-            except BaseException:
-                slirp.kill()
-                raise
-            finally:
-                os.close(ready_r)
+            attach_network(self._child_pid(), self._exit_r)
             os.write(self._block_w, b"1")
         finally:
             for fd in (self._info_r, self._block_w, self._exit_r):
@@ -127,37 +118,87 @@ class UserNet:
                 raise SandboxError("bubblewrap exited before its sandbox was ready")
             data += chunk
 
-    @staticmethod
-    def _prohibit_host_addresses(pid: int) -> None:
-        routes = "".join(f"route add prohibit {address}\n" for address in host_addresses())
-        if not routes:
-            return
-        done = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-batch", "-"], input=routes,
-                              capture_output=True, text=True, timeout=ATTACH_TIMEOUT_S, cwd="/",
-                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-        if done.returncode != 0:
-            raise SandboxError(f"cannot keep the host's addresses from the sandbox: {done.stderr.strip()[-300:]}")
 
-    def _start_slirp(self, pid: int) -> tuple[subprocess.Popen, int]:
-        ready_r, ready_w = os.pipe()
+def attach_network(pid: int, exit_fd: int) -> None:
+    """Give the network namespace of `pid` the internet without the host; slirp4netns runs
+    until `exit_fd` (a pipe's read end) reports EOF."""
+    slirp, ready_r = _start_slirp(pid, exit_fd)  # starts while the routes go in
+    try:
+        _prohibit_host_addresses(pid)
+        _wait_ready(slirp, ready_r)
+    except BaseException:
+        slirp.kill()
+        raise
+    finally:
+        os.close(ready_r)
+
+
+def _prohibit_host_addresses(pid: int) -> None:
+    routes = "".join(f"route add prohibit {address}\n" for address in host_addresses())
+    if not routes:
+        return
+    done = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-batch", "-"], input=routes,
+                          capture_output=True, text=True, timeout=ATTACH_TIMEOUT_S, cwd="/",
+                          env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    if done.returncode != 0:
+        raise SandboxError(f"cannot keep the host's addresses from the sandbox: {done.stderr.strip()[-300:]}")
+
+
+def _start_slirp(pid: int, exit_fd: int) -> tuple[subprocess.Popen, int]:
+    ready_r, ready_w = os.pipe()
+    try:
+        slirp = subprocess.Popen(
+            [slirp4netns(), "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
+             "--enable-seccomp", f"--ready-fd={ready_w}", f"--exit-fd={exit_fd}", str(pid), "tap0"],
+            pass_fds=(ready_w, exit_fd), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, cwd="/", env={}, start_new_session=True)
+    except BaseException:
+        os.close(ready_r)
+        raise
+    finally:
+        os.close(ready_w)
+    return slirp, ready_r
+
+
+def _wait_ready(slirp: subprocess.Popen, ready_r: int) -> None:
+    ready = select.select([ready_r], [], [], ATTACH_TIMEOUT_S)[0] and os.read(ready_r, 1) == b"1"
+    if not ready:
+        slirp.kill()
+        _, err = slirp.communicate()
+        raise SandboxError(f"slirp4netns did not start: {err.decode(errors='replace').strip()[-300:]}")
+    threading.Thread(target=slirp.communicate, name="pi-env-slirp4netns-reaper", daemon=True).start()
+
+
+class NetworkHolder:
+    """A network namespace of its own, with the internet but not the host, kept by a sleeping
+    process until stop(): for a backend that joins an existing namespace (podman's
+    `--network ns:PATH`) rather than making one per command as bubblewrap does."""
+
+    def __init__(self):
+        own = os.readlink("/proc/self/ns/net")
+        exit_r, exit_w = os.pipe()
         try:
-            slirp = subprocess.Popen(
-                [slirp4netns(), "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
-                 "--enable-seccomp", f"--ready-fd={ready_w}", f"--exit-fd={self._exit_r}", str(pid), "tap0"],
-                pass_fds=(ready_w, self._exit_r), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE, cwd="/", env={}, start_new_session=True)
+            self._process = subprocess.Popen(["unshare", "--net", "--", "sleep", "infinity"], pass_fds=(exit_w,),
+                                             stdin=subprocess.DEVNULL, cwd="/", env={}, start_new_session=True)
+            os.close(exit_w)
+            exit_w = -1
+            self.path = f"/proc/{self._process.pid}/ns/net"
+            deadline = time.monotonic() + ATTACH_TIMEOUT_S
+            while os.readlink(self.path) == own:  # unshare has not switched yet
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    raise SandboxError("could not make a network namespace (unshare --net)")
+                time.sleep(0.002)
+            attach_network(self._process.pid, exit_r)
         except BaseException:
-            os.close(ready_r)
+            self.stop()
             raise
         finally:
-            os.close(ready_w)
-        return slirp, ready_r
+            os.close(exit_r)
+            if exit_w >= 0:
+                os.close(exit_w)
 
-    @staticmethod
-    def _wait_ready(slirp: subprocess.Popen, ready_r: int) -> None:
-        ready = select.select([ready_r], [], [], ATTACH_TIMEOUT_S)[0] and os.read(ready_r, 1) == b"1"
-        if not ready:
-            slirp.kill()
-            _, err = slirp.communicate()
-            raise SandboxError(f"slirp4netns did not start: {err.decode(errors='replace').strip()[-300:]}")
-        threading.Thread(target=slirp.communicate, name="pi-env-slirp4netns-reaper", daemon=True).start()
+    def stop(self) -> None:
+        """End the namespace (slirp4netns exits with its holder)."""
+        if getattr(self, "_process", None) is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
