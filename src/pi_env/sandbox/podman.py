@@ -107,7 +107,7 @@ class PodmanSandbox(HostDirSandbox):
         # fmt: on
         # A cgroup limit of the container (RSS, tmpfs, page cache; no swap): the agent's Pi and
         # every tool it runs are one container, so this is the agent's memory total.
-        memory = limits.max_total_memory_bytes or limits.max_memory_bytes
+        memory = min((m for m in (limits.max_total_memory_bytes, limits.max_memory_bytes) if m), default=None)
         if memory is not None:
             self._base_args += ["--memory", str(memory), "--memory-swap", str(memory)]
         for target in sorted(spec.ro_mounts, key=lambda t: t.count("/")):  # parents first
