@@ -577,3 +577,13 @@ def test_upstream_key_is_masked_in_relayed_and_recorded_errors(gateway, server, 
     for text in (raw.decode(), session.turns[0].upstream_error, json.dumps(session.turns[0].to_json())):
         assert REAL_KEY not in text and "org-secret-value-42" not in text
     gateway.close_session(session)
+
+
+def test_a_lone_surrogate_escape_is_still_relayed(gateway, server):
+    """node's JSON.stringify writes "\\ud83d" for a string cut inside a surrogate pair: valid JSON
+    that the fast parser refuses; the gateway still relays it (and still applies its rules)."""
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")]), max_tokens_cap=10)
+    body = json.dumps({**BODY, "n": 3, "messages": [{"role": "user", "content": "cut \ud83d"}]}).encode()
+    status, _ = raw_http(gateway.tcp_port, "/v1/chat/completions", session.token, body)
+    assert status == 200 and server.requests[0].body["n"] == 1
+    gateway.close_session(session)

@@ -126,10 +126,22 @@ def test_unsupported_environments_are_reported_per_task_and_skipped_by_collect(t
     ("agent = 3\n", r"\[agent\] must be a table"),
     ("[verifier\n", "not valid TOML"),
     ("[verifier]\nenv = { \"1BAD\" = \"x\" }\n", "'1BAD' is not a valid variable name"),
+    ("[environment]\nmemory_mb = 1.5\n", "memory_mb = 1.5; give a positive whole number of MB"),
+    ("[environment]\nstorage = \"lots\"\n", "storage = 'lots'; give a size such as"),
 ])
 def test_bad_task_toml_names_what_to_fix(tmp_path, toml, message):
     with pytest.raises(TaskError, match=message):
         load_harbor_task(harbor_task(tmp_path, toml=toml))
+
+
+@pytest.mark.parametrize("environment, limits", [
+    ("memory_mb = 512\nstorage_mb = 20480\n", {"memory_mb": 512, "storage_mb": 20480}),
+    ("memory = \"2G\"\nstorage = \"512Mi\"\n", {"memory_mb": 2048, "storage_mb": 512}),
+    ("cpus = 2\n", {"memory_mb": None, "storage_mb": None}),
+])
+def test_memory_and_storage_become_the_sandbox_totals(tmp_path, environment, limits):
+    task = load_harbor_task(harbor_task(tmp_path, toml=f"[environment]\n{environment}"))
+    assert task.limits.model_dump() == limits
 
 
 def test_missing_test_sh_and_empty_directories_are_clear_errors(tmp_path):

@@ -7,6 +7,7 @@ so none of this may rely on Pi's requests looking like Pi's."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -52,12 +53,22 @@ def police_request(body: bytes, *, cap: int | None, budget_left: int | None) -> 
       what is left of the budget is clamped; with a budget, a call without one gets one;
     - with a budget, a streamed call is made to report its usage (stream_options.include_usage).
     Raises PolicyError when the body is not a JSON object."""
+    lenient = False
     try:
         fields = msgspec.json.decode(body, type=_Fields)
     except msgspec.ValidationError:  # valid JSON, but not an object
         raise PolicyError("the request body is not a JSON object") from None
     except msgspec.DecodeError:
-        raise PolicyError("the request body is not a JSON object") from None
+        # msgspec refuses a lone surrogate escape ("\ud83d"), which node's JSON.stringify
+        # writes for a string cut inside a pair: valid JSON, so the slower parser reads it.
+        try:
+            request = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise PolicyError("the request body is not a JSON object") from None
+        if not isinstance(request, dict):
+            raise PolicyError("the request body is not a JSON object") from None
+        fields = _Fields(**{name: request.get(name) for name in _Fields.__struct_fields__})
+        lenient = True
     limit = cap if budget_left is None else max(1, budget_left if cap is None else min(cap, budget_left))
     changes: dict[str, Any] = {}
     for key in ("n", "best_of"):  # vLLM's best_of samples that many sequences too
@@ -83,13 +94,13 @@ def police_request(body: bytes, *, cap: int | None, budget_left: int | None) -> 
             changes["stream_options"] = {**options, "include_usage": True}
     if not changes:
         return body, allowed
-    request = msgspec.json.decode(body)
+    request = json.loads(body) if lenient else msgspec.json.decode(body)
     for key, value in changes.items():
         if value is None:
             request.pop(key, None)
         else:
             request[key] = value
-    return msgspec.json.encode(request), allowed
+    return (json.dumps(request).encode() if lenient else msgspec.json.encode(request)), allowed
 
 
 def _as_token_count(value: Any) -> int | None:
