@@ -148,7 +148,7 @@ def test_setup_and_verify_with_network_cannot_reach_host_listeners():
 
 
 def test_a_tasks_own_limits_reach_its_sandbox():
-    write = "head -c 100000000 /dev/zero > big 2> err.txt; rc=$?; rm -f big; echo rc=$rc > rc.txt"
+    write = "head -c 100000000 /dev/zero > big 2> /tmp/err; rc=$?; rm -f big; (echo rc=$rc; cat /tmp/err) > rc.txt"
     task = oracle_task("small-disk", write, limits={"storage_mb": 64},
-                       verify=["grep -qx rc=1 rc.txt", "grep -q 'No space left on device' err.txt"])
+                       verify=["grep -qx rc=1 rc.txt", "grep -q 'No space left on device' rc.txt"])
     assert_scored(run_rollout(task))
