@@ -32,6 +32,8 @@ import sys
 import threading
 import time
 
+from common import BoundedTurns
+
 WARMUP = 3  # calls per session left out of the figures
 
 
@@ -143,15 +145,6 @@ def measure(sessions: int, calls_per_session: int, generate_ms: float = 0.0) -> 
 def summary(values: list[float]) -> dict:
     return {"median": round(statistics.median(values), 3),
             "p99": round(statistics.quantiles(values, n=100)[-1], 3)}
-
-
-class BoundedTurns(list):
-    """Keeps only the last few records: the benchmark measures latency, not history."""
-
-    def append(self, item) -> None:
-        super().append(item)
-        if len(self) > 8:
-            del self[0]
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import tempfile
 import time
 
 import aiohttp
+from common import BoundedTurns
 
 ROUNDS = 4  # direct/gateway alternations per concurrency level
 
@@ -53,15 +54,6 @@ def serve_gateway(upstream_url: str, api_key: str) -> None:
         tokens[mode] = session.token
     print(json.dumps({"base_url": gateway.tcp_base_url, "tokens": tokens}), flush=True)
     sys.stdin.read()
-
-
-class BoundedTurns(list):
-    """Keeps only the last few records (the benchmark checks capture happened, not history)."""
-
-    def append(self, item) -> None:
-        super().append(item)
-        if len(self) > 8:
-            del self[0]
 
 
 def spawn(args: list[str]) -> tuple[subprocess.Popen, str]:

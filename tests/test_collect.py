@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import scripted_config
+from helpers import scripted_config
 from pi_env import PiConfig, PiTask
 from pi_env.collect import CollectError, CollectRunner, KeepFilter
 from pi_env.collect.card import front_matter

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 from pi_env.collect import CollectRunner
 from pi_env.collect.store import read_records
@@ -28,26 +29,19 @@ ROOT = Path(__file__).parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-def free_port() -> int:
-    """A free port outside Ray's worker port range (10002-19999)."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if not 10002 <= port <= 19999:
-            return port
+RAY_WORKER_PORTS = range(10002, 20000)  # ports Ray hands its workers: never pick one for a head service
 
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    port = free_port()
+    port = free_port(RAY_WORKER_PORTS)
     temp = tmp_path_factory.mktemp("ray")
     log = (temp / "ray-start.log").open("w")
     head = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1",
-         "--num-cpus", "2", "--include-dashboard", "false", "--dashboard-port", str(free_port()),
-         "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+         "--num-cpus", "2", "--include-dashboard", "false", "--dashboard-port", str(free_port(RAY_WORKER_PORTS)),
+         "--ray-client-server-port", str(free_port(RAY_WORKER_PORTS)), "--dashboard-agent-listen-port", str(free_port(RAY_WORKER_PORTS)),
          "--temp-dir", str(temp), "--disable-usage-stats"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"127.0.0.1:{port}"

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
-from test_gateway import call, sse_json, wait_for
+from helpers import TOOLS, USER, chat, wait_for
+from test_gateway import call, sse_json
 
 from pi_env import PiConfig, PiSessionFactory
 from pi_env.proxy import Upstream
@@ -22,8 +23,6 @@ from pi_env.proxy.gate import CompletionInvalid, GateCompletion, GateRequest, Re
 from pi_env.proxy.rewrite import CaptureOptions
 from pi_env.training import build_training_trace
 
-USER = {"role": "user", "content": "Make the file."}
-TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 NOWHERE = Upstream("http://interception-gate.invalid/v1", None, "trainer-model")
 
 
@@ -50,19 +49,10 @@ def agent():
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=40)
 
     def send(gateway, session, body=None, **kwargs):
-        return pool.submit(call, gateway, session, body=body or chat(), **kwargs)
+        return pool.submit(call, gateway, session, body=body or chat(tools=True), **kwargs)
 
     yield send
     pool.shutdown(wait=True, cancel_futures=True)
-
-
-def chat(messages=(USER,), *, stream=True, tools=True, **extra) -> dict:
-    body = {"model": "pi-side-model", "messages": list(messages), "stream": stream, **extra}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    if tools:
-        body["tools"] = TOOLS
-    return body
 
 
 def assembled(raw: bytes) -> TurnCapture:
@@ -90,7 +80,7 @@ COMPLETION = GateCompletion(
 def test_held_call_reaches_the_trainer_and_its_completion_reaches_the_agent_as_sse(gateway, open_gate, agent):
     options = CaptureOptions(max_tokens_cap=64, sampling={"temperature": 1.0, "seed": 7})
     session = open_gate(capture=options)
-    body = chat(temperature=0.2, top_p=0.9, max_tokens=10_000, tool_choice="auto")
+    body = chat(tools=True, temperature=0.2, top_p=0.9, max_tokens=10_000, tool_choice="auto")
     pending = agent(gateway, session, body)
     request = session.strategy.next_request(5)
     assert isinstance(request, GateRequest) and request.session_id == session.id and request.turn == 0
@@ -130,7 +120,7 @@ def test_held_call_reaches_the_trainer_and_its_completion_reaches_the_agent_as_s
 
 def test_an_unstreamed_call_gets_a_chat_completion(gateway, open_gate, agent):
     session = open_gate()
-    pending = agent(gateway, session, chat(stream=False))
+    pending = agent(gateway, session, chat(stream=False, tools=True))
     request = session.strategy.next_request(5)
     assert request.stream is False
     session.strategy.deliver(request.request_id, {"token_ids": [5, 6], "text": "All done."})
@@ -156,7 +146,7 @@ def test_turns_chain_into_one_training_sequence_and_the_trace_file(gateway, open
                  GateCompletion(token_ids=[30], logprobs=[-0.3], prompt_token_ids=[1, 2, 3, 10, 11, 20, 21],
                                 text="Done.")]
     for completion in delivered:
-        pending = agent(gateway, session, chat(history))
+        pending = agent(gateway, session, chat(history, tools=True))
         gate.deliver(gate.next_request(5), completion)
         raw = pending.result(5)[2]
         history = [*history, assembled(raw).choices[0].message(), {"role": "tool", "content": "a.txt"}]
@@ -294,7 +284,7 @@ def test_an_agent_that_hangs_up_withdraws_its_request(gateway, open_gate):
     async def impatient():
         async with aiohttp.ClientSession() as client:
             with pytest.raises(asyncio.TimeoutError):
-                await client.post(gateway.tcp_base_url + "/chat/completions", json=chat(),
+                await client.post(gateway.tcp_base_url + "/chat/completions", json=chat(tools=True),
                                   headers={"Authorization": f"Bearer {session.token}"},
                                   timeout=aiohttp.ClientTimeout(total=0.3))
 
@@ -381,7 +371,7 @@ def test_32_concurrent_sessions_each_get_their_own_requests(gateway, open_gate):
     async def agent_of(client, i):
         history = [{"role": "user", "content": f"I am {i}"}]
         for k in range(turns):
-            async with client.post(gateway.tcp_base_url + "/chat/completions", json=chat(history),
+            async with client.post(gateway.tcp_base_url + "/chat/completions", json=chat(history, tools=True),
                                    headers={"Authorization": f"Bearer {sessions[i].token}"}) as r:
                 assert r.status == 200
                 text = assembled(await r.read()).choices[0].content

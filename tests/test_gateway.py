@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from helpers import free_port, wait_for
 
 import pi_env.proxy
 from pi_env._aio import background_loop, run_sync
@@ -47,13 +48,6 @@ def call(gateway, session_or_token, path="/chat/completions", *, unix=False, **k
     if unix:
         return asyncio.run(_call("http://gateway/v1" + path, token, unix=gateway.socket_path, **kwargs))
     return asyncio.run(_call(gateway.tcp_base_url + path, token, **kwargs))
-
-
-def wait_for(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def data_events(raw: bytes) -> list[str]:
@@ -142,12 +136,6 @@ def test_upstream_error_body_is_truncated_in_the_record(gateway, server):
     assert status == 400 and len(raw) == 10_000  # the agent gets all of it
     assert session.turns[0].upstream_error == "e" * 4096
     gateway.close_session(session)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_unreachable_upstream_is_a_502(gateway):

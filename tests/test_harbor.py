@@ -8,20 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import scripted_config
+from helpers import bash, scripted_config
 from pi_env import PiSessionFactory, TaskError, load_tasks, run_rollout
 from pi_env.cli import main
 from pi_env.collect import CollectRunner
 from pi_env.collect.store import read_records
 from pi_env.harbor import load_harbor_task, unsupported_reasons
-from pi_env.testing import ScriptedToolCall, ScriptedTurn
+from pi_env.testing import ScriptedTurn
 
 ROOT = Path(__file__).parent.parent
 HARBOR = ROOT / "examples" / "harbor"
-
-
-def bash(command: str) -> ScriptedTurn:
-    return ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": command})])
 
 
 def harbor_task(tmp_path: Path, *, toml: str = "", dockerfile: str = "FROM ubuntu:24.04\nWORKDIR /app\n",

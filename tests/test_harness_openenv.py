@@ -23,9 +23,9 @@ from importlib.util import find_spec
 import pytest
 
 import pi_env
-from conftest import direct_answer, processes_of_uid, scripted_config
+from helpers import bash, direct_answer, processes_of_uid, scripted_config
 from pi_env import PiConfig, PiTask, TaskError
-from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
+from pi_env.testing import Fault, ScriptedTurn
 
 HAVE_OPENENV = find_spec("openenv") is not None
 HAVE_TRL = HAVE_OPENENV and find_spec("trl") is not None and find_spec("datasets") is not None
@@ -37,10 +37,6 @@ needs_openenv = pytest.mark.skipif(
 needs_trl = pytest.mark.skipif(
     not HAVE_TRL, reason="trl 1.16 is not installed (optional extra: pip install -e '.[openenv,trl]' with the CPU "
                          "torch; bash scripts/test_harness.sh runs this test)")
-
-
-def bash(command: str) -> ScriptedTurn:
-    return ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": command})])
 
 
 TWO_TURNS = [bash("echo hi > a.txt"), ScriptedTurn(reasoning="checking", text="All done.")]

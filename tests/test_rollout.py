@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import direct_answer, processes_of_uid, scripted_config
+from helpers import bash, direct_answer, processes_of_uid, scripted_config
 from pi_env import PiConfig, PiSessionFactory, PiTask, load_tasks, run_rollout
-from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
+from pi_env.testing import Fault, ScriptedTurn
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 
@@ -24,10 +24,6 @@ def rollout_with_uid(task, config=None):
         uid = session.sandbox.uid
         result = session.wait_for_completion()
     return result, uid
-
-
-def bash(command: str) -> ScriptedTurn:
-    return ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": command})])
 
 
 def tool_outputs(result) -> str:

@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from helpers import wait_for
 from sandbox_backends import BACKENDS, BackendEntry
 
 from pi_env.sandbox import GATEWAY_SOCKET, SandboxError, SandboxLimits, SandboxSpec
@@ -53,11 +54,8 @@ def assert_stopped(sandbox, path: str) -> None:
     assert sandbox.read_file(path) == first, "a killed command is still running"
 
 
-def wait_for(sandbox, path: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not sandbox.exists(path):
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+def wait_for_file(sandbox, path: str, timeout_s: float = 30) -> None:
+    wait_for(lambda: sandbox.exists(path), timeout_s, f"{path} to appear")
 
 
 # --- exec ---------------------------------------------------------------------------------
@@ -132,7 +130,7 @@ def test_start_wait_poll(sandbox):
 
 def test_wait_timeout_kills(sandbox):
     sleeper = sandbox.start("echo ready; " + HEARTBEAT.format(path="beat"))
-    wait_for(sandbox, "beat")
+    wait_for_file(sandbox, "beat")
     assert sleeper.poll() is None
     result = sleeper.wait(0.5)
     assert result.timed_out and result.exit_code is None and result.stdout == "ready\n"
@@ -143,8 +141,8 @@ def test_wait_timeout_kills(sandbox):
 def test_kill_is_idempotent_and_leaves_nothing_running(sandbox):
     process = sandbox.start("(" + HEARTBEAT.format(path="beat-child") + ") & "
                             + HEARTBEAT.format(path="beat"))
-    wait_for(sandbox, "beat")
-    wait_for(sandbox, "beat-child")
+    wait_for_file(sandbox, "beat")
+    wait_for_file(sandbox, "beat-child")
     process.kill()
     process.kill()
     result = process.wait(30)
@@ -162,7 +160,7 @@ def test_kill_all_stops_every_command_and_the_sandbox_stays_usable(sandbox):
     thread.start()
     thread.join()
     for path in ("beat-0", "beat-1", "beat-2", "beat-t"):
-        wait_for(sandbox, path)
+        wait_for_file(sandbox, path)
     assert box["p"].poll() is None
     sandbox.kill_all()
     for process in [*processes, box["p"]]:

@@ -10,17 +10,11 @@ import time
 import aiohttp
 import pytest
 
+from helpers import USER, chat
+
 from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
 from pi_env.testing.scripted import SCRIPT_FINISHED_TEXT, synthetic_token_id
 
-USER = {"role": "user", "content": "Fix the bug."}
-
-
-def chat_body(messages=None, *, stream=True, **extra):
-    body = {"model": "m", "messages": messages or [USER], "stream": stream, **extra}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
 
 
 async def _post(url, key, body, timeout=10):
@@ -56,7 +50,7 @@ def content_of(chunks, field="content"):
 
 def test_text_stream_has_the_shape_pi_needs(server):
     key = server.add_script([ScriptedTurn(text="Hello, world!", chunk_chars=5)])
-    status, headers, raw = post(server, key, chat_body())
+    status, headers, raw = post(server, key, chat())
     assert status == 200
     assert headers["Content-Type"].startswith("text/event-stream")
     assert headers["x-pi-env-synthetic"] == "1"
@@ -76,7 +70,7 @@ def test_text_stream_has_the_shape_pi_needs(server):
 
 def test_usage_chunk_only_when_asked(server):
     key = server.add_script([ScriptedTurn(text="hi")])
-    body = chat_body()
+    body = chat()
     del body["stream_options"]
     chunks = stream_chunks(post(server, key, body)[2])
     assert all(c["choices"] for c in chunks) and "usage" not in chunks[-1]
@@ -88,7 +82,7 @@ def test_tool_call_deltas_carry_index(server):
         ScriptedToolCall(name="write", arguments='{"path": "a.py", "content": "x"}', id="call_w"),
     ]
     key = server.add_script([ScriptedTurn(tool_calls=calls, chunk_chars=7)])
-    chunks = stream_chunks(post(server, key, chat_body())[2])
+    chunks = stream_chunks(post(server, key, chat())[2])
     deltas = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
     assert all("index" in d for d in deltas)
     headers = [d for d in deltas if "id" in d]
@@ -107,7 +101,7 @@ def test_tool_call_deltas_carry_index(server):
 @pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
 def test_reasoning_deltas(server, field):
     key = server.add_script([ScriptedTurn(reasoning="Think first.", text="Done.", reasoning_field=field)])
-    chunks = stream_chunks(post(server, key, chat_body())[2])
+    chunks = stream_chunks(post(server, key, chat())[2])
     assert content_of(chunks, field) == "Think first."
     assert content_of(chunks) == "Done."
     first_content = next(i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("content"))
@@ -118,31 +112,31 @@ def test_reasoning_deltas(server, field):
 def test_turn_is_the_number_of_assistant_messages(server):
     key = server.add_script([ScriptedTurn(text="first"), ScriptedTurn(text="second")])
     history = [USER]
-    assert content_of(stream_chunks(post(server, key, chat_body(history))[2])) == "first"
-    assert content_of(stream_chunks(post(server, key, chat_body(history))[2])) == "first"  # a retry
+    assert content_of(stream_chunks(post(server, key, chat(history))[2])) == "first"
+    assert content_of(stream_chunks(post(server, key, chat(history))[2])) == "first"  # a retry
     history += [{"role": "assistant", "content": None, "tool_calls": []}, {"role": "tool", "content": "ok", "tool_call_id": "x"}]
-    assert content_of(stream_chunks(post(server, key, chat_body(history))[2])) == "second"
+    assert content_of(stream_chunks(post(server, key, chat(history))[2])) == "second"
     history += [{"role": "assistant", "content": "second"}, {"role": "user", "content": "more"}]
-    assert content_of(stream_chunks(post(server, key, chat_body(history))[2])) == SCRIPT_FINISHED_TEXT
+    assert content_of(stream_chunks(post(server, key, chat(history))[2])) == SCRIPT_FINISHED_TEXT
 
 
 def test_scripts_are_selected_by_key(server):
     key_a = server.add_script([ScriptedTurn(text="A")])
     key_b = server.add_script([ScriptedTurn(text="B")], api_key="sk-chosen")
     assert key_b == "sk-chosen" and key_a != key_b
-    assert content_of(stream_chunks(post(server, key_a, chat_body())[2])) == "A"
-    assert content_of(stream_chunks(post(server, key_b, chat_body())[2])) == "B"
-    status, _, raw = post(server, "sk-unknown", chat_body())
+    assert content_of(stream_chunks(post(server, key_a, chat())[2])) == "A"
+    assert content_of(stream_chunks(post(server, key_b, chat())[2])) == "B"
+    status, _, raw = post(server, "sk-unknown", chat())
     assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
     server.set_default([ScriptedTurn(text="D")])
-    assert content_of(stream_chunks(post(server, "sk-unknown", chat_body())[2])) == "D"
+    assert content_of(stream_chunks(post(server, "sk-unknown", chat())[2])) == "D"
     server.remove_script(key_a)
-    assert content_of(stream_chunks(post(server, key_a, chat_body())[2])) == "D"
+    assert content_of(stream_chunks(post(server, key_a, chat())[2])) == "D"
 
 
 def test_requests_are_recorded(server):
     key = server.add_script([ScriptedTurn(text="x")])
-    post(server, key, chat_body())
+    post(server, key, chat())
     (received,) = server.requests
     assert received.path == "/v1/chat/completions" and received.method == "POST"
     assert received.api_key == key and received.headers["authorization"] == f"Bearer {key}"
@@ -163,7 +157,7 @@ def test_a_body_that_is_not_a_json_object_is_a_400(server):
 def test_non_streaming_completion(server):
     turn = ScriptedTurn(text="Hi", reasoning="hmm", tool_calls=[ScriptedToolCall(name="read", arguments={"path": "a"})])
     key = server.add_script([turn])
-    status, headers, raw = post(server, key, chat_body(stream=False, logprobs=True, return_token_ids=True))
+    status, headers, raw = post(server, key, chat(stream=False, logprobs=True, return_token_ids=True))
     body = json.loads(raw)
     assert status == 200 and headers["x-pi-env-synthetic"] == "1"
     assert body["object"] == "chat.completion" and body["system_fingerprint"] == "pi-env-synthetic"
@@ -183,10 +177,10 @@ def test_fault_http_status(server):
         ScriptedTurn(fault=Fault(http_status=503, body={"error": {"message": "overloaded"}})),
         ScriptedTurn(fault=Fault(http_status=400)),
     ])
-    status, headers, raw = post(server, key, chat_body())
+    status, headers, raw = post(server, key, chat())
     assert status == 503 and json.loads(raw) == {"error": {"message": "overloaded"}}
     assert headers["x-pi-env-synthetic"] == "1"
-    status, _, raw = post(server, key, chat_body([USER, {"role": "assistant", "content": "x"}]))
+    status, _, raw = post(server, key, chat([USER, {"role": "assistant", "content": "x"}]))
     assert status == 400 and json.loads(raw)["error"]["type"] == "scripted_fault"
 
 
@@ -194,15 +188,15 @@ def test_fault_hang(server):
     key = server.add_script([ScriptedTurn(text="late", fault=Fault(hang_s=0.5))])
     started = time.monotonic()
     with pytest.raises(asyncio.TimeoutError):
-        post(server, key, chat_body(), timeout=0.2)
-    status, _, raw = post(server, key, chat_body())
+        post(server, key, chat(), timeout=0.2)
+    status, _, raw = post(server, key, chat())
     assert status == 200 and content_of(stream_chunks(raw)) == "late"
     assert time.monotonic() - started >= 0.7
 
 
 def test_fault_malformed_chunk(server):
     key = server.add_script([ScriptedTurn(text="abcdefgh", chunk_chars=1, fault=Fault(malformed_chunk=True))])
-    events = sse_data(post(server, key, chat_body())[2])
+    events = sse_data(post(server, key, chat())[2])
 
     def is_json(event):
         try:
@@ -224,7 +218,7 @@ def test_fault_disconnect_mid_stream(server):
     async def read():
         async with aiohttp.ClientSession() as client:
             headers = {"Authorization": f"Bearer {key}"}
-            async with client.post(server.base_url + "/chat/completions", json=chat_body(), headers=headers) as r:
+            async with client.post(server.base_url + "/chat/completions", json=chat(), headers=headers) as r:
                 async for chunk in r.content.iter_any():
                     received.append(chunk)
 
@@ -236,7 +230,7 @@ def test_fault_disconnect_mid_stream(server):
 def test_fault_delay_between_chunks(server):
     key = server.add_script([ScriptedTurn(text="abcd", chunk_chars=1, fault=Fault(delay_s=0.05))])
     started = time.monotonic()
-    raw = post(server, key, chat_body())[2]
+    raw = post(server, key, chat())[2]
     events = sse_data(raw)
     assert content_of(stream_chunks(raw)) == "abcd"
     assert time.monotonic() - started >= 0.05 * (len(events) - 1)
@@ -248,7 +242,7 @@ def test_fault_delay_between_chunks(server):
 def test_logprobs_and_token_ids_align(server):
     key = server.add_script([ScriptedTurn(reasoning="Let me see.", text="The answer is 42, clearly.", chunk_chars=6,
                                           tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "true"})])])
-    body = chat_body(logprobs=True, top_logprobs=3, return_token_ids=True)
+    body = chat(logprobs=True, top_logprobs=3, return_token_ids=True)
     chunks = stream_chunks(post(server, key, body)[2])
     choices = [c["choices"][0] for c in chunks if c["choices"]]
     assert "prompt_token_ids" in chunks[0] and all("prompt_token_ids" not in c for c in chunks[1:])
@@ -275,7 +269,7 @@ def test_logprobs_and_token_ids_align(server):
 
 def test_no_token_fields_unless_asked(server):
     key = server.add_script([ScriptedTurn(text="plain")])
-    chunks = stream_chunks(post(server, key, chat_body())[2])
+    chunks = stream_chunks(post(server, key, chat())[2])
     assert all(c["choices"][0]["logprobs"] is None and "token_ids" not in c["choices"][0] for c in chunks[:-1])
     assert "prompt_token_ids" not in chunks[0]
 
@@ -284,7 +278,7 @@ def test_prompt_token_ids_extend_across_turns(server):
     key = server.add_script([ScriptedTurn(text="one"), ScriptedTurn(text="two")])
     first = [USER]
     second = first + [{"role": "assistant", "content": "one"}, {"role": "user", "content": "go on"}]
-    ids = [stream_chunks(post(server, key, chat_body(m, return_token_ids=True))[2])[0]["prompt_token_ids"]
+    ids = [stream_chunks(post(server, key, chat(m, return_token_ids=True))[2])[0]["prompt_token_ids"]
            for m in (first, second)]
     assert ids[1][: len(ids[0])] == ids[0] and len(ids[1]) > len(ids[0])
 
@@ -301,9 +295,9 @@ def test_cli_serves_a_script_file(tmp_path):
         line = proc.stdout.readline()
         base_url = line.strip().rsplit(" ", 1)[1]
         assert base_url.startswith("http://127.0.0.1:") and base_url.endswith("/v1")
-        raw = asyncio.run(_post(base_url, "anything", chat_body()))[2]
+        raw = asyncio.run(_post(base_url, "anything", chat()))[2]
         assert content_of(stream_chunks(raw)) == "from file"
-        raw = asyncio.run(_post(base_url, "sk-x", chat_body()))[2]
+        raw = asyncio.run(_post(base_url, "sk-x", chat()))[2]
         assert content_of(stream_chunks(raw)) == "keyed"
     finally:
         proc.terminate()

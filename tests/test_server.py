@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import processes_of_uid
+from helpers import processes_of_uid, wait_for
 from pi_env import PiTask, RolloutResult
 from pi_env.server.client import PiEnv, PiEnvError
 from pi_env.server.limiter import ServerBusy
@@ -110,16 +110,6 @@ def sandbox_uids_running() -> set[int]:
             if uid in SANDBOX_UIDS:
                 uids.add(uid)
     return uids
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

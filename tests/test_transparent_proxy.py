@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import aiohttp
 import msgspec
 import pytest
-from test_gateway import REAL_KEY, _call, call, free_port, sse_json, wait_for
+from helpers import USER, chat, free_port, wait_for
+from test_gateway import REAL_KEY, _call, call, sse_json
 
 from pi_env.proxy import Upstream
 from pi_env.proxy.capture import Assembler, TurnCapture
@@ -30,8 +31,6 @@ from pi_env.testing.scripted import (
 from pi_env.training import build_training_trace
 
 UPSTREAM_MODEL = "upstream/exact-model-id"
-USER = {"role": "user", "content": "Fix the bug."}
-TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 CAPTURE = CaptureOptions(model=UPSTREAM_MODEL, return_token_ids=True, top_logprobs=2)
 THINK_AND_CALL = ScriptedTurn(
     reasoning="I should look first.", text="Looking.", chunk_chars=5, null_logprob_every=4,
@@ -56,15 +55,6 @@ def open_session(gateway, server):
     yield open_
     for session in opened:
         gateway.close_session(session)
-
-
-def chat(messages=(USER,), *, stream=True, tools=False, **extra) -> dict:
-    body = {"model": "pi-side-model", "messages": list(messages), "stream": stream, **extra}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    if tools:
-        body["tools"] = TOOLS
-    return body
 
 
 def direct(server, body, key=REAL_KEY) -> bytes:
@@ -291,7 +281,7 @@ def test_client_disconnect_mid_stream_is_recorded(gateway, server, open_session)
 
     started = time.monotonic()
     asyncio.run(read_one_chunk_then_leave())
-    wait_for(lambda: session.turns, timeout=3)
+    wait_for(lambda: session.turns, 3)
     turn = only_turns(session)
     assert turn.client_disconnected and turn.upstream_status == 200
     assert time.monotonic() - started < 1.5  # the upstream stream was abandoned, not read to its end (2 s)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import processes_of_uid
-from test_server import FIZZBUZZ, ServerProcess, sandbox_processes, sleeping_task, wait_for
+from helpers import processes_of_uid, wait_for
+from test_server import FIZZBUZZ, ServerProcess, sandbox_processes, sleeping_task
 from pi_env.server.client import PiEnv
 from pi_env.server.limiter import ServerBusy
 

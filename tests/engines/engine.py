@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -20,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from helpers import free_port  # tests/ is on the path: its conftest.py is loaded first
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts" / "engines"
@@ -73,12 +74,6 @@ def llama_missing() -> str | None:
     if not GGUF.is_file():
         return f"{GGUF} is missing (run: bash scripts/engines/install.sh)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_vllm(port: int | None = None, timeout_s: int = 300, log: Path | None = None) -> Engine:
