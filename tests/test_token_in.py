@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("renderers", reason="token-in needs pi-env[token-in] (the dev extra installs it)")
 transformers = pytest.importorskip("transformers")
 
-from conftest import scripted_config  # noqa: E402
+from helpers import bash, chat, scripted_config  # noqa: E402
 from pi_env import PiTask, run_rollout  # noqa: E402
 from pi_env.proxy import Upstream  # noqa: E402
 from pi_env.proxy.chatml_hermes import TEMPLATE_SHA256, ChatMLHermesRenderer, parse_hermes_text  # noqa: E402
@@ -198,9 +198,9 @@ async def _post(url, token, body):
             return answer.status, await answer.read()
 
 
-def chat(gateway, session, messages, tools=(BASH_TOOL,), **extra):
-    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "messages": messages,
-            "tools": list(tools), **extra}
+def ask(gateway, session, messages, tools=(BASH_TOOL,), **extra):
+    """Send a streamed chat/completions call through the gateway; its content, calls and finish."""
+    body = {**chat(messages, model="m", **extra), "tools": list(tools)}
     status, raw = asyncio.run(_post(gateway.tcp_base_url + "/chat/completions", session.token, body))
     assert status == 200, raw
     chunks = sse_chunks(raw)
@@ -233,14 +233,14 @@ def test_token_in_bridges_each_turn_and_records_what_it_sent_and_received(gatewa
              ScriptedTurn(text="Two files: a and b.")]
     session = open_token_in(gateway, token_server, tokenizer_dir, turns)
     try:
-        first = chat(gateway, session, [SYSTEM, USER])
+        first = ask(gateway, session, [SYSTEM, USER])
         assert first["content"] == "I will list the files." and first["finish"] == ["tool_calls"]
         assert [c["function"]["name"] for c in first["calls"]] == ["bash"]
         assert json.loads(first["calls"][0]["function"]["arguments"]) == {"command": "ls"}
         assert first["chunks"][-1]["usage"]["completion_tokens"] > 0
         history = [SYSTEM, USER, pi_history(first), {"role": "tool", "tool_call_id": first["calls"][0]["id"],
                                                      "content": "a\nb"}]
-        second = chat(gateway, session, history)
+        second = ask(gateway, session, history)
         assert second["content"] == "Two files: a and b." and second["finish"] == ["stop"] and not second["calls"]
         assert session.wait_idle()
     finally:
@@ -281,12 +281,12 @@ def test_a_diverged_history_is_rendered_in_full_as_a_new_sequence_with_the_reaso
              ScriptedTurn(text="ok"), ScriptedTurn(text="again")]
     session = open_token_in(gateway, token_server, tokenizer_dir, turns)
     try:
-        first = chat(gateway, session, [SYSTEM, USER])
+        first = ask(gateway, session, [SYSTEM, USER])
         result = {"role": "tool", "tool_call_id": first["calls"][0]["id"], "content": "a"}
         edited = {**pi_history(first), "tool_calls": [{**pi_history(first)["tool_calls"][0], "function": {
             "name": "bash", "arguments": '{"command":"ls -la"}'}}]}
-        chat(gateway, session, [SYSTEM, USER, edited, result])
-        chat(gateway, session, [SYSTEM, {"role": "user", "content": "compacted"}, edited, result,
+        ask(gateway, session, [SYSTEM, USER, edited, result])
+        ask(gateway, session, [SYSTEM, {"role": "user", "content": "compacted"}, edited, result,
                                 {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
         assert session.wait_idle()
     finally:
@@ -304,7 +304,7 @@ def test_a_cut_off_tool_call_reaches_the_agent_as_text(gateway, token_server, to
     turns = [ScriptedTurn(text="Run:", tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls -la /"})])]
     session = open_token_in(gateway, token_server, tokenizer_dir, turns)
     try:
-        answer = chat(gateway, session, [SYSTEM, USER], max_tokens=20)
+        answer = ask(gateway, session, [SYSTEM, USER], max_tokens=20)
         assert session.wait_idle()
     finally:
         gateway.close_session(session)
@@ -317,10 +317,6 @@ def test_a_cut_off_tool_call_reaches_the_agent_as_text(gateway, token_server, to
 
 
 # ------------------------------------------------------------------ real Pi rollouts
-
-
-def bash(command: str) -> ScriptedTurn:
-    return ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": command})])
 
 
 @pytest.mark.slow
@@ -373,7 +369,7 @@ def test_gate_requests_carry_bridged_ids_and_delivered_ids_are_parsed(gateway, t
     turn = ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"})])
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
     try:
-        first = pool.submit(chat, gateway, session, [SYSTEM, USER])
+        first = pool.submit(ask, gateway, session, [SYSTEM, USER])
         request = session.strategy.next_request(timeout_s=10)
         assert request.prompt_token_ids == renderer.render_ids([SYSTEM, USER], tools=[BASH_TOOL],
                                                                add_generation_prompt=True)
@@ -386,7 +382,7 @@ def test_gate_requests_carry_bridged_ids_and_delivered_ids_are_parsed(gateway, t
         assert [c["function"]["name"] for c in answer["calls"]] == ["bash"] and answer["finish"] == ["tool_calls"]
         history = [SYSTEM, USER, pi_history(answer), {"role": "tool", "tool_call_id": answer["calls"][0]["id"],
                                                       "content": "a.txt"}]
-        second = pool.submit(chat, gateway, session, history)
+        second = pool.submit(ask, gateway, session, history)
         again = session.strategy.next_request(timeout_s=10)
         assert again.token_in["outcome"] == "bridged"
         assert again.prompt_token_ids[:len(request.prompt_token_ids) + len(ids)] == request.prompt_token_ids + ids
