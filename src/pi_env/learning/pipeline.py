@@ -46,13 +46,14 @@ class LearnConfig:
     # rollouts
     concurrency: int = 4
     max_turns: int = 8
-    max_tokens: int = 384  # per model call
-    agent_timeout_s: float = 240
+    max_tokens: int = 256  # per model call (the longest oracle call is ~200 tokens)
+    agent_timeout_s: float = 600  # generous: on a loaded machine generation is slow; budgets are max_turns and max_tokens
     eval_temperature: float = 0.0
     # Token-in (docs/token-in.md): the gateway renders and bridges ids, so a rollout is one
     # training sequence; off: the engine's own ids through plain transparent_proxy capture.
     token_in: bool = True
     engine_port: int = 8031
+    engine_timeout_s: int = 1200  # vLLM's start-up, which on a loaded 2-core machine takes minutes
     # SFT
     sft_epochs: int = 2
     sft_batch: int = 8
@@ -150,8 +151,8 @@ def check_held_out(cfg: LearnConfig, eval_tasks: list[PiTask]) -> int:
 class Engine:
     """vLLM serving one checkpoint on 127.0.0.1 (scripts/engines/serve_vllm.sh), stopped by PID."""
 
-    def __init__(self, model_dir: Path, port: int, log_path: Path):
-        self.model_dir, self.port, self.log_path = Path(model_dir), port, log_path
+    def __init__(self, model_dir: Path, port: int, log_path: Path, timeout_s: int = 1200):
+        self.model_dir, self.port, self.log_path, self.timeout_s = Path(model_dir), port, log_path, timeout_s
         self.pid: int | None = None
         self.start_s = 0.0
 
@@ -163,7 +164,8 @@ class Engine:
         started = time.monotonic()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = subprocess.run(["bash", str(ROOT / "scripts" / "engines" / "serve_vllm.sh"), "--model-dir",
-                              str(self.model_dir), "--port", str(self.port), "--log", str(self.log_path)],
+                              str(self.model_dir), "--port", str(self.port), "--log", str(self.log_path),
+                              "--timeout", str(self.timeout_s)],
                              stdout=subprocess.PIPE, text=True, env={**os.environ, "ENGINE_MODEL_NAME": "policy"})
         if out.returncode != 0:
             raise RuntimeError(f"vLLM did not start on {self.model_dir} (log {self.log_path})")
@@ -242,7 +244,7 @@ def stage_eval(cfg: LearnConfig, name: str, model_dir: Path) -> dict:
     evaluation = read_tasks(cfg.path("tasks", "eval.jsonl"))[:cfg.eval_limit or None]
     trained = check_held_out(cfg, evaluation)
     started = time.monotonic()
-    with Engine(model_dir, cfg.engine_port, cfg.path("logs", f"vllm-eval_{name}.log")) as engine:
+    with Engine(model_dir, cfg.engine_port, cfg.path("logs", f"vllm-eval_{name}.log"), cfg.engine_timeout_s) as engine:
         records, wall = collect(evaluation, cfg.path(f"eval_{name}", "rollouts"),
                                 rollout_config(cfg, engine, cfg.eval_temperature), group_size=1,
                                 concurrency=cfg.concurrency)
@@ -319,7 +321,7 @@ def stage_rl(cfg: LearnConfig) -> dict:
     for step in range(len(steps), cfg.rl_steps):
         started = time.monotonic()
         tasks = rl_tasks(cfg, step)
-        with Engine(source, cfg.engine_port, cfg.path("logs", "vllm-rl.log")) as engine:
+        with Engine(source, cfg.engine_port, cfg.path("logs", "vllm-rl.log"), cfg.engine_timeout_s) as engine:
             records, rollouts_s = collect(tasks, cfg.path("rl", f"step_{step}"),
                                           rollout_config(cfg, engine, cfg.rl_temperature),
                                           group_size=cfg.group_size, concurrency=cfg.concurrency)
