@@ -366,18 +366,45 @@ def _flat_groups(records: list[dict]) -> int:
 # Report
 
 
-def stage_report(cfg: LearnConfig, timings: dict | None = None) -> dict:
-    steps_path = cfg.path("rl", "steps.jsonl")
-    steps = [json.loads(line) for line in steps_path.read_text().splitlines()] if steps_path.is_file() else []
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def stage_status(cfg: LearnConfig) -> dict[str, str]:
+    """done / in progress / not started, per stage, from the run directory's outputs."""
+    done = {"tasks": cfg.path("tasks", "eval.jsonl"), "oracle": cfg.path("oracle", "summary.json"),
+            "eval_base": cfg.path("eval_base", "summary.json"), "sft": cfg.path("sft", "summary.json"),
+            "eval_sft": cfg.path("eval_sft", "summary.json"), "eval_rl": cfg.path("eval_rl", "summary.json")}
+    started = {"oracle": cfg.path("oracle"), "eval_base": cfg.path("eval_base"), "sft": cfg.path("sft"),
+               "eval_sft": cfg.path("eval_sft"), "rl": cfg.path("rl"), "eval_rl": cfg.path("eval_rl")}
+    status = {}
+    for stage in STAGES[:-1]:
+        if stage == "rl":
+            finished = len(_jsonl(cfg.path("rl", "steps.jsonl")))
+            status[stage] = ("done" if finished >= cfg.rl_steps else f"{finished}/{cfg.rl_steps} steps") \
+                if started["rl"].exists() else "not started"
+        elif done[stage].exists():
+            status[stage] = "done"
+        else:
+            status[stage] = "in progress or stopped" if started.get(stage, done[stage]).exists() else "not started"
+    return status
+
+
+def stage_report(cfg: LearnConfig) -> dict:
+    """report.json and learning_curve.png from whatever the run directory holds: a run stopped
+    part-way is reported as far as it got (`status` says which stages finished)."""
+    steps = _jsonl(cfg.path("rl", "steps.jsonl"))
     evals = {name: _read_json(cfg.path(f"eval_{name}", "summary.json")) for name in ("base", "sft", "rl")}
     stage_times = _read_json(cfg.path("stage_times.json")) or {}
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "status": stage_status(cfg),
         "tasks": _read_json(cfg.path("tasks", "summary.json")),
         "stages": {
             "base": evals["base"],
             "oracle": _read_json(cfg.path("oracle", "summary.json")),
-            "sft": {"train": _read_json(cfg.path("sft", "summary.json")), "eval": evals["sft"]},
+            "sft": {"train": _read_json(cfg.path("sft", "summary.json")), "eval": evals["sft"],
+                    "history": _jsonl(cfg.path("sft", "history.jsonl"))},
             "rl": {"steps": len(steps), "eval": evals["rl"]},
         },
         "rl_steps": steps,
@@ -425,6 +452,12 @@ def plot(report: dict, path: Path) -> None:
     left.set_ylabel("held-out pass rate (%)")
     left.set_title("SmolLM2-135M through real Pi: held-out eval")
     steps = report["rl_steps"]
+    sft_history = report["stages"]["sft"]["history"]
+    if not steps and sft_history:  # no RL yet: the SFT loss is the curve there is
+        right.plot([h["step"] for h in sft_history], [h["loss"] for h in sft_history], marker="o")
+        right.set_xlabel("SFT step (batch of %d)" % sft_history[0]["rows"])
+        right.set_ylabel("loss (mean NLL of assistant tokens)")
+        right.set_title("SFT warm-up")
     if steps:
         xs = [s["step"] for s in steps]
         right.plot(xs, [s["mean_reward"] or 0 for s in steps], marker="o", label="mean reward (train groups)")
@@ -432,7 +465,7 @@ def plot(report: dict, path: Path) -> None:
         right.set_xlabel("GRPO step")
         right.set_ylim(0, 1)
         right.legend()
-    right.set_title("on-policy RL (sampled, T=1)")
+        right.set_title("on-policy RL (sampled, T=1)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
