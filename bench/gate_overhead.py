@@ -158,10 +158,10 @@ def main() -> None:
         socket_path, calls = args.run_agents
         return run_agents(socket_path, json.loads(sys.stdin.read()), int(calls))
 
-    load_before = os.getloadavg()[0]
+    load_before = os.getloadavg()
     levels = [measure(n, WARMUP + max(1, -(-args.calls // n)), pace) for pace in (0.0, args.generate_ms)
               for n in args.sessions]
-    print(f"interception_gate overhead, {os.cpu_count()} CPUs (load average {load_before:.1f} before); agents in "
+    print(f"interception_gate overhead, {os.cpu_count()} CPUs (load average {load_before[0]:.1f} before); agents in "
           "a child process over the Unix socket, the trainer on threads here")  # fmt: skip
     print(f"{'sessions':>8} {'generate':>9} {'calls':>6} {'request->trainer median/p99 ms':>32} "
           f"{'deliver->first byte median/p99 ms':>35}")  # fmt: skip
@@ -169,8 +169,8 @@ def main() -> None:
         a, b = level["request_to_trainer_ms"], level["deliver_to_first_byte_ms"]
         print(f"{level['sessions']:>8} {level['generate_ms']:>7g}ms {level['calls']:>6} {a['median']:>20.3f} / "
               f"{a['p99']:>8.3f} {b['median']:>23.3f} / {b['p99']:>8.3f}")  # fmt: skip
-    print(json.dumps({"bench": "gate_overhead", "cpus": os.cpu_count(), "loadavg_before": round(load_before, 2),
-                      "levels": levels}))
+    print(json.dumps({"bench": "gate_overhead", "cpus": os.cpu_count(), "levels": levels,
+                      "loadavg": {"before": load_before, "after": os.getloadavg()}}))
 
 
 if __name__ == "__main__":

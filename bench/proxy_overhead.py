@@ -6,9 +6,16 @@ listener, at each concurrency, for black_box (relay only) and transparent_proxy 
 rewriting + capture of ids, logprobs and top-5 logprobs). The direct fetch sends the same
 (rewritten) request, so both paths move the same bytes. The scripted server and the gateway
 run in their own processes so the client, the gateway and the "engine" do not share a GIL.
-Direct and gateway rounds alternate to even out drift on a busy machine. Prints a table, then
-ONE JSON line. Targets (transparent_proxy): added median <= 2 ms, throughput >= 0.9 of direct,
-at 1 and at 32 concurrent streams.
+Direct and gateway rounds alternate to even out drift on a busy machine.
+
+Capture finishes a turn's record after the agent has its last byte (large answers are parsed
+in the capture worker process), so a gateway round ends only once the gateway is idle
+(`wait_idle()`): its wall clock, and so its throughput, includes that work, and none of it
+spills into the next direct round. Two latencies: agent-visible (the client's last byte) and
+record-complete (the gateway's handler start until the turn is recorded). CPU: the gateway
+process and, apart, its capture worker. Prints a table, then ONE JSON line (with the load
+average). Targets (transparent_proxy): added agent-visible median <= 2 ms, throughput (through
+idle) >= 0.9 of direct, at 1 and at 32 concurrent streams.
 
     .venv/bin/python bench/proxy_overhead.py [--n 200] [--tokens 1000] [--concurrency 1 32]
 """
@@ -41,19 +48,30 @@ def capture_options():
 
 
 def serve_gateway(upstream_url: str, api_key: str) -> None:
-    """Child process: run a gateway with one session per mode; print its URL and the tokens;
-    exit on EOF. Capture records are kept in memory only by the session (no trace file)."""
+    """Child process: run a gateway with one session per mode; print its URL and the tokens.
+    Then per stdin line `idle MODE`: wait until that session is idle and print the
+    record-complete latencies (seconds) of the turns recorded since the last line. Exits on EOF.
+    Capture records are kept in memory only by the session (no trace file)."""
     from pi_env.proxy import Upstream, get_gateway
+    from pi_env.proxy.capture_worker import capture_worker
 
     gateway = get_gateway()
-    tokens = {}
+    tokens, sessions, recorded = {}, {}, {mode: [] for mode in MODES}
     for mode in MODES:
         session = gateway.open_session(Upstream(upstream_url, api_key, "bench"), mode=mode,
                                        capture=capture_options())
         session.turns = BoundedTurns()  # a long benchmark must not grow the session without bound
-        tokens[mode] = session.token
+        session.on_record = lambda turn, mode=mode: recorded[mode].append(
+            (time.time() - turn.started_at, getattr(turn.capture, "worker_error", None)))
+        tokens[mode], sessions[mode] = session.token, session
     print(json.dumps({"base_url": gateway.tcp_base_url, "tokens": tokens}), flush=True)
-    sys.stdin.read()
+    for line in sys.stdin:
+        mode = line.split()[1]
+        idle = sessions[mode].wait_idle(120)
+        done, recorded[mode] = recorded[mode], []
+        errors = sorted({error for _, error in done if error})
+        print(json.dumps({"idle": idle, "record_s": [latency for latency, _ in done], "worker_errors": errors,
+                          "worker_assembled": capture_worker().assembled}), flush=True)
 
 
 def spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -64,17 +82,21 @@ def spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, proc.stdout.readline().strip()
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process and its live descendants (the capture worker), from /proc."""
-    total = 0.0
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(utime + stime of a process, of its live descendants: the capture worker), from /proc."""
+    own, children = 0.0, 0.0
     for process in [pid, *descendants(pid)]:
         try:
             with open(f"/proc/{process}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except FileNotFoundError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if process == pid:
+            own += seconds
+        else:
+            children += seconds
+    return own, children
 
 
 def descendants(pid: int) -> list[int]:
@@ -111,16 +133,17 @@ async def one_call(client: aiohttp.ClientSession, url: str, key: str, body: byte
     return time.perf_counter() - start, ttfb, size
 
 
-async def run_phase(
-    base_url: str, key: str, n: int, concurrency: int, body: bytes, cpu_pid: int | None = None
-) -> dict:
-    """n calls over `concurrency` connections, after one warm-up call per connection; with
-    cpu_pid, also the CPU seconds that process spent during the timed calls."""
+async def run_phase(base_url: str, key: str, n: int, concurrency: int, body: bytes,
+                    gateway: subprocess.Popen | None = None, mode: str = "") -> dict:
+    """n calls over `concurrency` connections, after one warm-up call per connection. Through
+    the gateway (`gateway` given), the round ends once the gateway is idle, and it reports the
+    record-complete latencies and the CPU seconds of the gateway and of its capture worker."""
     url = base_url + "/chat/completions"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as client:
         for _ in range(concurrency):  # warm the connection pools
             await one_call(client, url, key, body)
+        assembled_before = idle(gateway, mode)["worker_assembled"] if gateway else 0  # the warm-up's are not this round's
         results = []
         queue = iter(range(n))
 
@@ -128,29 +151,55 @@ async def run_phase(
             for _ in queue:
                 results.append(await one_call(client, url, key, body))
 
-        cpu_before = cpu_seconds(cpu_pid) if cpu_pid else 0.0
+        cpu_before = cpu_seconds(gateway.pid) if gateway else (0.0, 0.0)
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+        answered = time.perf_counter() - start
+        recorded = idle(gateway, mode) if gateway else {"record_s": [], "worker_errors": [], "worker_assembled": 0}
         wall = time.perf_counter() - start
-        cpu = cpu_seconds(cpu_pid) - cpu_before if cpu_pid else 0.0
+        cpu_after = cpu_seconds(gateway.pid) if gateway else (0.0, 0.0)
+    if gateway and len(recorded["record_s"]) != n:
+        raise RuntimeError(f"{len(recorded['record_s'])} turns recorded for {n} calls")
+    if recorded["worker_errors"]:
+        raise RuntimeError(f"the capture worker failed: {recorded['worker_errors']}")
     return {
         "totals": [r[0] for r in results],
         "ttfbs": [r[1] for r in results],
+        "record": recorded["record_s"],
         "wall": wall,
-        "cpu": cpu,
+        "idle_wait": wall - answered,
+        "cpu": cpu_after[0] - cpu_before[0],
+        "worker_cpu": cpu_after[1] - cpu_before[1],
+        "in_worker": recorded["worker_assembled"] - assembled_before,
     }
+
+
+def idle(gateway: subprocess.Popen, mode: str) -> dict:
+    """Wait until the gateway's `mode` session is idle; what it recorded since the last call."""
+    gateway.stdin.write(f"idle {mode}\n")
+    gateway.stdin.flush()
+    answer = json.loads(gateway.stdout.readline())
+    if not answer["idle"]:
+        raise RuntimeError("the gateway was not idle after 120 s")
+    return answer
 
 
 def summarize(phases: list[dict], n_calls: int) -> dict:
     totals = [t for p in phases for t in p["totals"]]
     ttfbs = [t for p in phases for t in p["ttfbs"]]
-    return {
+    record = [t for p in phases for t in p["record"]]
+    summary = {
         "median_ms": statistics.median(totals) * 1e3,
         "p90_ms": statistics.quantiles(totals, n=10)[-1] * 1e3,
         "p99_ms": statistics.quantiles(totals, n=100)[-1] * 1e3,
         "ttfb_median_ms": statistics.median(ttfbs) * 1e3,
-        "req_per_s": n_calls / sum(p["wall"] for p in phases),
+        "req_per_s": n_calls / sum(p["wall"] for p in phases),  # through idle, for the gateway
     }
+    if record:
+        summary["record_median_ms"] = statistics.median(record) * 1e3
+        summary["record_p99_ms"] = statistics.quantiles(record, n=100)[-1] * 1e3
+        summary["idle_wait_ms_per_round"] = statistics.mean(p["idle_wait"] for p in phases) * 1e3
+    return summary
 
 
 def main() -> None:
@@ -171,6 +220,7 @@ def main() -> None:
     server, line = spawn(["-m", "pi_env.testing.scripted", "--port", "0", "--script", f.name])
     direct_url = line.rsplit(" ", 1)[1]
     gateway, line = spawn([__file__, "--serve-gateway", direct_url, "bench-key"])
+    load_before = os.getloadavg()
     gateway_info = json.loads(line)
     from pi_env.proxy.rewrite import rewrite_request
 
@@ -182,19 +232,21 @@ def main() -> None:
               # What the gateway forwards in transparent_proxy: the direct path asks the same.
               "transparent_proxy": json.dumps(rewrite_request(agent_body, capture_options())).encode()}
 
-    report = {"n": args.n, "tokens": args.tokens, "cpus": os.cpu_count(), "levels": []}
+    report = {"bench": "proxy_overhead", "n": args.n, "tokens": args.tokens, "cpus": os.cpu_count(), "levels": []}
+    per_round_min = 1 if args.n < ROUNDS else 0
     try:
         for mode in MODES:
             for c in args.concurrency:
-                per_round = max(args.n // ROUNDS, c)
+                per_round = max(args.n // ROUNDS, c, per_round_min)
                 direct, through = [], []
                 for _ in range(ROUNDS):
                     direct.append(asyncio.run(run_phase(direct_url, "bench-key", per_round, c, bodies[mode])))
                     through.append(asyncio.run(run_phase(
                         gateway_info["base_url"], gateway_info["tokens"][mode], per_round, c,
-                        bodies["black_box"], gateway.pid)))  # fmt: skip
+                        bodies["black_box"], gateway, mode)))  # fmt: skip
                 calls = per_round * ROUNDS
-                gateway_cpu = sum(p["cpu"] for p in through)
+                worker_cpu = sum(p["worker_cpu"] for p in through)
+                gateway_cpu = sum(p["cpu"] for p in through) + worker_cpu
                 d, g = summarize(direct, calls), summarize(through, calls)
                 report["levels"].append({
                     "mode": mode,
@@ -205,7 +257,11 @@ def main() -> None:
                     "added_p99_ms": g["p99_ms"] - d["p99_ms"],
                     "added_ttfb_ms": g["ttfb_median_ms"] - d["ttfb_median_ms"],
                     "throughput_ratio": g["req_per_s"] / d["req_per_s"],
+                    "added_record_median_ms": g["record_median_ms"] - d["median_ms"],
                     "gateway_cpu_ms_per_call": gateway_cpu / calls * 1e3,  # capture worker included
+                    "capture_worker_cpu_ms_per_call": worker_cpu / calls * 1e3,
+                    "answers_parsed_in_worker": sum(p["in_worker"] for p in through),
+                    "calls": calls,
                     "gateway_cpu_us_per_token": gateway_cpu / calls / args.tokens * 1e6,
                 })  # fmt: skip
     finally:
@@ -225,13 +281,16 @@ def main() -> None:
             print(f"{level['mode']:17} {level['concurrency']:>3} {path:8} {s['median_ms']:>10.2f} "
                   f"{s['p99_ms']:>8.2f} {s['ttfb_median_ms']:>8.2f} {s['req_per_s']:>8.1f}")  # fmt: skip
         print(f"    gateway adds {level['added_median_ms']:+.2f} ms median, {level['added_p99_ms']:+.2f} ms p99, "
-              f"{level['added_ttfb_ms']:+.2f} ms ttfb; throughput x{level['throughput_ratio']:.2f}; "
-              f"gateway CPU {level['gateway_cpu_ms_per_call']:.2f} ms/call "
+              f"{level['added_ttfb_ms']:+.2f} ms ttfb; record complete {level['gateway']['record_median_ms']:.2f} ms "
+              f"median ({level['added_record_median_ms']:+.2f} ms over direct); throughput through idle "
+              f"x{level['throughput_ratio']:.2f}; gateway CPU {level['gateway_cpu_ms_per_call']:.2f} ms/call, "
+              f"of which capture worker {level['capture_worker_cpu_ms_per_call']:.2f} "
               f"({level['gateway_cpu_us_per_token']:.2f} us/token)")  # fmt: skip
     capture = [lv for lv in report["levels"] if lv["mode"] == "transparent_proxy"]
     report["targets"] = {"added_median_ms_max": 2.0, "throughput_ratio_min": 0.9}
     report["transparent_proxy_meets_targets"] = all(
         lv["added_median_ms"] <= 2.0 and lv["throughput_ratio"] >= 0.9 for lv in capture)
+    report["loadavg"] = {"before": load_before, "after": os.getloadavg()}
     print(json.dumps(report))
 
 

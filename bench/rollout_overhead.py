@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=12)
     args = parser.parse_args()
 
+    load_before = os.getloadavg()
     config = PiConfig()
     runtime = ensure_runtime(config.pi_package, config.pi_version, config.node_version, config.runtime_cache_dir)
     factory = PiSessionFactory(config)
@@ -104,7 +105,8 @@ def main() -> None:
                       "node_version": runtime.node_version, "bare_median_s": round(bare_median, 4),
                       "rollout_median_s": round(full_median, 4), "ratio": round(full_median / bare_median, 4),
                       "overhead_ms": round((full_median - bare_median) * 1000, 1), "phase_medians_ms": phase_medians,
-                      "runtime_first_install_s": runtime.install_s, "target_ratio": 1.15}))
+                      "runtime_first_install_s": runtime.install_s, "target_ratio": 1.15,
+                      "loadavg": {"before": load_before, "after": os.getloadavg()}}))
 
 
 if __name__ == "__main__":

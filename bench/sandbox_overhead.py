@@ -17,6 +17,7 @@ listed under "skipped" with the reason.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,7 @@ def lifecycle(n: int) -> dict:
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    load_before = os.getloadavg()
     backend = LocalSandboxBackend()
     spec = SandboxSpec()
 
@@ -119,6 +121,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "bench": "sandbox_overhead",
                 "backends": backends,
                 "create_teardown_median_ms": round(statistics.median(create_close), 2),
                 "create_teardown_p90_ms": round(p90(create_close), 2),
@@ -131,6 +134,7 @@ def main() -> None:
                 "bare_bwrap_true_median_ms": round(statistics.median(bare), 2),
                 "bare_bwrap_true_p90_ms": round(p90(bare), 2),
                 "target_create_teardown_ms": TARGET_CREATE_TEARDOWN_MS,
+                "loadavg": {"before": load_before, "after": os.getloadavg()},
             }
         )
     )

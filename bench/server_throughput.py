@@ -4,7 +4,9 @@ One run, same machine, same concurrency: `pi-env serve` (web off, MAX_CONCURRENT
 concurrency) in a subprocess on 127.0.0.1, driven by PiEnv over MCP streamable HTTP; and
 `PiSessionFactory` rollouts in this process on that many threads. The bundled examples
 (oracle endpoint) round-robin. Rounds alternate in-process / MCP so drift on a shared machine
-hits both. Prints per-round numbers and ends with ONE JSON line. Target: ratio >= 0.9.
+hits both. Then the fixed cost of one MCP call: connect, initialize and a `run_rollout` the server
+refuses at once (an empty instruction), `--fixed-calls` times. Prints per-round numbers and ends
+with ONE JSON line (with the load average). Target: ratio >= 0.9.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -23,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pi_env import PiSessionFactory, load_tasks
-from pi_env.server.client import PiEnv
+from pi_env.server.client import PiEnv, PiEnvError
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = load_tasks(ROOT / "examples")
@@ -78,13 +81,32 @@ def through_mcp(url: str, rollouts: int, concurrency: int) -> tuple[float, list]
     return time.perf_counter() - started, results
 
 
+def mcp_fixed_cost_ms(url: str, calls: int) -> list[float]:
+    """Milliseconds per MCP call that does no rollout: connect, initialize, call, refusal."""
+    env = PiEnv(url, timeout_s=60)
+    times = []
+    for _ in range(calls + 1):  # the first warms the client's imports and the server's routes
+        started = time.perf_counter()
+        try:
+            env.run_rollout(instruction="")
+        except PiEnvError as error:
+            if "instruction" not in str(error):
+                raise
+        else:
+            raise RuntimeError("the server ran a rollout with an empty instruction")
+        times.append((time.perf_counter() - started) * 1000)
+    return times[1:]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=16, help="per round and path")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--fixed-calls", type=int, default=20, help="MCP calls that run no rollout")
     args = parser.parse_args()
 
+    load_before = os.getloadavg()
     process, url = start_server(args.concurrency)
     try:
         in_process(args.concurrency, args.concurrency)  # warm both paths (runtime check, imports)
@@ -99,6 +121,7 @@ def main() -> None:
                 totals[name] += seconds
                 print(f"round {round_} {name:<10} {args.rollouts} rollouts in {seconds:6.2f} s = "
                       f"{60 * args.rollouts / seconds:6.1f}/min", flush=True)
+        fixed = mcp_fixed_cost_ms(url, args.fixed_calls)
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(30)
@@ -109,7 +132,11 @@ def main() -> None:
     print(json.dumps({"bench": "server_throughput", "concurrency": args.concurrency, "rollouts_per_path": count,
                       "in_process_per_min": round(per_min["in_process"], 1), "mcp_per_min": round(per_min["mcp"], 1),
                       "ratio": round(ratio, 3), "target_ratio": 0.9, "met": ratio >= 0.9,
-                      "rollouts_not_reward_1": failed}))
+                      "rollouts_not_reward_1": failed, "mcp_fixed_cost_ms": {
+                          "median": round(statistics.median(fixed), 1), "min": round(min(fixed), 1),
+                          "max": round(max(fixed), 1), "calls": len(fixed)}, "loadavg": {"before": load_before, "after": os.getloadavg()}}))
+    if failed:
+        sys.exit(1)  # a figure made of failures is no figure
 
 
 if __name__ == "__main__":

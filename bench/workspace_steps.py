@@ -25,13 +25,23 @@ from pi_env.workspace.oracle import oracle_turns, reference_program
 
 
 def per_second(fn, count: int) -> tuple[float, float]:
-    """(calls per second, median ms per call)."""
+    """(calls per second, median ms per call). A step that returns a tool result (JSON text) must
+    have status "ok", checked outside the clock: a failing step is fast, not a figure."""
     times = []
     for i in range(count):
         start = time.perf_counter()
-        fn(i)
+        outcome = fn(i)
         times.append(time.perf_counter() - start)
+        if isinstance(outcome, str):
+            check_ok(outcome)
     return count / sum(times), statistics.median(times) * 1000
+
+
+def check_ok(text: str) -> dict:
+    result = json.loads(text)
+    if result.get("status") != "ok":
+        raise RuntimeError(f"{result.get('tool')} step failed: {text[:500]}")
+    return result
 
 
 def main() -> None:
@@ -41,6 +51,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=10, help="whole oracle episodes")
     args = parser.parse_args()
 
+    load_before = os.getloadavg()
     tasks = generate_tasks(10, seed=0)
     python_task = next(t for t in tasks if t.language == "python")
     node_task = next(t for t in tasks if t.language == "javascript" and t.family == python_task.family)
@@ -49,13 +60,13 @@ def main() -> None:
     with WorkspaceEnv(python_task) as env:
         data = next(iter(python_task.files))
         program = reference_program(python_task)
-        env.call("write", {"path": "notes.txt", "content": "alpha 0\n"})
+        check_ok(env.call("write", {"path": "notes.txt", "content": "alpha 0\n"}))
         steps = {
             "read": lambda i: env.call("read", {"path": data}),
             "write": lambda i: env.call("write", {"path": "notes.txt", "content": f"alpha {i}\n" + program}),
             "edit": lambda i: env.call("edit", {"path": "notes.txt", "oldText": f"alpha {i}", "newText": f"alpha {i + 1}"}),
         }
-        env.call("write", {"path": "notes.txt", "content": "alpha 0\n" + program})
+        check_ok(env.call("write", {"path": "notes.txt", "content": "alpha 0\n" + program}))
         for name in ("read", "edit", "write"):
             rate, median = per_second(steps[name], args.calls)
             figures[name] = {"steps_per_s": round(rate, 1), "median_ms": round(median, 4)}
@@ -64,12 +75,15 @@ def main() -> None:
         with WorkspaceEnv(task) as env:
             env.call("write", {"path": task.program, "content": reference_program(task)})
             first = time.perf_counter()
-            result = json.loads(env.call("bash", {"command": task.command}))  # creates the sandbox
+            result = check_ok(env.call("bash", {"command": task.command}))  # creates the sandbox
             first_ms = (time.perf_counter() - first) * 1000
-            assert result["output_correct"], result
+            if not result["output_correct"]:
+                raise RuntimeError(f"the reference program's output is wrong: {result}")
 
             def run(i, env=env, task=task):
-                assert json.loads(env.call("bash", {"command": task.command}))["output_correct"]
+                result = check_ok(env.call("bash", {"command": task.command}))
+                if not result["output_correct"]:
+                    raise RuntimeError(f"the reference program's output is wrong: {result}")
 
             rate, median = per_second(run, args.runs)
             figures[label] = {"steps_per_s": round(rate, 2), "median_ms": round(median, 1),
@@ -82,9 +96,12 @@ def main() -> None:
             for turn in oracle_turns(task):
                 messages.append(turn)
                 for call in turn.get("tool_calls", []):
-                    messages.append({"role": "tool", "content": env.call(call["function"]["name"],
-                                                                         call["function"]["arguments"])})
-            assert env.reward(messages).reward == 1.0
+                    content = env.call(call["function"]["name"], call["function"]["arguments"])
+                    check_ok(content)
+                    messages.append({"role": "tool", "content": content})
+            score = env.reward(messages)
+            if score.reward != 1.0:
+                raise RuntimeError(f"the oracle episode of {task.task_id} scored {score}")
 
     rate, median = per_second(episode, args.episodes)
     figures["oracle_episode"] = {"episodes_per_s": round(rate, 2), "median_ms": round(median, 1)}
@@ -93,7 +110,8 @@ def main() -> None:
     for name, f in figures.items():
         print(f"{name:<16}{f.get('steps_per_s', f.get('episodes_per_s')):>12}{f['median_ms']:>12}")
     print(json.dumps({"bench": "workspace_steps", "cpus": os.cpu_count(), "calls": args.calls,
-                      "runs": args.runs, "episodes": args.episodes, **figures}))
+                      "runs": args.runs, "episodes": args.episodes, **figures,
+                      "loadavg": {"before": load_before, "after": os.getloadavg()}}))
 
 
 if __name__ == "__main__":

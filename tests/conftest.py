@@ -1,19 +1,17 @@
 """Fixtures and hooks. Plain functions tests share live in helpers.py."""
 
-import shutil
-
 import pytest
+from helpers import CHROMIUM, bwrap_problem, missing_feature
 
 from pi_env.proxy import Gateway
 from pi_env.testing import ScriptedServer
 
 
-def pytest_collection_modifyitems(config, items):
-    if shutil.which("bwrap") is None:
-        skip = pytest.mark.skip(reason="bubblewrap is not installed (bash scripts/bootstrap.sh installs it)")
-        for item in items:
-            if "needs_bwrap" in item.keywords:
-                item.add_marker(skip)
+def pytest_runtest_setup(item):
+    if "needs_bwrap" in item.keywords and bwrap_problem():
+        missing_feature(bwrap_problem())
+    if "needs_chromium" in item.keywords and CHROMIUM is None:
+        missing_feature("chromium is not installed (bash scripts/bootstrap.sh installs it)")
 
 
 @pytest.fixture

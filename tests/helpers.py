@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 import urllib.request
+
+import pytest
 
 from pi_env.config import PiConfig
 from pi_env.testing import ScriptedServer, ScriptedToolCall, ScriptedTurn
@@ -84,3 +87,34 @@ def direct_answer(server: ScriptedServer, key: str, body: dict) -> dict:
                                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
+
+
+# .ci/run sets PI_ENV_CI=1: there, a feature a test exists to check (bubblewrap that runs,
+# chromium) missing is a failure, never a skip. On a laptop it is a skip that says what to install.
+CI = os.environ.get("PI_ENV_CI") == "1"
+CHROMIUM = shutil.which("chromium")  # what scripts/bootstrap.sh checks and installs
+
+
+def missing_feature(reason: str):
+    """Skip for `reason`, or fail under PI_ENV_CI=1."""
+    if CI:
+        pytest.fail(f"PI_ENV_CI=1 and {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+_bwrap_problem: list = []
+
+
+def bwrap_problem() -> str | None:
+    """Why sandboxes cannot run here (bubblewrap missing, or present but unable to create its
+    namespaces), or None; found once per session."""
+    if not _bwrap_problem:
+        from pi_env.sandbox import SandboxError
+        from pi_env.sandbox.local import LocalSandboxBackend
+
+        try:
+            LocalSandboxBackend()
+            _bwrap_problem.append(None)
+        except SandboxError as error:
+            _bwrap_problem.append(f"bubblewrap cannot run here: {error}")
+    return _bwrap_problem[0]

@@ -89,3 +89,45 @@ def test_every_command_names_every_registered_backend(command):
     assert f"sandbox backend: {', '.join(backend_names())}" in help_text
     refused = pi_env(command, "--backend", "nope", *(["x.json"] if command in ("run", "collect") else []), timeout=60)
     assert refused.returncode == 2 and "invalid choice: 'nope'" in refused.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sampling", "temprature=0"], "--sampling: unknown sampling parameter 'temprature'; allowed: temperature, top_p"),
+    (["--sampling", "temperature=hot"], "--sampling: temperature must be a number, not 'hot'"),
+    (["--sampling", "seed=1.5"], "--sampling: seed must be an integer, not '1.5'"),
+    (["--sampling", "top_p=0"], "--sampling: top_p must be in (0, 1], not 0.0"),
+    (["--sampling", "temperature=-1"], "--sampling: temperature must be at least 0, not -1.0"),
+    (["--sampling", "temperature"], "--sampling: 'temperature' is not NAME=VALUE"),
+    (["--sampling", "seed=1,seed=2"], "--sampling: seed is given twice"),
+    (["--sampling", "temperature=0", "--mode", "black_box"], "--mode black_box relays requests untouched"),
+    (["--max-tokens", "0"], "argument --max-tokens: must be at least 1, not 0"),
+])
+@pytest.mark.parametrize("command", ["run", "collect"])
+def test_bad_sampling_and_max_tokens_name_the_flag(tmp_path, command, args, message):
+    extra = ["--out", str(tmp_path / "out")] if command == "collect" else []
+    done = pi_env(command, "examples/fizzbuzz.json", *extra, *args)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.needs_bwrap
+def test_sampling_and_max_tokens_are_forced_on_every_call_and_shown(tmp_path):
+    """--sampling alone switches `run` to transparent_proxy; every forwarded request carries the
+    values (whatever Pi asked), max_tokens is what --max-tokens says, and the result and the
+    command's output say which sampling was in force."""
+    done = pi_env("run", "examples/fizzbuzz.json", "--sampling", "temperature=0,top_p=1,seed=7", "--max-tokens", "77",
+                  "--trace-dir", str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    assert "sampling forced at the gateway: temperature=0.0, top_p=1.0, seed=7; max_tokens 77" in done.stderr
+    result = json.loads(done.stdout)
+    assert result["mode"] == "transparent_proxy" and result["reward"] == 1.0
+    assert result["sampling"] == {"temperature": 0.0, "top_p": 1.0, "seed": 7}
+    forwarded = [json.loads(line)["capture"]["request"] for line in Path(result["trace_path"]).read_text().splitlines()]
+    forced = [{k: r.get(k) for k in ("temperature", "top_p", "seed", "max_tokens")} for r in forwarded]
+    assert forced and all(f == {"temperature": 0, "top_p": 1, "seed": 7, "max_tokens": 77} for f in forced), forced
+
+    plain = pi_env("run", "examples/fizzbuzz.json", "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert "no sampling forced: Pi sends no temperature, so the engine's default applies (vLLM: 1.0)" in plain.stderr
+    assert json.loads(plain.stdout)["sampling"] == {} and json.loads(plain.stdout)["mode"] == "black_box"

@@ -259,7 +259,10 @@ def test_sft_messages_from_pi_session_messages():
           {"role": "toolResult", "toolCallId": "c1", "toolName": "bash", "content": [{"type": "text", "text": "a.txt"}],
            "isError": False},
           {"role": "assistant", "content": [{"type": "text", "text": "done"}]}]
-    messages, tools = sft_messages(pi)
+    from pi_env.agent.pi import parse_session  # the path Pi's session file takes into a record
+
+    session_file = "\n".join(json.dumps({"type": "message", "message": message}) for message in pi)
+    messages, tools = sft_messages(parse_session(session_file).messages)
     assert messages == [
         {"role": "system", "content": "You are Pi.\n\n<tools/>"},
         {"role": "user", "content": "hi"},
@@ -350,3 +353,34 @@ def test_an_aborted_local_run_closes_the_rollouts_in_flight_at_once():
     outcomes = [executor.next_done(30) for _ in range(2)]
     assert time.monotonic() - started < 30
     assert [o[1].error_kind for o in outcomes] == ["infra", "infra"]  # never stored: a resume runs them again
+
+
+def test_bad_input_stops_the_run_before_any_rollout_starts(tmp_path):
+    from pi_env.endpoints import EndpointError
+
+    with pytest.raises(EndpointError, match="unknown endpoint 'nowhere'"):
+        CollectRunner(slow_tasks(2, sleep_s=0), tmp_path, PiConfig(endpoint="nowhere"), progress=False).run()
+    assert ids(tmp_path, kept_only=False) == []
+
+
+def test_a_bug_inside_a_rollout_is_internal_not_retried_and_shown(tmp_path, monkeypatch, capsys):
+    """An unexpected exception (here a ValueError planted in scoring, as pydantic raises) is
+    `internal`: it neither aborts the run as bad input nor is retried as infrastructure; each
+    record keeps the traceback, and the summary counts it apart."""
+    from pi_env.collect.report import print_summary
+    from pi_env.rollout import PiSession
+
+    def buggy_score(self):
+        raise ValueError("1 validation error for RolloutResult")
+
+    monkeypatch.setattr(PiSession, "_score", buggy_score)
+    summary = CollectRunner(slow_tasks(2, sleep_s=0), tmp_path, PiConfig(mode="transparent_proxy"), retries=2,
+                            retry_backoff_s=[0], progress=False).run()
+    records = list(read_records(tmp_path, kept_only=False))
+    assert len(records) == 2  # the run went on
+    for record in records:
+        assert record["error_kind"] == "internal" and record["reward"] is None and record["attempt"] == 1
+        assert "ValueError: 1 validation error" in record["error"] and "buggy_score" in record["error"]
+    assert summary.retried == 0 and summary.counts["errors"] == {"internal": 2}
+    print_summary(summary)
+    assert "internal 2: a bug in pi-env" in capsys.readouterr().out.replace("\n", " ")

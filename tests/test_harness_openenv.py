@@ -92,7 +92,7 @@ def test_core_factory_forces_sampling_only_where_it_can():
         PiSessionFactory(PiConfig(mode="black_box"), sampling={"temperature": 1.0})
     with pytest.raises(ValueError, match="black_box relays"):
         PiSessionFactory(mode="black_box", sampling={"temperature": 1.0})
-    with pytest.raises(ValueError, match="unknown sampling parameters"):
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
         PiSessionFactory(sampling={"temperature": 1.0, "max_tokens": 5})
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -191,9 +192,11 @@ def test_hostile_agent_gets_nothing(server, tmp_path):
     listener = HostListener()
     probes = [
         f"cat {secret_file} /etc/shadow; ls -la /root /home /tmp; cat {tmp_path}/* 2>&1 | head",
-        f"python3 -c \"import socket; s=socket.create_connection(('127.0.0.1', {listener.port}), 2)\"; "
-        "python3 -c \"import socket; s=socket.create_connection(('1.1.1.1', 80), 2)\"; "
-        "getent hosts pypi.org || echo no-dns",
+        f"python3 -c \"import socket; s=socket.create_connection(('127.0.0.1', {listener.port}), 2)\" "
+        "&& echo LOOPBACK-REACHED || echo loopback-blocked; "
+        "python3 -c \"import socket; s=socket.create_connection(('1.1.1.1', 80), 2)\" "
+        "&& echo INTERNET-REACHED || echo internet-blocked; "
+        "getent hosts pypi.org && echo DNS-RESOLVED || echo no-dns",
         "env; cat ~/.pi/agent/*.json; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n' | grep -i key; "
         "ps aux 2>/dev/null || cat /proc/*/cmdline | tr '\\0' ' '",
         "echo pwned > /etc/pwned-by-agent; echo pwned > /usr/pwned-by-agent; echo pwned > /opt/pi-env/runtime/pwned; "
@@ -212,9 +215,13 @@ def test_hostile_agent_gets_nothing(server, tmp_path):
     assert Path("/etc/shadow").read_text().splitlines()[0] not in seen
     assert upstream_key not in seen
     assert listener.connections == 0
+    assert "loopback-blocked" in seen and "LOOPBACK-REACHED" not in seen
+    assert "internet-blocked" in seen and "INTERNET-REACHED" not in seen
+    assert "no-dns" in seen and "DNS-RESOLVED" not in seen
     assert not Path("/etc/pwned-by-agent").exists() and not Path("/usr/pwned-by-agent").exists()
     # The upstream saw the real key; the sandbox only ever held the session token.
-    assert all(r.api_key == upstream_key for r in server.requests if r.api_key == key)
+    assert key == upstream_key and len(server.requests) == len(probes) + 1
+    assert all(r.api_key == upstream_key for r in server.requests)
 
 
 def test_fork_bomb_is_contained():
@@ -244,6 +251,39 @@ def test_wait_for_completion_timeout_raises_and_rollout_continues():
         with pytest.raises(TimeoutError):
             session.wait_for_completion(timeout_s=0.2)
         assert session.wait_for_completion().reward == 1.0
+
+
+def test_wait_for_completion_timeout_bounds_verify_and_every_caller():
+    """The timeout holds while verify runs, and a second caller waiting at the same time gets
+    its own TimeoutError on time instead of blocking behind the first."""
+    task = PiTask(task_id="slow-verify", instruction="x", verify=["sleep 6; test -f done.txt"],
+                  solution=[{"tool": "bash", "command": "touch done.txt"}])
+    with PiSessionFactory().create(task) as session:
+        deadline = time.monotonic() + 60
+        while session._agent.poll() is None and time.monotonic() < deadline:  # the agent is done: verify next
+            time.sleep(0.05)
+        outcomes = {}
+
+        def second_caller():
+            started = time.monotonic()
+            try:
+                session.wait_for_completion(timeout_s=1.0)
+                outcomes["second"] = "returned"
+            except TimeoutError:
+                outcomes["second"] = time.monotonic() - started
+
+        other = threading.Thread(target=second_caller)
+        started = time.monotonic()
+        other.start()
+        with pytest.raises(TimeoutError):
+            session.wait_for_completion(timeout_s=1.5)
+        first_waited = time.monotonic() - started
+        other.join(10)
+        assert first_waited < 4, f"the timeout did not bound verify: {first_waited:.1f} s"
+        assert isinstance(outcomes["second"], float) and outcomes["second"] < 4, outcomes
+        result = session.wait_for_completion(timeout_s=60)
+        assert result.reward == 1.0 and result.verify_results[0].duration_s >= 5
+        assert session.wait_for_completion(timeout_s=0) is result
 
 
 def test_oracle_needs_a_solution():
@@ -362,3 +402,16 @@ def test_a_failing_event_listener_does_not_fail_the_rollout():
                   solution=[{"tool": "write", "path": "x.txt", "content": "hi\n"}])
     result = run_rollout(task, on_event=listener)
     assert result.reward == 1.0 and result.error_kind is None
+
+
+def test_the_system_prompt_in_the_result_is_the_text_the_model_saw(tmp_path):
+    """messages[0] is the system message with its plain text as `content` (Pi's session file
+    has it only as `sections`, which stay): exactly what the model was sent, appended text too."""
+    config = PiConfig(mode="transparent_proxy", append_system_prompt="Answer in French.", trace_dir=str(tmp_path))
+    result = run_rollout(EXAMPLES[0], config)
+    assert result.reward == 1.0, result.error
+    system = result.messages[0]
+    sent = json.loads(Path(result.trace_path).read_text().splitlines()[0])["capture"]["request"]["messages"][0]
+    assert system["role"] == "system" == sent["role"] and system["sections"]
+    assert system["content"] == sent["content"]
+    assert "Answer in French." in system["content"] and "You are" in system["content"]

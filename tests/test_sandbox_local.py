@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from helpers import missing_feature
 
 from pi_env.sandbox import (
     SandboxError,
@@ -23,7 +24,8 @@ from pi_env.sandbox import (
 from pi_env.sandbox.local import LocalSandboxBackend
 from pi_env.sandbox.unsafe_local import UnsafeLocalBackend
 
-IS_ROOT = os.geteuid() == 0
+IS_ROOT = os.geteuid() == 0  # CI runs as root: each sandbox then has a uid of its own
+TAG = f"{os.getpid() % 1000:03d}"  # in commands, so a non-root run finds only this run's leftovers
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +33,21 @@ def backend() -> LocalSandboxBackend:
     try:
         return LocalSandboxBackend()
     except SandboxUnavailable as exc:
-        pytest.skip(f"bubblewrap unusable here: {exc}")
+        missing_feature(f"bubblewrap unusable here: {exc}")
 
 
 @pytest.fixture
 def sandbox(backend):
     with backend.create(SandboxSpec()) as sb:
         yield sb
+
+
+def left_running(sandbox, marker: str) -> list[str]:
+    """What the sandbox left running: as root, every process of its uid; otherwise (the sandbox
+    runs as our own uid) our processes whose command line holds `marker`."""
+    if IS_ROOT:
+        return processes_of(sandbox.uid)
+    return [cmd for cmd in processes_of(os.getuid()) if marker in cmd]
 
 
 def processes_of(uid: int) -> list[str]:
@@ -143,32 +153,29 @@ def test_fork_bomb_is_bounded_and_fully_killed(backend):
     with backend.create(SandboxSpec(limits=SandboxLimits(max_processes=64))) as sb:
         started = time.monotonic()
         # The trailing sleep keeps the namespace's init alive; its exit would end the bomb.
-        result = sb.exec(":(){ :|:& };:; sleep 100", timeout_s=2)
+        result = sb.exec(f":(){{ :|:& }};:; sleep 100.{TAG}", timeout_s=2)
         assert result.timed_out and result.exit_code is None
         assert "Resource temporarily unavailable" in result.stderr  # RLIMIT_NPROC bit
         assert time.monotonic() - started < 15
-        if IS_ROOT:
-            assert processes_of(sb.uid) == []
+        assert left_running(sb, ":(){") == []
         assert sb.exec("echo alive").stdout == "alive\n"  # the sandbox is still usable
 
 
 def test_timeout_kills_setsid_and_nohup_escapes(sandbox):
     result = sandbox.exec(
-        "setsid sleep 1000 & nohup sleep 1001 >/dev/null 2>&1 & (sleep 1002 &);"
-        " echo up; sleep 1003",
+        f"setsid sleep 1000.{TAG} & nohup sleep 1001.{TAG} >/dev/null 2>&1 & (sleep 1002.{TAG} &);"
+        f" echo up; sleep 1003.{TAG}",
         timeout_s=1,
     )
     assert result.timed_out and result.exit_code is None and result.stdout == "up\n"
     assert 1 <= result.duration_s < 6
-    if IS_ROOT:
-        assert processes_of(sandbox.uid) == []
+    assert left_running(sandbox, f".{TAG}") == []
 
 
 def test_daemons_die_with_their_command(sandbox):
-    result = sandbox.exec("setsid sleep 1000 >/dev/null 2>&1 & echo started", timeout_s=10)
+    result = sandbox.exec(f"setsid sleep 1004.{TAG} >/dev/null 2>&1 & echo started", timeout_s=10)
     assert result.exit_code == 0 and result.duration_s < 5
-    if IS_ROOT:
-        assert processes_of(sandbox.uid) == []
+    assert left_running(sandbox, f"sleep 1004.{TAG}") == []
 
 
 def test_start_wait_poll_and_kill(sandbox):
@@ -187,15 +194,14 @@ def test_start_wait_poll_and_kill(sandbox):
 
     # Started from a thread that ends at once: the command must not die with that thread.
     box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("p", sandbox.start("sleep 100")))
+    thread = threading.Thread(target=lambda: box.setdefault("p", sandbox.start(f"sleep 100.{TAG}")))
     thread.start()
     thread.join()
     time.sleep(0.3)
     assert box["p"].poll() is None
     sandbox.kill_all()
     assert box["p"].wait(5).exit_code is None and box["p"].poll() is not None
-    if IS_ROOT:
-        assert processes_of(sandbox.uid) == []
+    assert left_running(sandbox, f"sleep 100.{TAG}") == []
 
 
 def test_resource_limits_apply(backend):

@@ -1,7 +1,8 @@
 """The podman backend against real rootful podman: isolation, limits, cleanup by label, and a
 real pi-env rollout in a container. The backend-independent contract is in
 test_sandbox_contract.py. Skipped (with the reason) where podman or its image is missing;
-scripts/test_podman.sh builds the image and requires this tier to run."""
+`.ci/run` builds the image (scripts/podman_image.sh) and sets PI_ENV_REQUIRE_BACKENDS=podman, so
+there a missing podman fails instead."""
 
 from __future__ import annotations
 

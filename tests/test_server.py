@@ -4,6 +4,7 @@ own MCPToolClient and by plain HTTP. Rollouts are real (Pi in bubblewrap) agains
 endpoint or the scripted server."""
 
 import asyncio
+import http.client
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -186,6 +188,13 @@ def test_openenv_mcp_tool_client_reaches_the_same_tool(served):
     assert data["reward"] == 1.0 and data["task_id"] == "fizzbuzz"
 
 
+def test_openenv_validate_url_passes(served):
+    """What the README claims: OpenEnv's own validator, run against the live server."""
+    openenv = Path(sys.executable).with_name("openenv")
+    done = subprocess.run([str(openenv), "validate", "--url", served.url], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_health_docs_and_the_endpoint_catalog(served):
     assert get(served.url + "/health") == (200, '{"status":"healthy"}')
     status, docs = get(served.url + "/docs")
@@ -237,6 +246,11 @@ def test_a_request_api_key_is_never_logged_or_returned(served, server):
                                  model="scripted-model", api_key=key, mode="transparent_proxy")
     assert result.reward == 1.0 and len(result.proxy_turns) == 2
     assert server.requests[0].api_key == key  # the gateway sent it upstream
+    # What the agent saw, read where no scrubbing can reach: its tool output, as sent upstream in
+    # the next request. It read models.json (so it was looking) and found only the session token.
+    seen = json.dumps([m for m in server.requests[1].body["messages"] if m["role"] == "tool"])
+    assert '\\"apiKey\\"' in seen and "sk-upstream-key" not in seen
+    assert "***" not in result.model_dump_json()  # the server had nothing to scrub
     assert key not in result.model_dump_json()
     assert key not in served.log_path.read_text()
 
@@ -330,7 +344,13 @@ def test_auth_token_guards_every_route_but_health(tmp_path):
         with pytest.raises(PiEnvError, match="401"):
             PiEnv(served.url, token="wrong").run_rollout(FIZZBUZZ)
         assert PiEnv(served.url, token="s3cret-token").run_rollout(FIZZBUZZ).reward == 1.0
-        # A browser: /web?token= once sets a cookie that then stands for the header.
+        # A browser: /web?token= once sets a cookie that then stands for the header; page
+        # scripts cannot read it (HttpOnly) and other sites' requests do not carry it (SameSite).
+        first_hop = http.client.HTTPConnection(*urllib.parse.urlsplit(served.url).netloc.split(":"), timeout=10)
+        first_hop.request("GET", "/web/?token=s3cret-token")
+        cookie = first_hop.getresponse().getheader("set-cookie") or ""
+        first_hop.close()
+        assert {"HttpOnly", "SameSite=Strict", "Path=/"} <= {part.strip() for part in cookie.split(";")}, cookie
         opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
         with opener.open(served.url + "/web/?token=s3cret-token", timeout=10) as response:
             assert response.status == 200 and response.url.endswith("/web/")
@@ -372,8 +392,16 @@ def test_load_sixteen_concurrent_calls_with_four_slots(tmp_path):
 
 def test_stopping_the_server_mid_rollout_leaves_no_sandbox(tmp_path):
     served = ServerProcess(tmp_path)
-    caller = threading.Thread(target=lambda: pytest.raises(PiEnvError, PiEnv(served.url).run_rollout,
-                                                          sleeping_task(612)), daemon=True)
+    raised = []  # the caller's outcome, asserted on this thread (a failure in a thread is only a warning)
+
+    def call():
+        try:
+            PiEnv(served.url).run_rollout(sleeping_task(612))
+            raised.append(None)
+        except Exception as error:  # noqa: BLE001 - asserted below
+            raised.append(error)
+
+    caller = threading.Thread(target=call, daemon=True)
     caller.start()
     try:
         (pid, uid), = wait_for(lambda: sandbox_processes("sleep 612"), 60, "the agent's sleep to start")
@@ -383,4 +411,8 @@ def test_stopping_the_server_mid_rollout_leaves_no_sandbox(tmp_path):
         assert not any(served.sandbox_root.iterdir())
     finally:
         served.stop()
-    caller.join(10)
+    caller.join(30)
+    if not raised:  # a fix upstream turns this into the assert below
+        pytest.xfail("the caller is still waiting: the MCP SDK's streamable-HTTP client never ends a call whose "
+                     "server died mid-call (modelcontextprotocol/python-sdk#1577)")
+    assert isinstance(raised[0], PiEnvError), raised

@@ -6,6 +6,7 @@ calls `session.wait_idle()` before reading `session.turns`."""
 
 import asyncio
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -474,18 +475,44 @@ def test_32_concurrent_sessions_keep_their_traces_apart(gateway, server, open_se
 
 
 def test_a_large_answer_is_assembled_in_the_worker_process_exactly(gateway, server, open_session):
-    """Answers past OFFLOAD_MIN_BYTES are parsed off the event loop, in a worker process; the
-    capture is the same as the inline path's."""
+    """Answers past OFFLOAD_MIN_BYTES are parsed off the event loop, in the worker process (the
+    worker counts it, the capture names no failure); the capture is the same as the inline path's."""
     from pi_env.proxy import transparent
+    from pi_env.proxy.capture_worker import capture_worker
 
+    worker = capture_worker()
+    before = worker.assembled
     long_turn = ScriptedTurn(text="abcd" * 3000, chunk_chars=4)
     session = open_session([long_turn])
     status, _, raw = call(gateway, session, body=chat())
     assert status == 200 and len(raw) > transparent.OFFLOAD_MIN_BYTES
     capture = only_turns(session).capture
-    assert transparent._pool is not None  # the worker process was used
+    assert capture.worker_error is None
+    assert worker.assembled == before + 1, "the large answer was not parsed in the worker process"
+    assert worker.pid not in (None, os.getpid()) and worker.cpu_s > 0
     assert capture.completion_token_ids == script_ids(long_turn, 0)
     assert capture.choices[0].content == long_turn.text and capture.request["logprobs"] is True
     inline = assembled(raw)
     assert capture.per_token_logps == inline.per_token_logps and capture.usage == inline.usage
-    assert session.turns[0].total_tokens == capture.usage["total_tokens"]
+
+
+def test_a_failing_worker_is_logged_and_recorded_and_the_answer_still_captured(gateway, server, open_session,
+                                                                                 monkeypatch, caplog):
+    """A worker that cannot run (here: its interpreter exits at once) costs the loop a parse, never
+    the capture, and says so: a warning in the log and `worker_error` on the turn's capture."""
+    from pi_env.proxy import capture_worker as module
+
+    broken = module.CaptureWorker()
+    monkeypatch.setattr(module, "_worker", broken)
+    monkeypatch.setattr(module.sys, "executable", "/bin/false")
+    long_turn = ScriptedTurn(text="abcd" * 3000, chunk_chars=4)
+    session = open_session([long_turn])
+    with caplog.at_level("WARNING", logger="pi_env.proxy.transparent"):
+        status, _, raw = call(gateway, session, body=chat())
+        capture = only_turns(session).capture
+    assert status == 200
+    assert capture.worker_error and "capture worker failed" in capture.worker_error
+    assert broken.failures == 1 and broken.assembled == 0
+    assert any("parsed on the event loop" in r.message for r in caplog.records)
+    assert capture.completion_token_ids == script_ids(long_turn, 0)
+    broken.close()

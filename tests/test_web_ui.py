@@ -7,15 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import processes_of_uid, wait_for
+from helpers import CHROMIUM, processes_of_uid, wait_for
 from test_server import FIZZBUZZ, ServerProcess, sandbox_processes, sleeping_task
 from pi_env.server.client import PiEnv
 from pi_env.server.limiter import ServerBusy
 
-CHROMIUM = "/usr/bin/chromium"
-pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow,
-              pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="Debian chromium is not installed "
-                                                                        "(bash scripts/bootstrap.sh installs it)")]
+pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow, pytest.mark.needs_chromium]
 # ../shared/notes/sandbox.md: what headless chromium needs here (no GPU, no network extras).
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]

@@ -7,9 +7,11 @@
 #   bash scripts/engines/stop_engine.sh "$pid"
 #
 # Options: --port N (default $ENGINE_PORT or 8011), --timeout S to wait for /health (default
-# 300), --log FILE (default .engines/logs/vllm-PORT.log), --model-dir DIR (another checkpoint
-# of the same model, e.g. a fine-tuned one: config, safetensors, tokenizer, chat_template.jinja;
-# default the converted SmolLM2); anything after `--` goes to vLLM.
+# 300), --log FILE (default .engines/logs/vllm-PORT.log); anything after `--` goes to vLLM.
+# Another checkpoint (e.g. one fine-tuned from the tier's model): --model DIR (or --model-dir; a Hugging Face
+# model directory: config.json + weights + tokenizer) and --served-name NAME (the model id
+# clients ask for; default: the directory's name). Its chat template is DIR/chat_template.jinja,
+# else the one in its tokenizer_config.json, else --chat-template FILE.
 # The server runs in its own session (process group = PID), so stop_engine.sh ends vLLM and
 # its engine-core child together.
 set -euo pipefail
@@ -18,7 +20,9 @@ ROOT=$(cd "$HERE/../.." && pwd)
 ENGINES_DIR=${PI_ENV_ENGINES_DIR:-$ROOT/.engines}
 VENV=$ENGINES_DIR/vllm-venv
 MODEL_DIR=$ENGINES_DIR/models/smollm2-135m-instruct
-SERVED_NAME=${ENGINE_MODEL_NAME:-smollm2-135m-instruct}
+SERVED_NAME=${ENGINE_MODEL_NAME:-}
+CHAT_TEMPLATE=
+OWN_MODEL=
 PORT=${ENGINE_PORT:-8011}
 TIMEOUT=300
 LOG=
@@ -30,20 +34,31 @@ while [ $# -gt 0 ]; do
     --port) PORT=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
     --log) LOG=$2; shift 2 ;;
-    --model-dir) MODEL_DIR=$(cd "$2" && pwd); CUSTOM_MODEL=1; shift 2 ;;
+    --model|--model-dir) MODEL_DIR=$2; OWN_MODEL=1; shift 2 ;;
+    --served-name) SERVED_NAME=$2; shift 2 ;;
+    --chat-template) CHAT_TEMPLATE=$2; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     *) die "unknown option '$1' (see the header of $0)" ;;
   esac
 done
 LOG=${LOG:-$ENGINES_DIR/logs/vllm-$PORT.log}
 
-[ -f "$VENV/.installed" ] || die "vLLM is not installed in $VENV: run bash scripts/engines/install.sh"
-if [ -n "${CUSTOM_MODEL:-}" ]; then
-  [ -f "$MODEL_DIR/config.json" ] && [ -f "$MODEL_DIR/chat_template.jinja" ] \
-    || die "--model-dir $MODEL_DIR needs config.json and chat_template.jinja (a saved checkpoint)"
-else
+if [ -z "$OWN_MODEL" ]; then
   [ -f "$MODEL_DIR/.installed" ] || die "the model is not in $MODEL_DIR: run bash scripts/engines/install.sh"
+  SERVED_NAME=${SERVED_NAME:-smollm2-135m-instruct}
+else
+  [ -f "$MODEL_DIR/config.json" ] || die "--model $MODEL_DIR: no config.json there (a Hugging Face model directory is needed)"
+  MODEL_DIR=$(cd "$MODEL_DIR" && pwd)
+  SERVED_NAME=${SERVED_NAME:-$(basename "$MODEL_DIR")}
 fi
+if [ -z "$CHAT_TEMPLATE" ] && [ -f "$MODEL_DIR/chat_template.jinja" ]; then
+  CHAT_TEMPLATE=$MODEL_DIR/chat_template.jinja
+fi
+if [ -z "$CHAT_TEMPLATE" ] && ! grep -qs '"chat_template"' "$MODEL_DIR/tokenizer_config.json"; then
+  die "--model $MODEL_DIR has no chat template (no chat_template.jinja, none in tokenizer_config.json): pass --chat-template FILE"
+fi
+[ -z "$CHAT_TEMPLATE" ] || [ -f "$CHAT_TEMPLATE" ] || die "--chat-template $CHAT_TEMPLATE: no such file"
+[ -f "$VENV/.installed" ] || die "vLLM is not installed in $VENV: run bash scripts/engines/install.sh"
 if curl -s -o /dev/null --max-time 2 "http://127.0.0.1:$PORT/health"; then
   die "something already answers on 127.0.0.1:$PORT"
 fi
@@ -66,7 +81,7 @@ setsid "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
   --enforce-eager \
   --max-model-len 8192 \
   --seed 0 \
-  --chat-template "$MODEL_DIR/chat_template.jinja" \
+  ${CHAT_TEMPLATE:+--chat-template "$CHAT_TEMPLATE"} \
   --enable-auto-tool-choice --tool-call-parser hermes \
   "${extra[@]}" \
   </dev/null >"$LOG" 2>&1 &

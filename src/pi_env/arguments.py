@@ -29,7 +29,48 @@ def backend_argument(parser: argparse.ArgumentParser, default: str | None = "loc
                              "(local is bubblewrap; see docs/backends.md)")
 
 
+def generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """--max-tokens and --sampling, for every command that runs rollouts."""
+    parser.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
+                        help="max_tokens of every model call: what Pi asks for, and the gateway's cap (default 4096)")
+    parser.add_argument("--sampling", default=None, metavar="NAME=VALUE,...",
+                        help="sampling forced on every model call at the gateway (proxy_sampling), e.g. "
+                             "temperature=0,top_p=1,seed=7; needs transparent_proxy. Without it Pi sends no "
+                             "temperature, so the engine's default applies (vLLM: 1.0)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def config_from_args(args, **extra) -> PiConfig:
+    """The PiConfig of a command's flags. `extra["mode"]` None: the command's default, which is
+    transparent_proxy when --sampling is given (only it can force sampling)."""
     fields = dict(endpoint=args.endpoint, base_url=args.base_url, model=args.model, api_key=args.api_key,
                   sandbox_backend=args.backend, **extra)
+    if getattr(args, "max_tokens", None) is not None:
+        fields.update(max_tokens=args.max_tokens, proxy_max_tokens_cap=args.max_tokens)
+    if getattr(args, "sampling", None) is not None:
+        from .proxy.rewrite import parse_sampling
+
+        fields["proxy_sampling"] = parse_sampling(args.sampling)
+        if fields.get("mode") == "black_box":
+            raise ValueError("--sampling is forced on model calls by the gateway in transparent_proxy; --mode "
+                             "black_box relays requests untouched: drop --mode or use --mode transparent_proxy")
+        fields["mode"] = fields.get("mode") or "transparent_proxy"
     return PiConfig(**{k: v for k, v in fields.items() if v is not None})
+
+
+def describe_sampling(config: PiConfig) -> str:
+    """Which sampling the model calls get, in words (printed by run and collect)."""
+    if config.mode != "black_box" and config.proxy_sampling:
+        forced = ", ".join(f"{k}={v}" for k, v in config.proxy_sampling.items())
+        return f"sampling forced at the gateway: {forced}; max_tokens {config.max_tokens}"
+    return (f"no sampling forced: Pi sends no temperature, so the engine's default applies (vLLM: 1.0); "
+            f"max_tokens {config.max_tokens}")

@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import EXIT_BAD_INPUT, EXIT_INFRA, backend_argument, config_from_args, endpoint_arguments
-from .results import INFRA_ERROR_KINDS
+from .arguments import EXIT_BAD_INPUT, EXIT_INFRA, backend_argument, config_from_args, describe_sampling, \
+    endpoint_arguments, generation_arguments
+from .results import EXIT_INFRA_ERROR_KINDS
 
 # Subcommands whose code lives with their room. Each module has `add_arguments(parser)` and
 # `run(args) -> exit code`, and imports its heavy dependencies only inside `run`.
@@ -28,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="run rollouts of a task file, a JSONL task set or a directory of tasks")
     run.add_argument("tasks", type=Path, help="TASK.json, TASKS.jsonl or a directory of task JSON files")
     endpoint_arguments(run)
-    run.add_argument("--mode", default="black_box", choices=["black_box", "transparent_proxy"])
+    run.add_argument("--mode", default=None, choices=["black_box", "transparent_proxy"],
+                     help="black_box (default) or transparent_proxy (the default with --sampling)")
+    generation_arguments(run)
     run.add_argument("--max-turns", type=int, default=None, help="model calls per rollout (default 50)")
     run.add_argument("--max-total-tokens", type=int, default=None, help="usage.total_tokens budget per rollout")
     run.add_argument("--trace-dir", default=None, help="where transparent_proxy writes per-turn trace files")
@@ -80,6 +83,7 @@ def _run(args) -> int:
     except SandboxUnavailable as error:
         print(f"pi-env: {error}", file=sys.stderr)
         return EXIT_INFRA
+    print(f"pi-env: {describe_sampling(config)}", file=sys.stderr, flush=True)
     out = args.out.open("w") if args.out else None
     infra_failures = 0
     results = []
@@ -90,9 +94,9 @@ def _run(args) -> int:
                     result = session.wait_for_completion()
             except (EndpointError, ValueError) as error:
                 return _bad_input(error)
-            except Exception as error:  # noqa: BLE001 - one rollout's failure never loses the others
-                result = RolloutResult(task_id=task.task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
-            infra_failures += result.error_kind in INFRA_ERROR_KINDS
+            except Exception as error:  # noqa: BLE001 - one rollout's failure never loses the others: a bug of ours
+                result = RolloutResult(task_id=task.task_id, error_kind="internal", error=f"{type(error).__name__}: {error}")
+            infra_failures += result.error_kind in EXIT_INFRA_ERROR_KINDS
             results.append(result)
             line = result.model_dump_json()
             if out:

@@ -95,12 +95,9 @@ class PiConfig(BaseModel):
     @field_validator("proxy_sampling")
     @classmethod
     def _known_sampling(cls, sampling: dict) -> dict:
-        from .proxy.rewrite import SAMPLING_KEYS
+        from .proxy.rewrite import check_sampling
 
-        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
-        if unknown:
-            raise ValueError(f"unknown sampling parameters {unknown}; allowed: {list(SAMPLING_KEYS)}")
-        return sampling
+        return check_sampling(sampling)
 
     @model_validator(mode="after")
     def _token_in_needs_a_capturing_mode(self) -> "PiConfig":

@@ -10,6 +10,8 @@ import json
 import os
 import re
 import threading
+import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -112,24 +114,28 @@ def resolve_endpoint(config: PiConfig) -> Endpoint:
                     max_top_logprobs=entry.max_top_logprobs)
 
 
-_probed: dict[str, tuple[bool, str]] = {}
+_probed: dict[str, tuple[bool, str, float | None]] = {}  # base URL -> (answer, why, retry after: monotonic)
 _probe_lock = threading.Lock()
 MIN_VLLM_FOR_TOKEN_IDS = (0, 10, 2)
+PROBE_RETRY_S = 30.0  # a probe that got no answer (engine still starting, network) is tried again after this
 
 
 def supports_return_token_ids(endpoint: Endpoint) -> tuple[bool, str]:
     """Whether to ask this endpoint for `return_token_ids`, and why. The catalog decides where it
-    knows; otherwise one probe per base URL and process: vLLM serves GET /version at its root,
-    and honours the field from 0.10.2 on. Never a silent guess: the reason is recorded."""
+    knows; otherwise a probe per base URL: vLLM serves GET /version at its root, and honours the
+    field from 0.10.2 on. An answer is kept for the process's life; no answer (unreachable, a
+    timeout, a 5xx) is asked again after PROBE_RETRY_S, so one slow engine start does not cost
+    a whole run its ids. Never a silent guess: the reason is recorded."""
     if endpoint.return_token_ids is not None:
         return endpoint.return_token_ids, f"catalog entry {endpoint.name!r}"
     with _probe_lock:
-        if endpoint.base_url not in _probed:
-            _probed[endpoint.base_url] = _probe_vllm_version(endpoint)
-        return _probed[endpoint.base_url]
+        known = _probed.get(endpoint.base_url)
+        if known is None or (known[2] is not None and time.monotonic() >= known[2]):
+            known = _probed[endpoint.base_url] = _probe_vllm_version(endpoint)
+        return known[0], known[1]
 
 
-def _probe_vllm_version(endpoint: Endpoint) -> tuple[bool, str]:
+def _probe_vllm_version(endpoint: Endpoint) -> tuple[bool, str, float | None]:
     root = endpoint.base_url.removesuffix("/v1")
     request = urllib.request.Request(f"{root}/version")
     if endpoint.api_key:
@@ -137,12 +143,16 @@ def _probe_vllm_version(endpoint: Endpoint) -> tuple[bool, str]:
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             version = json.loads(response.read()).get("version", "")
+    except urllib.error.HTTPError as error:
+        retry = time.monotonic() + PROBE_RETRY_S if error.code >= 500 else None  # a 4xx is an answer
+        return False, f"probe of {root}/version answered {error.code}: not a vLLM server, so not asked", retry
     except (OSError, ValueError, AttributeError) as error:
-        return False, f"probe of {root}/version failed ({error}): not a vLLM server, so not asked"
+        return False, (f"probe of {root}/version failed ({error}): not asked; probed again after "
+                       f"{PROBE_RETRY_S:g} s"), time.monotonic() + PROBE_RETRY_S
     numbers = tuple(int(part) for part in re.findall(r"\d+", str(version))[:3])
     if numbers >= MIN_VLLM_FOR_TOKEN_IDS:
-        return True, f"probe: vLLM {version} at {root}"
-    return False, f"probe: vLLM {version} at {root} is older than 0.10.2"
+        return True, f"probe: vLLM {version} at {root}", None
+    return False, f"probe: vLLM {version} at {root} is older than 0.10.2", None
 
 
 def _require_model(model: str | None, what: str) -> str:

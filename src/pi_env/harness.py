@@ -240,7 +240,7 @@ class HarnessSession(ResourceSession):
     @property
     def result(self) -> RolloutResult | None:
         """The finished rollout (pi-env's own record), or None while it runs."""
-        return self.pi_session._result if self.pi_session._done else None
+        return self.pi_session._result if self.pi_session.finished else None
 
     def _records(self) -> list[TurnRecord]:
         gateway = self.pi_session.gateway_session

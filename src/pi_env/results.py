@@ -18,10 +18,13 @@ ErrorKind = Literal[
     "invalid_reward",  # a verify command wrote a reward file that is not a finite number
     "no_verify",  # nothing to score: no verify commands and no reward file
     "infra",  # the sandbox, runtime or harness failed
+    "internal",  # a bug in pi-env (an unexpected exception; the error holds its traceback): please report it
 ]
-# The kinds where the infrastructure failed, not the agent: worth retrying, and `pi-env run` /
-# `collect` exit with EXIT_INFRA when a rollout ends with one.
+# The kinds where the infrastructure failed, not the agent: worth retrying. `pi-env run` /
+# `collect` exit with EXIT_INFRA when a rollout ends with one of EXIT_INFRA_ERROR_KINDS.
 INFRA_ERROR_KINDS: frozenset[str] = frozenset({"infra", "endpoint_error"})
+# With a bug of ours (`internal`: never retried), the kinds that are not the agent's doing.
+EXIT_INFRA_ERROR_KINDS: frozenset[str] = INFRA_ERROR_KINDS | {"internal"}
 
 
 class CommandResult(BaseModel):
@@ -54,6 +57,7 @@ class RolloutTurn(BaseModel):
     token_ids_source: str | None = None
     token_ids_missing_reason: str | None = None
     capture_fallback: str | None = None
+    capture_worker_error: str | None = None  # why this answer was parsed on the gateway's event loop
     message: dict[str, Any] | None = None  # the assistant message as assembled from the stream
     # Token-in (docs/token-in.md): the renderer, how the prompt was made ("first", "bridged", or
     # "full_render" with its `reason`), the `sequence` index, whether the engine echoed the ids sent.
@@ -101,6 +105,12 @@ class RolloutResult(BaseModel):
     model: str = ""
     pi_version: str = ""
     synthetic: bool = False  # produced by the oracle / scripted test double, not a model
+    # Sampling forced on every model call at the gateway (proxy_sampling). Empty: none was;
+    # Pi sends no temperature or top_p, so the engine's defaults applied (vLLM: temperature 1.0).
+    sampling: dict[str, float | int] = Field(default_factory=dict)
+    # transparent_proxy: was the engine asked for its token ids, and why (catalog, probe, config)
+    return_token_ids: bool | None = None
+    return_token_ids_reason: str | None = None
     setup_results: list[CommandResult] = Field(default_factory=list)
     verify_results: list[CommandResult] = Field(default_factory=list)
     proxy_turns: list[RolloutTurn] = Field(default_factory=list)

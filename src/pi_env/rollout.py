@@ -79,8 +79,8 @@ class PiSessionFactory:
         `proxy_sampling["seed"]`). `pi_env.harness` chooses a task by it.
 
         `on_event` is told of each phase, each model call and the end (`RolloutEvent`), on
-        whichever thread reached it (the caller's, or the gateway's for a model call): keep it
-        quick. An exception it raises is logged, never fails the rollout."""
+        whichever thread reached it (the caller's, the session's finishing thread, or the
+        gateway's for a model call): keep it quick. An exception it raises is logged, never fails the rollout."""
         session = PiSession(self, PiTask.coerce(task), seed=seed, episode_id=episode_id, on_event=on_event)
         try:
             session._start()
@@ -110,7 +110,9 @@ class PiSession:
         self._agent_deadline = 0.0
         self._started = time.monotonic()
         self._result = RolloutResult(task_id=task.task_id, mode=self.config.mode)
-        self._done = False
+        self._finisher: threading.Thread | None = None
+        self._finished = threading.Event()
+        self._finish_error: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._on_event = on_event
@@ -127,6 +129,8 @@ class PiSession:
             self.endpoint = oracle_endpoint(task) if config.endpoint == ORACLE else resolve_endpoint(config)
         result.endpoint, result.model, result.synthetic = self.endpoint.name, self.endpoint.model, self.endpoint.synthetic
         token_in = self._token_in() if config.proxy_token_in else None  # bad input: raises here
+        if config.mode != "black_box":  # black_box relays requests untouched: nothing is forced
+            result.sampling = dict(config.proxy_sampling)
         try:
             with self._phase("runtime"):
                 runtime = self.factory.runtime
@@ -166,12 +170,16 @@ class PiSession:
             self._fail("infra", f"{type(error).__name__}: {error}")
 
     def _capture_options(self) -> CaptureOptions:
-        config, endpoint = self.config, self.endpoint
-        if config.proxy_return_token_ids is None:
-            return_token_ids, why = supports_return_token_ids(endpoint)
+        config, endpoint, result = self.config, self.endpoint, self._result
+        if config.mode != "transparent_proxy":  # only it rewrites requests: nothing to decide, no probe
+            return_token_ids = False
         else:
-            return_token_ids, why = config.proxy_return_token_ids, "PiConfig.proxy_return_token_ids"
-        self._result.proxy_log_tail = f"return_token_ids={return_token_ids} ({why})"
+            if config.proxy_return_token_ids is None:
+                return_token_ids, why = supports_return_token_ids(endpoint)
+            else:
+                return_token_ids, why = config.proxy_return_token_ids, "PiConfig.proxy_return_token_ids"
+            result.return_token_ids, result.return_token_ids_reason = return_token_ids, why
+            result.proxy_log_tail = f"return_token_ids={return_token_ids} ({why})"
         disable_thinking = endpoint.disable_thinking if config.proxy_disable_thinking is None \
             else config.proxy_disable_thinking
         top_logprobs = min(config.proxy_top_logprobs, endpoint.max_top_logprobs)
@@ -228,27 +236,43 @@ class PiSession:
                                     env=pi_env(runtime), network="gateway", stdin_path=PROMPT_PATH)
 
     def wait_for_completion(self, timeout_s: float | None = None) -> RolloutResult:
-        """Wait for the agent, then verify and collect. Raises TimeoutError if `timeout_s`
-        passes first (the rollout keeps running; call again or close()). The agent's own
-        time limit is enforced regardless."""
-        with self._lock:
-            if self._done:
-                return self._result
+        """Wait for the agent, then verify and collect. Raises TimeoutError if `timeout_s` passes
+        first, in whichever phase (the rollout keeps going: call again, from any thread, or
+        close()). The agent's own time limit is enforced regardless. Every caller gets the same
+        result (or the same exception, should finishing fail)."""
+        with self._lock:  # held only to start the finishing work, once
+            if self._finisher is None:
+                self._finisher = threading.Thread(target=self._finish, name=f"pi-env-finish-{self.episode_id[:8]}",
+                                                  daemon=True)
+                self._finisher.start()
+        if not self._finished.wait(timeout_s):
+            raise TimeoutError(f"rollout {self.task.task_id!r} still running after {timeout_s} s")
+        if self._finish_error is not None:
+            raise self._finish_error
+        return self._result
+
+    @property
+    def finished(self) -> bool:
+        """True once the rollout is over (verified and collected, or failed): then
+        wait_for_completion() returns at once."""
+        return self._finished.is_set()
+
+    def _finish(self) -> None:
+        """Agent -> verify -> collect, on a thread of its own so that any wait can be bounded."""
+        try:
             if self._agent is not None and self._result.error_kind is None:
-                remaining = self._agent_deadline - time.monotonic()
-                if timeout_s is not None and timeout_s < remaining:
-                    if not _wait_until_exit(self._agent, timeout_s):
-                        raise TimeoutError(f"rollout {self.task.task_id!r} still running after {timeout_s} s")
                 try:
                     self._finish_agent()
                 except (SandboxError, OSError) as error:  # the sandbox failed, not the agent
                     self._fail("infra", f"{type(error).__name__}: {error}")
-            self._done = True
             self._collect()
             self._result.make_valid_utf8()
             self._result.wall_s = round(time.monotonic() - self._started, 4)
             self._emit("done", reward=self._result.reward, error_kind=self._result.error_kind)
-            return self._result
+        except BaseException as error:  # noqa: BLE001 - handed to every caller of wait_for_completion
+            self._finish_error = error
+        finally:
+            self._finished.set()
 
     def _finish_agent(self) -> None:
         result = self._result
@@ -491,6 +515,7 @@ def _rollout_turn(record: TurnRecord) -> RolloutTurn:
         turn.token_ids_source = capture.token_ids_source
         turn.token_ids_missing_reason = capture.token_ids_missing_reason
         turn.capture_fallback = capture.fallback
+        turn.capture_worker_error = capture.worker_error
         turn.message = first.message() if first else None
         turn.token_in = capture.token_in
     return turn
@@ -510,15 +535,6 @@ def _with_forced_sampling(config: PiConfig, sampling: Mapping[str, float | int],
     config.mode = mode  # validate_assignment: checked like any PiConfig field
     config.proxy_sampling = {**config.proxy_sampling, **dict(sampling)}
     return config
-
-
-def _wait_until_exit(process: SandboxProcess, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while process.poll() is None:
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _mb(megabytes: int | None) -> int | None:

@@ -47,6 +47,17 @@ def _engine(kind: str, url_var: str, missing, start):
 
 
 @pytest.fixture(scope="session")
+def openenv_harness():
+    """openenv's harness module. Missing, the test skips (fails under ENGINE_TIER=1): a
+    module-level importorskip would skip at collection, out of reach of the tier's skip hook."""
+    try:
+        import openenv.core.harness as harness
+    except ImportError as error:
+        _unavailable(f"the openenv extra is not installed ({error})")
+    return harness
+
+
+@pytest.fixture(scope="session")
 def vllm_engine():
     """vLLM (CPU, float32) serving SmolLM2-135M-Instruct on 127.0.0.1, once per session.
 

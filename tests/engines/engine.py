@@ -16,7 +16,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +76,17 @@ def llama_missing() -> str | None:
     return None
 
 
-def start_vllm(port: int | None = None, timeout_s: int = 300, log: Path | None = None) -> Engine:
+def start_vllm(port: int | None = None, timeout_s: int = 300, log: Path | None = None, *,
+               model_dir: Path | None = None, served_name: str | None = None) -> Engine:
     """Start vLLM via serve_vllm.sh and return once /health answers. Stop it with :func:`stop`.
 
     The log goes to .engines/logs/vllm-tier.log unless ``log`` says otherwise (overwritten at
-    each start)."""
-    return _start("vllm", "serve_vllm.sh", port, timeout_s, log or ENGINES_DIR / "logs" / "vllm-tier.log")
+    each start). ``model_dir``/``served_name``: serve another checkpoint (--model, --served-name)."""
+    extra = [*(["--model", str(model_dir)] if model_dir else []), *(["--served-name", served_name] if served_name else [])]
+    engine = _start("vllm", "serve_vllm.sh", port, timeout_s, log or ENGINES_DIR / "logs" / "vllm-tier.log", extra)
+    if model_dir or served_name:
+        engine = replace(engine, model=served_name or Path(model_dir).name, model_dir=Path(model_dir or MODEL_DIR))
+    return engine
 
 
 def start_llama(port: int | None = None, timeout_s: int = 120, log: Path | None = None) -> Engine:
@@ -91,10 +96,10 @@ def start_llama(port: int | None = None, timeout_s: int = 120, log: Path | None 
     return _start("llama.cpp", "serve_llama.sh", port, timeout_s, log or ENGINES_DIR / "logs" / "llama-tier.log")
 
 
-def _start(kind: str, script: str, port: int | None, timeout_s: int, log: Path) -> Engine:
+def _start(kind: str, script: str, port: int | None, timeout_s: int, log: Path, extra: list[str] = ()) -> Engine:
     port = port or free_port()
     proc = subprocess.run(
-        ["bash", str(SCRIPTS / script), "--port", str(port), "--timeout", str(timeout_s), "--log", str(log)],
+        ["bash", str(SCRIPTS / script), "--port", str(port), "--timeout", str(timeout_s), "--log", str(log), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

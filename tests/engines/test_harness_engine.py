@@ -14,10 +14,9 @@ from pi_env import PiConfig, PiTask
 from scoring import score_with_transformers
 from test_engine_direct import SEED
 
-openenv_harness = pytest.importorskip("openenv.core.harness", reason="the openenv extra is not installed")
 
 
-def test_training_trace_from_vllm_passes_openenv_validation(vllm_engine, tmp_path):
+def test_training_trace_from_vllm_passes_openenv_validation(openenv_harness, vllm_engine, tmp_path):
     from openenv.core.harness.capture.upstream import training_sampling
 
     from pi_env.harness import HarnessSessionFactory

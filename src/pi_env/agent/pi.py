@@ -97,6 +97,13 @@ class PiOutcome:
         return self.stop_reason in ("error", "aborted") or self.stop_reason is None
 
 
+def system_prompt_text(message: dict) -> str:
+    """The system prompt as Pi sends it: its session file keeps it only as named `sections`
+    (preamble, tools, rules, docs, cwd, ...), which Pi joins with blank lines."""
+    sections = message.get("sections") or {}
+    return "\n\n".join(str(text) for text in sections.values() if text)
+
+
 def parse_session(jsonl: str) -> PiOutcome:
     """Read Pi's session file. Tolerates a torn last line (Pi killed mid-write)."""
     outcome = PiOutcome()
@@ -108,6 +115,8 @@ def parse_session(jsonl: str) -> PiOutcome:
         if entry.get("type") != "message" or not isinstance(entry.get("message"), dict):
             continue
         message = entry["message"]
+        if message.get("role") == "system" and not message.get("content"):
+            message["content"] = system_prompt_text(message)  # what the model saw; `sections` kept
         outcome.messages.append(message)
         if message.get("role") == "assistant":
             outcome.assistant_turns += 1

@@ -6,16 +6,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..arguments import EXIT_BAD_INPUT, EXIT_INFRA, backend_argument, config_from_args, endpoint_arguments
-from ..results import INFRA_ERROR_KINDS
+from ..arguments import EXIT_BAD_INPUT, EXIT_INFRA, backend_argument, config_from_args, describe_sampling, \
+    endpoint_arguments, generation_arguments
+from ..results import EXIT_INFRA_ERROR_KINDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("tasks", type=Path, help="TASKS.jsonl, a directory of task JSON files, or Harbor task dir(s)")
     parser.add_argument("--out", type=Path, required=True, help="dataset directory (resumed when it exists)")
     endpoint_arguments(parser)
-    parser.add_argument("--mode", default="transparent_proxy", choices=["black_box", "transparent_proxy"],
+    parser.add_argument("--mode", default=None, choices=["black_box", "transparent_proxy"],
                         help="transparent_proxy (default) records token ids and logprobs for training")
+    generation_arguments(parser)
     parser.add_argument("--group-size", type=int, default=1, help="rollouts per task (a GRPO group)")
     parser.add_argument("--concurrency", type=int, default=4, help="rollouts at once")
     parser.add_argument("--limit", type=int, default=None, help="only the first N tasks")
@@ -48,13 +50,14 @@ def run(args) -> int:
     from .runner import CollectError, CollectRunner
 
     try:
-        config = config_from_args(args, mode=args.mode, max_turns=args.max_turns, agent_timeout_s=args.agent_timeout,
+        config = config_from_args(args, mode=args.mode or "transparent_proxy", max_turns=args.max_turns, agent_timeout_s=args.agent_timeout,
                                   trace_dir=args.trace_dir)
         runner = CollectRunner(args.tasks, args.out, config, group_size=args.group_size,
                                concurrency=args.concurrency, limit=args.limit, retries=args.retries, keep=args.keep,
                                executor=args.executor, ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus,
                                resume=args.resume, include_unsupported=args.include_unsupported,
                                progress=not args.quiet)
+        print(f"pi-env: {describe_sampling(config)}", file=sys.stderr, flush=True)
         summary = runner.run()
     except (TaskError, EndpointError, CollectError, ValidationError, ValueError) as error:
         print(f"pi-env: {error}", file=sys.stderr)
@@ -73,5 +76,5 @@ def run(args) -> int:
             print(f"pi-env: push to {args.push_to_hub} failed: {type(error).__name__}: {error}", file=sys.stderr)
             return EXIT_INFRA
         print(f"pushed: {url}")
-    unscored_infra = sum(v for k, v in summary.counts.get("errors", {}).items() if k in INFRA_ERROR_KINDS)
+    unscored_infra = sum(v for k, v in summary.counts.get("errors", {}).items() if k in EXIT_INFRA_ERROR_KINDS)
     return EXIT_INFRA if unscored_infra else 0

@@ -26,8 +26,8 @@ class Job:
 
 
 class BadInput(Exception):
-    """A rollout could not even start because of the input (unknown endpoint, a task the oracle
-    cannot replay): every other rollout would fail the same way, so the run stops."""
+    """The endpoint turned out unusable mid-run (checked before the run; its environment can
+    still change): every other rollout would fail the same way, so the run stops."""
 
 
 def worker_name() -> str:
@@ -63,8 +63,12 @@ class LiveSessions:
 
 
 def run_one(factory, task: PiTask, live: LiveSessions | None = None) -> RolloutResult:
-    """One rollout. Anything unexpected is an infrastructure failure (retried, never scored)."""
+    """One rollout. Input is checked before the run starts (CollectRunner), so what goes wrong
+    here is either the infrastructure (`infra`: retried) or a bug of ours (`internal`: not
+    retried, never mixed with infrastructure, the traceback kept in the record's error)."""
+    from ..agent.runtime import RuntimeInstallError
     from ..endpoints import EndpointError
+    from ..sandbox import SandboxError
 
     try:
         with factory.create(task) as session:
@@ -75,11 +79,13 @@ def run_one(factory, task: PiTask, live: LiveSessions | None = None) -> RolloutR
                 return session.wait_for_completion()
             finally:
                 live.discard(session)
-    except (EndpointError, ValueError) as error:
+    except EndpointError as error:  # the endpoint's configuration changed under the run
         raise BadInput(str(error)) from None
-    except Exception as error:  # noqa: BLE001 - whatever broke, it is not the agent's score
-        return RolloutResult(task_id=task.task_id, error_kind="infra",
-                             error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=5)}")
+    except (SandboxError, RuntimeInstallError, OSError) as error:
+        return RolloutResult(task_id=task.task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
+    except Exception as error:  # noqa: BLE001 - a bug: kept with its traceback, not retried, not a score
+        return RolloutResult(task_id=task.task_id, error_kind="internal",
+                             error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}")
 
 
 class LocalExecutor:

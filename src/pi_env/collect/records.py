@@ -54,6 +54,7 @@ def to_record(result: RolloutResult, *, task, group_index: int, attempt: int,
         "endpoint": result.endpoint,
         "model": result.model,
         "mode": result.mode,
+        "sampling": json.dumps(result.sampling),  # forced at the gateway; "{}": the engine's defaults
         "pi_version": result.pi_version,
         "synthetic": result.synthetic,
         "sandbox_id": result.sandbox_id,
@@ -80,8 +81,7 @@ def sft_messages(pi_messages: list[dict]) -> tuple[list[dict], list[dict]]:
     for message in pi_messages:
         role = message.get("role")
         if role == "system":
-            sections = message.get("sections") or {}
-            text = message.get("content") or "\n\n".join(str(v) for v in sections.values() if v)
+            text = message.get("content") or ""  # parse_session fills it from Pi's `sections`
             if isinstance(text, list):
                 text = _text(text)
             messages.append({"role": "system", "content": text})

@@ -115,6 +115,10 @@ def print_summary(summary) -> None:
         table.add_row(what, str(value))
     console = Console()
     console.print(table)
+    internal = counts.get("errors", {}).get("internal")
+    if internal:
+        console.print(f"[red]internal {internal}[/red]: a bug in pi-env, neither the agent nor the infrastructure "
+                      "(not retried; each record's error holds the traceback): please report it", highlight=False)
     for task_id, why in summary.skipped_tasks.items():
         console.print(f"[yellow]skipped[/yellow] {task_id}: {'; '.join(why)}", highlight=False)
 

@@ -135,6 +135,7 @@ class TurnCapture:
     # token-in (proxy/token_in.py): the renderer, the bridge outcome ("first", "bridged",
     # "full_render" with its reason), the sequence index, what was asked of the engine.
     token_in: dict[str, Any] | None = None
+    worker_error: str | None = None  # why a large answer was parsed on the gateway's loop, not in the worker
 
     # Convenience views of choice 0, the one an agent continues with.
     @property

@@ -12,6 +12,49 @@ _COMPLETION_TOKENS_MODELS = re.compile(r"^(gpt-5|o1|o3|o4)")
 # Sampling parameters a trainer may force; the agent's own values for them are overridden.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
+_INTEGER_SAMPLING = ("top_k", "seed")
+# What an OpenAI-compatible engine accepts (vLLM's SamplingParams; top_k -1 or 0: no limit).
+_SAMPLING_RANGES = {"temperature": (0, None, "at least 0"), "top_p": (0, 1, "in (0, 1]"), "min_p": (0, 1, "in [0, 1]"),
+                    "top_k": (-1, None, "-1, 0 (no limit) or more"), "repetition_penalty": (0, None, "above 0"),
+                    "presence_penalty": (-2, 2, "in [-2, 2]"), "frequency_penalty": (-2, 2, "in [-2, 2]")}
+
+
+def check_sampling(sampling: dict[str, Any], where: str = "proxy_sampling") -> dict[str, float | int]:
+    """Forced sampling parameters, checked: known names, numbers (integers for top_k and seed)
+    within what engines accept. A ValueError names the field and what to fix."""
+    checked: dict[str, float | int] = {}
+    for name, value in sampling.items():
+        if name not in SAMPLING_KEYS:
+            raise ValueError(f"{where}: unknown sampling parameter {name!r}; allowed: {', '.join(SAMPLING_KEYS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or (name in _INTEGER_SAMPLING and not float(value).is_integer()):
+            kind = "an integer" if name in _INTEGER_SAMPLING else "a number"
+            raise ValueError(f"{where}: {name} must be {kind}, not {value!r}")
+        low, high, what = _SAMPLING_RANGES.get(name, (None, None, ""))
+        if value != value or (low is not None and value < low) or (high is not None and value > high) \
+                or (name == "top_p" and value == 0) or (name == "repetition_penalty" and value == 0):
+            raise ValueError(f"{where}: {name} must be {what}, not {value!r}")
+        checked[name] = int(value) if name in _INTEGER_SAMPLING else value
+    return checked
+
+
+def parse_sampling(text: str, where: str = "--sampling") -> dict[str, float | int]:
+    """`temperature=0,top_p=1,seed=7` -> {"temperature": 0.0, "top_p": 1.0, "seed": 7}, checked."""
+    sampling: dict[str, float | int] = {}
+    for item in (part.strip() for part in text.split(",")):
+        name, equals, value = (piece.strip() for piece in item.partition("="))
+        if not equals or not name or not value:
+            raise ValueError(f"{where}: {item!r} is not NAME=VALUE (e.g. temperature=0,top_p=1,seed=7)")
+        if name in sampling:
+            raise ValueError(f"{where}: {name} is given twice")
+        try:
+            sampling[name] = int(value) if name in _INTEGER_SAMPLING else float(value)
+        except ValueError:
+            kind = "an integer" if name in _INTEGER_SAMPLING else "a number"
+            sampling[name] = value  # check_sampling names the parameter (or says it is unknown)
+            if name in SAMPLING_KEYS:
+                raise ValueError(f"{where}: {name} must be {kind}, not {value!r}") from None
+    return check_sampling(sampling, where)
 
 
 @dataclass(frozen=True)
@@ -29,9 +72,7 @@ class CaptureOptions:
             raise ValueError(f"top_logprobs must be within 0-20, got {self.top_logprobs}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError(f"max_tokens_cap must be at least 1 (or None: no cap), got {self.max_tokens_cap}")
-        unknown = set(self.sampling) - set(SAMPLING_KEYS)
-        if unknown:
-            raise ValueError(f"unknown forced sampling parameters {sorted(unknown)}; allowed: {list(SAMPLING_KEYS)}")
+        check_sampling(self.sampling, "sampling")
 
 
 def rewrite_request(body: dict[str, Any], options: CaptureOptions) -> dict[str, Any]:

@@ -13,22 +13,20 @@ the rest of the session once it worked, and recorded in every turn it affects:
 from __future__ import annotations
 
 import asyncio
-import atexit
-import multiprocessing
-import threading
+import logging
 import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
 from pi_env.proxy.capture import TurnCapture, assemble_answer, sse_from_capture
+from pi_env.proxy.capture_worker import CaptureWorkerError, capture_worker
 from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, agent_request, describe, json_error, \
     not_a_json_object
 from pi_env.proxy.rewrite import rejects_capture, rewrite_request, without_capture
 
+log = logging.getLogger(__name__)
 NON_STREAMING = "non_streaming"
 WITHOUT_CAPTURE = "without_capture"
 
@@ -125,15 +123,17 @@ class TransparentProxy:
 
     async def _assemble_in_worker(self, capture: TurnCapture, turn: TurnRecord, raw: bytes,
                                   streaming: bool) -> None:
-        """Large answers are parsed in a worker process: tens of milliseconds of decoding would
-        otherwise hold the gateway's event loop, and with it every other stream."""
-        pool = capture_pool()
+        """Large answers are parsed in the capture worker process: tens of milliseconds of
+        decoding would otherwise hold the gateway's event loop, and with it every other stream.
+        When the worker fails the answer is parsed inline (rather than lost), and the capture
+        says why (`worker_error`). Cancellation is never swallowed."""
+        worker = capture_worker()
         try:
-            if pool is None:
-                raise RuntimeError("no worker process")
-            assembled = await asyncio.get_running_loop().run_in_executor(pool, assemble_answer, raw, streaming)
-        except (BrokenProcessPool, OSError, RuntimeError, asyncio.CancelledError):
-            return self._assemble(capture, turn, raw, streaming)  # inline, rather than lose it
+            assembled = await asyncio.get_running_loop().run_in_executor(None, worker.assemble, raw, streaming)
+        except CaptureWorkerError as error:
+            log.warning("turn %s parsed on the event loop: %s", turn.turn, error)
+            capture.worker_error = str(error)
+            return self._assemble(capture, turn, raw, streaming)
         _merge(capture, assembled)
         _count_tokens(capture, turn)
 
@@ -146,7 +146,7 @@ class TransparentProxy:
 def _merge(capture: TurnCapture, assembled: TurnCapture) -> None:
     """Fill `capture` (which already holds the request and any fallback) from an assembly."""
     for name, value in vars(assembled).items():
-        if name not in ("request", "fallback"):
+        if name not in ("request", "fallback", "worker_error"):
             setattr(capture, name, value)
 
 
@@ -156,22 +156,6 @@ def _count_tokens(capture: TurnCapture, turn: TurnRecord) -> None:
 
 
 OFFLOAD_MIN_BYTES = 64 << 10  # below this, a round trip to the worker costs more than parsing
-_pool: ProcessPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def capture_pool() -> ProcessPoolExecutor | None:
-    """One worker process per gateway process, started on first use (forkserver: the gateway's
-    process has threads, so plain fork is unsafe). None where processes cannot be started."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            try:
-                _pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("forkserver"))
-            except (OSError, ValueError):
-                return None
-            atexit.register(_pool.shutdown, wait=False, cancel_futures=True)
-        return _pool
 
 
 async def _send(call: Call, body: dict, turn: TurnRecord) -> aiohttp.ClientResponse | web.Response:

@@ -450,6 +450,7 @@ class ScriptedServer:
         self._scripts: dict[str, Script] = {}
         self._default: Script | None = coerce_script(default) if default is not None else None
         self._received: deque[ReceivedRequest] = deque(maxlen=MAX_RECORDED_REQUESTS)
+        self.version_probes = 0  # GET /version requests, counted apart: `requests` holds the model calls
         self._render_cache = RenderCache()
         self._runner: web.AppRunner | None = None
 
@@ -520,6 +521,7 @@ class ScriptedServer:
     # -- handlers
 
     async def _version(self, request: web.Request) -> web.Response:
+        self.version_probes += 1
         return web.json_response({"version": SYNTHETIC_VLLM_VERSION}, headers=SYNTHETIC_HEADERS)
 
     async def _models(self, request: web.Request) -> web.Response:
