@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--sessions", type=int, default=20)
     args = parser.parse_args()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
         tok_dir, tok_name = tokenizer_dir(scratch)
         costs = render_parse(tok_dir, args.tokens, args.turns)
@@ -193,7 +194,7 @@ def main() -> None:
         "target_turn_ms": 5.0, "turn_within_target": costs["turn_ms_median"] <= 5.0,
         "ttfb_ms_plain_median": round(plain_ms, 3), "ttfb_ms_token_in_median": round(token_in_ms, 3),
         "ttfb_added_ms": round(token_in_ms - plain_ms, 3), "ttfb_ratio": round(token_in_ms / plain_ms, 3),
-        "sessions": args.sessions,
+        "sessions": args.sessions, "loadavg": {"before": load_before, "after": os.getloadavg()},
     }))
 
 
