@@ -217,7 +217,7 @@ def main() -> None:
     script = {"scripts": {"bench-key": [{"text": "abcd" * args.tokens, "chunk_chars": 4}]}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(script, f)
-    server, line = spawn(["-m", "pi_env.testing.scripted", "--port", "0", "--script", f.name])
+    server, line = spawn(["-m", "pi_env.scripted", "--port", "0", "--script", f.name])
     direct_url = line.rsplit(" ", 1)[1]
     gateway, line = spawn([__file__, "--serve-gateway", direct_url, "bench-key"])
     load_before = os.getloadavg()

@@ -25,7 +25,7 @@ from pi_env.agent.pi import HERMETIC_SETTINGS
 from pi_env.agent.runtime import ensure_runtime
 from pi_env.endpoints import OPEN_SERVER_COMPAT
 from pi_env.oracle import solution_turns
-from pi_env.testing import ScriptedServer
+from pi_env.scripted import ScriptedServer
 
 TASK = PiTask(task_id="bench-hello", instruction="Create hello.txt containing hello.",
               verify=["test -f hello.txt"], solution=[{"tool": "write", "path": "hello.txt", "content": "hello\n"}])

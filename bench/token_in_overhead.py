@@ -67,8 +67,8 @@ def tool_output(step: int) -> str:
 
 def render_parse(tok_dir: str, target_tokens: int, turns: int) -> dict:
     from pi_env.proxy.token_in import TokenLedger, load_renderer
-    from pi_env.testing.scripted import ScriptedToolCall, ScriptedTurn
-    from pi_env.testing.token_engine import TokenEngine
+    from pi_env.scripted.server import ScriptedToolCall, ScriptedTurn
+    from pi_env.scripted.token_engine import TokenEngine
 
     spec = load_renderer("chatml-hermes", tok_dir)
     ledger, engine = TokenLedger(spec), TokenEngine(spec.renderer._tokenizer)
@@ -112,8 +112,8 @@ def serve(tok_dir: str) -> None:
     """Child process: the engine-like upstream (a scripted server with a token engine)."""
     from transformers import AutoTokenizer
 
-    from pi_env.testing import ScriptedServer, ScriptedToolCall, ScriptedTurn
-    from pi_env.testing.token_engine import TokenEngine
+    from pi_env.scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn
+    from pi_env.scripted.token_engine import TokenEngine
 
     server = ScriptedServer(token_engine=TokenEngine(AutoTokenizer.from_pretrained(tok_dir))).start()
     script = [ScriptedTurn(text="Let me look.", tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"})]),

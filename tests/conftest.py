@@ -4,7 +4,7 @@ import pytest
 from helpers import CHROMIUM, bwrap_problem, missing_feature
 
 from pi_env.proxy import Gateway
-from pi_env.testing import ScriptedServer
+from pi_env.scripted import ScriptedServer
 
 
 def pytest_runtest_setup(item):

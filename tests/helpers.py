@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from pi_env.config import PiConfig
-from pi_env.testing import ScriptedServer, ScriptedToolCall, ScriptedTurn
+from pi_env.scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn
 
 USER = {"role": "user", "content": "Fix the bug."}
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]

@@ -24,7 +24,7 @@ from pi_env.collect.card import front_matter
 from pi_env.collect.export import export
 from pi_env.collect.records import sft_messages
 from pi_env.collect.store import ResultStore, StoreError, read_records
-from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
+from pi_env.scripted import Fault, ScriptedToolCall, ScriptedTurn
 from pi_env.testing.fake_hf_sandbox import QuietJsonHandler
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]

@@ -19,7 +19,7 @@ from helpers import free_port, wait_for
 import pi_env.proxy
 from pi_env._aio import background_loop, run_sync
 from pi_env.proxy import Upstream
-from pi_env.testing import Fault, ScriptedTurn
+from pi_env.scripted import Fault, ScriptedTurn
 
 FORWARDER = Path(pi_env.proxy.__file__).with_name("forward.mjs")
 REAL_KEY = "sk-real-upstream-key-0123456789"

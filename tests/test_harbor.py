@@ -14,7 +14,7 @@ from pi_env.cli import main
 from pi_env.collect import CollectRunner
 from pi_env.collect.store import read_records
 from pi_env.harbor import load_harbor_task, unsupported_reasons
-from pi_env.testing import ScriptedTurn
+from pi_env.scripted import ScriptedTurn
 
 ROOT = Path(__file__).parent.parent
 HARBOR = ROOT / "examples" / "harbor"

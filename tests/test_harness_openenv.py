@@ -25,7 +25,7 @@ import pytest
 import pi_env
 from helpers import bash, direct_answer, processes_of_uid, scripted_config
 from pi_env import PiConfig, PiTask, TaskError
-from pi_env.testing import Fault, ScriptedTurn
+from pi_env.scripted import Fault, ScriptedTurn
 
 HAVE_OPENENV = find_spec("openenv") is not None
 HAVE_TRL = HAVE_OPENENV and find_spec("trl") is not None and find_spec("datasets") is not None
@@ -317,7 +317,7 @@ def test_close_from_another_thread_ends_a_running_rollout_unscored(factory_for):
 @needs_openenv
 @pytest.mark.parametrize("case", ["no_ids", "null_logprobs", "black_box"])
 def test_a_capture_that_breaks_the_contract_raises(factory_for, server, case):
-    from pi_env.testing.scripted import EngineQuirks
+    from pi_env.scripted.server import EngineQuirks
 
     script = TWO_TURNS
     overrides = {}

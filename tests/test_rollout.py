@@ -12,7 +12,7 @@ import pytest
 
 from helpers import bash, direct_answer, processes_of_uid, scripted_config
 from pi_env import PiConfig, PiSessionFactory, PiTask, load_tasks, run_rollout
-from pi_env.testing import Fault, ScriptedTurn
+from pi_env.scripted import Fault, ScriptedTurn
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 

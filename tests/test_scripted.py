@@ -12,8 +12,8 @@ import pytest
 
 from helpers import USER, chat
 
-from pi_env.testing import Fault, ScriptedToolCall, ScriptedTurn
-from pi_env.testing.scripted import SCRIPT_FINISHED_TEXT, synthetic_token_id
+from pi_env.scripted import Fault, ScriptedToolCall, ScriptedTurn
+from pi_env.scripted.server import SCRIPT_FINISHED_TEXT, synthetic_token_id
 
 
 
@@ -289,7 +289,7 @@ def test_prompt_token_ids_extend_across_turns(server):
 def test_cli_serves_a_script_file(tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"default": [{"text": "from file"}], "scripts": {"sk-x": [{"text": "keyed"}]}}))
-    proc = subprocess.Popen([sys.executable, "-m", "pi_env.testing.scripted", "--port", "0", "--script", str(script)],
+    proc = subprocess.Popen([sys.executable, "-m", "pi_env.scripted", "--port", "0", "--script", str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

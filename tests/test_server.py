@@ -27,7 +27,7 @@ from helpers import processes_of_uid, wait_for
 from pi_env import PiTask, RolloutResult
 from pi_env.server.client import PiEnv, PiEnvError
 from pi_env.server.limiter import ServerBusy
-from pi_env.testing import ScriptedToolCall, ScriptedTurn
+from pi_env.scripted import ScriptedToolCall, ScriptedTurn
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 

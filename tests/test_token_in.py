@@ -19,9 +19,9 @@ from pi_env import PiTask, run_rollout  # noqa: E402
 from pi_env.proxy import Upstream  # noqa: E402
 from pi_env.proxy.chatml_hermes import TEMPLATE_SHA256, ChatMLHermesRenderer, parse_hermes_text  # noqa: E402
 from pi_env.proxy.token_in import TokenInUnavailable, check_endpoint_sync, load_renderer  # noqa: E402
-from pi_env.testing import ScriptedServer, ScriptedToolCall, ScriptedTurn  # noqa: E402
+from pi_env.scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn  # noqa: E402
 from pi_env.testing.tiny_tokenizer import make_tokenizer_dir  # noqa: E402
-from pi_env.testing.token_engine import TokenEngine  # noqa: E402
+from pi_env.scripted.token_engine import TokenEngine  # noqa: E402
 from pi_env.training import build_training_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -422,7 +422,7 @@ def test_session_start_names_what_is_missing(server, token_server, tokenizer_dir
 
 
 def test_each_tool_call_reaches_the_agent_as_soon_as_it_is_complete(gateway, token_server, tokenizer_dir):
-    from pi_env.testing import Fault
+    from pi_env.scripted import Fault
 
     second = {"command": "echo " + "x" * 40}
     turns = [ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"}),

@@ -19,7 +19,7 @@ from test_gateway import REAL_KEY, _call, call, sse_json
 from pi_env.proxy import Upstream
 from pi_env.proxy.capture import Assembler, TurnCapture
 from pi_env.proxy.rewrite import CaptureOptions
-from pi_env.testing.scripted import (
+from pi_env.scripted.server import (
     GROQ_LOGPROBS_ERROR,
     LLAMA_CPP_LOGPROBS_ERROR,
     EngineQuirks,

@@ -555,7 +555,7 @@ def test_import_stays_light():
 def test_example_loop_against_an_openai_compatible_server(server):
     """examples/workspace_loop.py over real HTTP, the scripted server answering with the
     reference solution's tool calls (synthetic), then with a wrong final answer."""
-    from pi_env.testing import ScriptedToolCall, ScriptedTurn
+    from pi_env.scripted import ScriptedToolCall, ScriptedTurn
 
     task = generate_tasks(1, seed=0)[0]
     turns = oracle_turns(task)

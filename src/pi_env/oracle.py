@@ -9,7 +9,7 @@ import threading
 
 from .endpoints import OPEN_SERVER_COMPAT, Endpoint, EndpointError
 from .task import BashStep, EditStep, PiTask, ReadStep, WriteStep
-from .testing.scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn
+from .scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn
 
 ORACLE_MODEL = "pi-env-oracle"
 FINAL_MESSAGE = "Done: the reference solution has been applied."

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pi_env.testing.scripted import SYNTHETIC_CREATED, SYNTHETIC_FINGERPRINT, ScriptedTurn, synthetic_logprob
+from pi_env.scripted.server import SYNTHETIC_CREATED, SYNTHETIC_FINGERPRINT, ScriptedTurn, synthetic_logprob
 
 ASSISTANT_MARKER = "<|im_start|>assistant"
 

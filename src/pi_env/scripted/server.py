@@ -1,4 +1,5 @@
-"""A scripted OpenAI-compatible chat-completions server: pi-env's one sanctioned test double.
+"""A scripted OpenAI-compatible chat-completions server: the oracle endpoint's engine, and
+pi-env's one sanctioned test double.
 
 Each API key selects a script (a list of `ScriptedTurn`). Which turn answers a request is the
 number of assistant messages already in its `messages`, so the server is stateless and a
@@ -19,7 +20,7 @@ Engine-like modes (imitations of what real engines and providers do, still synth
     (llama.cpp), and answers whose id/created derive from the request, so identical requests get
     byte-identical answers.
 
-CLI: `python -m pi_env.testing.scripted --port P --script FILE.json` (see `load_script_file`).
+CLI: `python -m pi_env.scripted --port P --script FILE.json` (see `load_script_file`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pi_env._aio import run_sync
 
 if TYPE_CHECKING:
-    from pi_env.testing.token_engine import TokenEngine
+    from pi_env.scripted.token_engine import TokenEngine
 
 SYNTHETIC_FINGERPRINT = "pi-env-synthetic"
 SYNTHETIC_HEADERS = {"x-pi-env-synthetic": "1"}
@@ -444,7 +445,7 @@ class ScriptedServer:
                  quirks: EngineQuirks | None = None, token_engine: "TokenEngine | None" = None):
         self._port = port
         self.quirks = quirks or EngineQuirks()  # may be replaced between requests
-        # With a real tokenizer (pi_env.testing.token_engine): real prompt ids, non-canonical
+        # With a real tokenizer (pi_env.scripted.token_engine): real prompt ids, non-canonical
         # answer ids, and a token-in /v1/completions.
         self.token_engine = token_engine
         self._scripts: dict[str, Script] = {}
@@ -559,7 +560,7 @@ class ScriptedServer:
             return fault_response(fault)
 
         if self.token_engine is not None:
-            from pi_env.testing.token_engine import with_engine_tokens
+            from pi_env.scripted.token_engine import with_engine_tokens
 
             plain = {k: v for k, v in body.items() if k not in ("logprobs", "return_token_ids")}
             answer = Answer(turn, turn_index, plain, self._render_cache, script, self.quirks)
@@ -591,7 +592,7 @@ class ScriptedServer:
         script = self._scripts.get(bearer_token(request.headers.get("Authorization")) or "", self._default)
         if script is None:
             return openai_error(401, "Incorrect API key provided", "invalid_request_error", "invalid_api_key")
-        from pi_env.testing.token_engine import completion_events
+        from pi_env.scripted.token_engine import completion_events
 
         engine = self.token_engine
         turn_index = engine.turn_index(body["prompt"])
@@ -680,7 +681,7 @@ def load_script_file(server: ScriptedServer, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m pi_env.testing.scripted", description=__doc__.split("\n\n")[0]
+        prog="python -m pi_env.scripted", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--port", type=int, default=0, help="0: an ephemeral port")
     parser.add_argument("--script", required=True, help="JSON file (see load_script_file)")

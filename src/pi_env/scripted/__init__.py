@@ -1,0 +1,15 @@
+"""The scripted OpenAI-compatible server: the engine behind the `oracle` endpoint (it replays a
+task's reference solution through the real Pi) and the one model the tests talk to. Everything
+it emits is synthetic and marked so. `server.py` is the server; `token_engine.py` its
+engine-like token behaviour over a real tokenizer. CLI: `python -m pi_env.scripted`."""
+
+from pi_env.scripted.server import (
+    EngineQuirks,
+    Fault,
+    ReceivedRequest,
+    ScriptedServer,
+    ScriptedToolCall,
+    ScriptedTurn,
+)
+
+__all__ = ["EngineQuirks", "Fault", "ReceivedRequest", "ScriptedServer", "ScriptedToolCall", "ScriptedTurn"]

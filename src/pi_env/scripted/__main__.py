@@ -1,0 +1,3 @@
+from pi_env.scripted.server import main
+
+main()
