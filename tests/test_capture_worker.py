@@ -13,8 +13,8 @@ GUARDLESS_SCRIPT = textwrap.dedent("""
     import json, sys
     from pi_env import PiConfig, run_rollout
     from pi_env.proxy.capture_worker import capture_worker
-    from pi_env.testing import ScriptedServer
-    from pi_env.testing.scripted import ScriptedTurn
+    from pi_env.scripted import ScriptedServer
+    from pi_env.scripted import ScriptedTurn
 
     with open(sys.argv[1], "a") as runs:
         runs.write("ran\\n")

@@ -9,7 +9,7 @@ from helpers import scripted_config
 from pi_env import PiTask, run_rollout
 from pi_env import endpoints
 from pi_env.endpoints import Endpoint, supports_return_token_ids
-from pi_env.testing import ScriptedServer, ScriptedTurn
+from pi_env.scripted import ScriptedServer, ScriptedTurn
 
 TASK = PiTask(task_id="probe", instruction="x", verify=["true"])
 
