@@ -119,55 +119,84 @@ class PiSession:
         self._read_left = self.config.max_read_bytes  # of what the agent wrote, per rollout
 
     # -- lifecycle -------------------------------------------------------------------------
+    # A rollout's phases, in order. create() runs them up to agent_start; wait_for_completion()
+    # the rest, on a thread of its own (_finish); close() ends the rollout whenever it is called.
+    # A phase that fails ends the rollout unscored (`_fail`: error_kind) and skips the others.
+    #   endpoint        _resolve_endpoint   the catalog's endpoint, the oracle, or the trainer
+    #   runtime         factory.runtime     Pi, installed once per machine
+    #   gateway         _open_gateway       the session Pi's calls go through (its own token)
+    #   sandbox_create  _create_sandbox     a fresh sandbox with the task's files
+    #   setup           _run_setup          setup commands in order; the first failure aborts
+    #   agent_start     _start_agent        Pi's settings and prompt, Pi started
+    #   agent           _finish_agent       wait, kill leftovers, judge Pi's outcome
+    #   verify          _verify, _score     verify_files, verify commands, the reward
+    #   collect         _collect            turns, the training view, the work dir's files
     def _start(self) -> None:
-        config, task, result = self.config, self.task, self._result
+        self._resolve_endpoint()
+        token_in = self._token_in() if self.config.proxy_token_in else None  # bad input: raises here
+        try:
+            with self._phase("runtime"):
+                runtime = self.factory.runtime
+            self._result.pi_version = runtime.pi_version
+            self._open_gateway(token_in)
+            with self._phase("sandbox_create"):
+                self._create_sandbox(runtime)
+            with self._phase("setup"):
+                if not self._run_setup():
+                    return
+            with self._phase("agent_start"):
+                self._start_agent(runtime)
+        except (SandboxError, RuntimeInstallError, OSError) as error:
+            self._fail("infra", f"{type(error).__name__}: {error}")
+
+    def _resolve_endpoint(self) -> None:
+        config, result = self.config, self._result
         if config.mode == "interception_gate":  # the trainer is the model: no upstream at all
             self.endpoint = Endpoint(name="interception_gate", base_url="http://interception-gate.invalid/v1",
                                      model=config.model or "trainer", compat=OPEN_SERVER_COMPAT,
                                      return_token_ids=False)
         else:
-            self.endpoint = oracle_endpoint(task) if config.endpoint == ORACLE else resolve_endpoint(config)
+            self.endpoint = oracle_endpoint(self.task) if config.endpoint == ORACLE else resolve_endpoint(config)
         result.endpoint, result.model, result.synthetic = self.endpoint.name, self.endpoint.model, self.endpoint.synthetic
-        token_in = self._token_in() if config.proxy_token_in else None  # bad input: raises here
         if config.mode != "black_box":  # black_box relays requests untouched: nothing is forced
             result.sampling = dict(config.proxy_sampling)
-        try:
-            with self._phase("runtime"):
-                runtime = self.factory.runtime
-            result.pi_version = runtime.pi_version
-            gateway = get_gateway()
-            self.gateway_session = gateway.open_session(
-                Upstream(self.endpoint.base_url, self.endpoint.api_key, self.endpoint.model,
-                         connect_timeout_s=config.upstream_connect_timeout_s,
-                         read_timeout_s=config.upstream_read_timeout_s),
-                mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
-                max_tokens_cap=config.max_tokens, capture=self._capture_options(), trace_path=self._trace_path(),
-                token_in=token_in)
-            result.trace_path = self.gateway_session.trace_path
-            if token_in is not None:
-                result.proxy_log_tail += f"\ntoken-in: renderer {token_in.resolved} over tokenizer {token_in.tokenizer}"
-            if self._on_event is not None:
-                self.gateway_session.on_record = lambda record: self._emit("turn", turn=_rollout_turn(record))
-            if config.mode == "interception_gate":
-                self.gateway_session.strategy.timeout_s = config.gate_timeout_s
-            with self._phase("sandbox_create"):
-                self.sandbox = self.factory.backend.create(self._sandbox_spec(runtime, gateway.socket_path))
-                result.sandbox_id = self.sandbox.id
-                for path, text in task.files.items():
-                    self.sandbox.write_file(path, text)
-            with self._phase("setup"):
-                for command in [*config.extra_setup_shell, *task.setup]:
-                    outcome = self._run(command, task.timeouts.setup_s or config.setup_timeout_s,
-                                        "full" if task.setup_network else "none")
-                    result.setup_results.append(outcome)
-                    if not outcome.passed:
-                        why = "timed out" if outcome.timed_out else f"exited {outcome.exit_code}"
-                        return self._fail("setup_failed", f"setup command {command!r} {why}: "
-                                                          f"{_tail(outcome.stderr or outcome.stdout, 500)}")
-            with self._phase("agent_start"):
-                self._start_agent(runtime)
-        except (SandboxError, RuntimeInstallError, OSError) as error:
-            self._fail("infra", f"{type(error).__name__}: {error}")
+
+    def _open_gateway(self, token_in) -> None:
+        config, result = self.config, self._result
+        self.gateway_session = get_gateway().open_session(
+            Upstream(self.endpoint.base_url, self.endpoint.api_key, self.endpoint.model,
+                     connect_timeout_s=config.upstream_connect_timeout_s,
+                     read_timeout_s=config.upstream_read_timeout_s),
+            mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
+            max_tokens_cap=config.max_tokens, capture=self._capture_options(), trace_path=self._trace_path(),
+            token_in=token_in)
+        result.trace_path = self.gateway_session.trace_path
+        if token_in is not None:
+            result.proxy_log_tail += f"\ntoken-in: renderer {token_in.resolved} over tokenizer {token_in.tokenizer}"
+        if self._on_event is not None:
+            self.gateway_session.on_record = lambda record: self._emit("turn", turn=_rollout_turn(record))
+        if config.mode == "interception_gate":
+            self.gateway_session.strategy.timeout_s = config.gate_timeout_s
+
+    def _create_sandbox(self, runtime: PiRuntime) -> None:
+        self.sandbox = self.factory.backend.create(self._sandbox_spec(runtime, get_gateway().socket_path))
+        self._result.sandbox_id = self.sandbox.id
+        for path, text in self.task.files.items():
+            self.sandbox.write_file(path, text)
+
+    def _run_setup(self) -> bool:
+        """The setup commands in order; False (the rollout failed) at the first that fails."""
+        config, task = self.config, self.task
+        for command in [*config.extra_setup_shell, *task.setup]:
+            outcome = self._run(command, task.timeouts.setup_s or config.setup_timeout_s,
+                                "full" if task.setup_network else "none")
+            self._result.setup_results.append(outcome)
+            if not outcome.passed:
+                why = "timed out" if outcome.timed_out else f"exited {outcome.exit_code}"
+                self._fail("setup_failed", f"setup command {command!r} {why}: "
+                                           f"{_tail(outcome.stderr or outcome.stdout, 500)}")
+                return False
+        return True
 
     def _capture_options(self) -> CaptureOptions:
         config, endpoint, result = self.config, self.endpoint, self._result
