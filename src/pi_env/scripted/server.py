@@ -551,13 +551,9 @@ class ScriptedServer:
 
         messages = body.get("messages") or []
         turn_index = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
-        turn = script[turn_index] if turn_index < len(script) else FINISHED_TURN
-        fault = turn.fault or Fault()
-
-        if fault.hang_s:
-            await asyncio.sleep(fault.hang_s)
-        if fault.http_status is not None:
-            return fault_response(fault)
+        turn, fault = script_turn(script, turn_index)
+        if (failed := await answer_fault(fault)) is not None:
+            return failed
 
         if self.token_engine is not None:
             from pi_env.scripted.token_engine import with_engine_tokens
@@ -596,12 +592,9 @@ class ScriptedServer:
 
         engine = self.token_engine
         turn_index = engine.turn_index(body["prompt"])
-        turn = script[turn_index] if turn_index < len(script) else FINISHED_TURN
-        fault = turn.fault or Fault()
-        if fault.hang_s:
-            await asyncio.sleep(fault.hang_s)
-        if fault.http_status is not None:
-            return fault_response(fault)
+        turn, fault = script_turn(script, turn_index)
+        if (failed := await answer_fault(fault)) is not None:
+            return failed
         events = completion_events(engine, body, turn)
         if not body.get("stream"):
             return web.json_response(events, headers=SYNTHETIC_HEADERS)
@@ -650,6 +643,19 @@ class ScriptedServer:
                 body,
             )
         )
+
+
+def script_turn(script: Script, turn_index: int) -> tuple[ScriptedTurn, Fault]:
+    """The turn that answers a request with `turn_index` assistant turns before it, and its fault."""
+    turn = script[turn_index] if turn_index < len(script) else FINISHED_TURN
+    return turn, turn.fault or Fault()
+
+
+async def answer_fault(fault: Fault) -> web.Response | None:
+    """A fault that happens before any answer: the hang, then the error status (returned)."""
+    if fault.hang_s:
+        await asyncio.sleep(fault.hang_s)
+    return fault_response(fault) if fault.http_status is not None else None
 
 
 def fault_response(fault: Fault) -> web.Response:
