@@ -121,3 +121,11 @@ def test_readme_python_example_runs(tmp_path):
     first, second = run.stdout.splitlines()[:2]
     assert first.split()[:2] == ["1.0", "None"], run.stdout  # the oracle's reward, no error kind
     assert second.startswith("1.0 [") and second != "1.0 []", run.stdout  # token ids were captured
+
+
+def test_the_site_front_page_is_the_readme():
+    # One text, two homes would drift: docs/index.md is the README with site-relative links.
+    readme = README.read_text().replace("](docs/", "](").replace(
+        "[documentation site](index.md) is built from `docs/` with MkDocs",
+        "documentation site (this site) is built from `docs/` with MkDocs")
+    assert (DOCS / "index.md").read_text() == readme, "docs/index.md differs from README.md: copy it over"
