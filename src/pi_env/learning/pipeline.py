@@ -395,17 +395,22 @@ def stage_report(cfg: LearnConfig) -> dict:
     part-way is reported as far as it got (`status` says which stages finished)."""
     steps = _jsonl(cfg.path("rl", "steps.jsonl"))
     evals = {name: _read_json(cfg.path(f"eval_{name}", "summary.json")) for name in ("base", "sft", "rl")}
+    # An eval stopped part-way: what its store holds, marked partial (never used for the targets).
+    partial = {name: {"partial": True, **score_records(_jsonl(cfg.path(f"eval_{name}", "rollouts", "results.jsonl"))),
+                      "error_kinds": _error_kinds(cfg.path(f"eval_{name}", "rollouts", "results.jsonl"))}
+               for name, summary in evals.items()
+               if summary is None and cfg.path(f"eval_{name}", "rollouts", "results.jsonl").is_file()}
     stage_times = _read_json(cfg.path("stage_times.json")) or {}
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "status": stage_status(cfg),
         "tasks": _read_json(cfg.path("tasks", "summary.json")),
         "stages": {
-            "base": evals["base"],
+            "base": evals["base"] or partial.get("base"),
             "oracle": _read_json(cfg.path("oracle", "summary.json")),
-            "sft": {"train": _read_json(cfg.path("sft", "summary.json")), "eval": evals["sft"],
+            "sft": {"train": _read_json(cfg.path("sft", "summary.json")), "eval": evals["sft"] or partial.get("sft"),
                     "history": _jsonl(cfg.path("sft", "history.jsonl"))},
-            "rl": {"steps": len(steps), "eval": evals["rl"]},
+            "rl": {"steps": len(steps), "eval": evals["rl"] or partial.get("rl")},
         },
         "rl_steps": steps,
         "stage_wall_s": stage_times,
@@ -418,6 +423,14 @@ def stage_report(cfg: LearnConfig) -> dict:
     except ImportError as error:
         log(f"no plot ({error}): install matplotlib (pi-env[collect])")
     return report
+
+
+def _error_kinds(path: Path) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for record in _jsonl(path):
+        if record.get("error_kind"):
+            kinds[record["error_kind"]] = kinds.get(record["error_kind"], 0) + 1
+    return kinds
 
 
 def _targets(evals: dict) -> dict:
@@ -441,10 +454,10 @@ def plot(report: dict, path: Path) -> None:
     names, rates, labels = [], [], []
     for name, summary in (("base", report["stages"]["base"]), ("SFT", report["stages"]["sft"]["eval"]),
                           ("SFT+RL", report["stages"]["rl"]["eval"])):
-        if summary:
-            names.append(name)
-            rates.append(100 * summary["pass_rate"])
-            labels.append(f"{summary['passed']}/{summary['count']}")
+        if summary and summary.get("count"):
+            names.append(name + (" (partial)" if summary.get("partial") else ""))
+            rates.append(100 * (summary["pass_rate"] or 0))
+            labels.append(f"{summary['passed']}/{summary['count']}" + (f"\n{summary['unscored']} unscored" if summary["unscored"] else ""))
     bars = left.bar(names, rates, color=["#999999", "#4c72b0", "#dd8452"][:len(names)])
     for bar, label in zip(bars, labels):
         left.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
