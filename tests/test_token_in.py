@@ -452,3 +452,22 @@ def test_each_tool_call_reaches_the_agent_as_soon_as_it_is_complete(gateway, tok
     assert finished - calls[0][0] > 0.3  # the first call went out while the second was still being generated
     given = session.turns[0].capture.choices[0].tool_calls
     assert [c["id"] for c in given] == [c["id"] for _, c in calls]  # the record holds the ids the agent got
+
+
+def test_openenv_training_trace_links_a_token_in_rollout_into_one_chain():
+    """pi_env.harness marks each call that extends the previous one, as openenv's capture graph
+    links nodes by exact prefix, so a trainer merges a token-in rollout into one row."""
+    pytest.importorskip("openenv.core.harness")
+    from openenv.core.harness import TrainingTurn
+
+    from pi_env.harness import _link_sequences
+
+    def turn(node, prompt, completion):
+        return TrainingTurn(node_id=node, prompt_token_ids=prompt, completion_token_ids=completion,
+                            per_token_logps=[-0.5] * len(completion),
+                            loss_mask=[0] * len(prompt) + [1] * len(completion))
+
+    turns = [turn("e:0", [1, 2], [3, 4]), turn("e:1", [1, 2, 3, 4, 5], [6]), turn("e:2", [1, 9], [7])]
+    _link_sequences(turns)
+    assert [t.metadata.get("parent_node_id") for t in turns] == [None, "e:0", None]
+    assert [t.metadata["sequence"] for t in turns] == [0, 0, 1]
