@@ -182,7 +182,7 @@ def main() -> None:
                 for token_in in (False, True):  # alternate to even out drift
                     session = sessions[token_in][k]
                     ttfb[token_in].append(asyncio.run(two_calls(get_gateway().tcp_base_url, session.token)))
-                    assert session.wait_idle()
+                    assert session.wait_idle(300), "a record did not finish"
             outcomes = [t.capture.token_in["outcome"] for s in sessions[True] for t in s.turns]
             assert outcomes.count("bridged") == args.sessions, outcomes
         finally:

@@ -471,3 +471,25 @@ def test_openenv_training_trace_links_a_token_in_rollout_into_one_chain():
     _link_sequences(turns)
     assert [t.metadata.get("parent_node_id") for t in turns] == [None, "e:0", None]
     assert [t.metadata["sequence"] for t in turns] == [0, 0, 1]
+
+
+def test_an_engine_dying_mid_answer_fails_the_call_and_the_next_one_starts_a_new_sequence(
+        gateway, token_server, tokenizer_dir):
+    from pi_env.testing import Fault
+
+    turns = [ScriptedTurn(text="I will look.", fault=Fault(disconnect_after_chunks=5)), ScriptedTurn(text="ok")]
+    session = open_token_in(gateway, token_server, tokenizer_dir, turns)
+    body = {"model": "m", "stream": True, "messages": [SYSTEM, USER], "tools": [BASH_TOOL]}
+    try:
+        with pytest.raises(aiohttp.ClientPayloadError):  # a failed answer, not a cleanly short one
+            asyncio.run(_post(gateway.tcp_base_url + "/chat/completions", session.token, body))
+        retry = chat(gateway, session, [SYSTEM, USER, {"role": "assistant", "content": "I will look."},
+                                        {"role": "user", "content": "go on"}])
+        assert retry["content"] == "ok"
+        assert session.wait_idle()
+    finally:
+        gateway.close_session(session)
+    first, second = (t.capture.token_in for t in session.turns)
+    assert session.turns[0].upstream_error.startswith("upstream stream broken")
+    assert second["outcome"] == "full_render" and second["sequence"] == 1
+    assert second["reason"].startswith("the previous call failed")

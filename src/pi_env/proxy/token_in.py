@@ -493,13 +493,16 @@ class TokenIn:
             self._finish(capture, turn, state, plan, request, None)
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            turn.upstream_error = f"upstream stream broken: {describe(exc)}"
+            if call.request.transport is None or call.request.transport.is_closing():
+                turn.client_disconnected = True  # the agent went away, not the engine
+            turn.upstream_error = f"{'agent hung up' if turn.client_disconnected else 'upstream stream broken'}: " \
+                                  f"{describe(exc)}"
         finally:
             answer.release() if completed else answer.close()
             turn.upstream_status = answer.status
         message = self._finish(capture, turn, state, plan, request, None if completed else turn.upstream_error)
         if not completed:
-            if streaming:
+            if streaming and call.request.transport is not None:
                 call.request.transport.close()  # the agent must see a failed answer, not a short one
             else:
                 return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_error")
