@@ -75,26 +75,29 @@ def render_parse(tok_dir: str, target_tokens: int, turns: int) -> dict:
     messages = [{"role": "system", "content": "You are an expert coding assistant. " * 40},
                 {"role": "user", "content": "Find the handler that answers 404 and fix it."}]
     plan = ledger.plan(messages, TOOLS)
-    per_turn, step = [], 0
-    while True:
+    step = 0
+
+    def next_turn(plan, messages):
         turn = ScriptedTurn(text="Let me look.", tool_calls=[ScriptedToolCall(name="bash", arguments={
             "command": f"grep -rn handler_{step} src | head -40"})])
         completion = engine.answer_ids(turn)
         started = time.perf_counter()
         answer, _ = ledger.parse(completion, plan.token_ids, TOOLS)
-        parse_s = time.perf_counter() - started
         ledger.remember(plan, completion, answer)
         messages = [*messages, answer, {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"],
                                         "content": tool_output(step)}]
-        started = time.perf_counter()
         plan = ledger.plan(messages, TOOLS)
-        plan_s = time.perf_counter() - started
+        elapsed_ms = (time.perf_counter() - started) * 1000
         assert plan.outcome == "bridged", plan.reason
+        return plan, messages, elapsed_ms
+
+    while len(plan.token_ids) < target_tokens:  # grow the conversation to the target size
+        plan, messages, _ = next_turn(plan, messages)
         step += 1
-        if len(plan.token_ids) >= target_tokens:
-            per_turn.append((plan_s + parse_s) * 1000)
-            if len(per_turn) >= turns:
-                break
+    per_turn = []
+    for _ in range(turns):  # then time the next turn from that same state, again and again
+        per_turn.append(next_turn(plan, messages)[2])
+    size = len(plan.token_ids)
     # The reference on the same machine at the same moment: one full render of the conversation,
     # which is what a re-rendering engine (the plain path) tokenises on every turn.
     full = []
@@ -103,7 +106,7 @@ def render_parse(tok_dir: str, target_tokens: int, turns: int) -> dict:
         spec.renderer.render_ids(messages, tools=TOOLS, add_generation_prompt=True)
         full.append((time.perf_counter() - started) * 1000)
     turn_ms = statistics.median(per_turn)
-    return {"prompt_tokens": len(plan.token_ids), "turn_ms_median": round(turn_ms, 3),
+    return {"prompt_tokens": size, "turn_ms_median": round(turn_ms, 3),
             "turn_ms_max": round(max(per_turn), 3), "full_render_ms_median": round(statistics.median(full), 3),
             "turn_vs_full_render": round(turn_ms / statistics.median(full), 3)}
 

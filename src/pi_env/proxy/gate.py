@@ -351,8 +351,7 @@ class InterceptionGate:
         mine = msgspec.json.decode(body)  # the trainer's own copy: what it does to it is not recorded
         plan = None
         if self.ledger is not None:
-            plan = await asyncio.get_running_loop().run_in_executor(
-                None, self.ledger.plan, request.get("messages") or [], request.get("tools") or None)
+            plan = await self.ledger.aplan(request.get("messages") or [], request.get("tools") or None)
         now = time.time()
         held = _Held(GateRequest(
             request_id=f"gate-{secrets.token_hex(12)}", session_id=self.session.id, turn=turn.turn,

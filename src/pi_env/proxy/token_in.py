@@ -202,6 +202,16 @@ class TokenLedger:
         return PromptPlan(ids, "first" if previous is None and broken is None else "full_render", sequence,
                           reason=reason, messages=messages, tools=tools)
 
+    async def aplan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> PromptPlan:
+        """`plan` from the event loop: a bridge (milliseconds: only the new messages are
+        tokenised) runs inline, where a thread hand-off would cost more than it saves; a full
+        render (the first call, a divergence) runs in a worker thread, off the loop."""
+        with self._lock:
+            bridging = self._previous is not None and self._broken is None
+        if bridging:
+            return self.plan(messages, tools)
+        return await asyncio.get_running_loop().run_in_executor(None, self.plan, messages, tools)
+
     def remember(self, plan: PromptPlan, completion_ids: list[int], answer: dict[str, Any]) -> None:
         """The turn ended with this answer given to the agent: the next call may bridge from it."""
         with self._lock:
@@ -422,7 +432,7 @@ class TokenIn:
             return not_a_json_object()
         rewritten = rewrite_request(request, self.options)
         messages, tools = request.get("messages") or [], request.get("tools") or None
-        plan = await asyncio.get_running_loop().run_in_executor(None, self.ledger.plan, messages, tools)
+        plan = await self.ledger.aplan(messages, tools)
         engine_request = self._engine_request(rewritten, plan)
         capture = turn.capture = TurnCapture(request=rewritten, prompt_token_ids=plan.token_ids,
                                              model=self.options.model or request.get("model"))
