@@ -28,7 +28,7 @@ import pytest
 from aiohttp import web
 
 from engine import NOTES
-from pi_env import PiConfig, PiTask, run_rollout
+from pi_env import PiConfig, PiSessionFactory, PiTask
 from pi_env._aio import run_sync
 from scoring import score_with_transformers
 
@@ -133,7 +133,15 @@ def rollout(relay, vllm_engine, tmp_path, token_in: bool, index: int):
                   f"then say in one sentence what notes.txt is about ({words[index % 10]}).",
                   files={"notes.txt": f"{words[index % 10]}\n{index}\n"}, verify=["true"],
                   timeouts={"agent_s": 1800})
-    return run_rollout(task, config)
+    session = PiSessionFactory(config).create(task)
+    try:
+        return session.wait_for_completion()
+    finally:
+        try:
+            session.close()
+        except Exception as error:  # noqa: BLE001 - a teardown failure is not this test's subject
+            NOTES.append(f"token-in tier: closing rollout {index} ({'token-in' if token_in else 'plain'}) failed: "
+                         f"{type(error).__name__}: {error}")
 
 
 def transitions(result) -> list[bool]:
