@@ -475,7 +475,7 @@ def test_openenv_training_trace_links_a_token_in_rollout_into_one_chain():
 
 def test_an_engine_dying_mid_answer_fails_the_call_and_the_next_one_starts_a_new_sequence(
         gateway, token_server, tokenizer_dir):
-    from pi_env.testing import Fault
+    from pi_env.scripted import Fault
 
     turns = [ScriptedTurn(text="I will look.", fault=Fault(disconnect_after_chunks=5)), ScriptedTurn(text="ok")]
     session = open_token_in(gateway, token_server, tokenizer_dir, turns)
@@ -483,7 +483,7 @@ def test_an_engine_dying_mid_answer_fails_the_call_and_the_next_one_starts_a_new
     try:
         with pytest.raises(aiohttp.ClientPayloadError):  # a failed answer, not a cleanly short one
             asyncio.run(_post(gateway.tcp_base_url + "/chat/completions", session.token, body))
-        retry = chat(gateway, session, [SYSTEM, USER, {"role": "assistant", "content": "I will look."},
+        retry = ask(gateway, session, [SYSTEM, USER, {"role": "assistant", "content": "I will look."},
                                         {"role": "user", "content": "go on"}])
         assert retry["content"] == "ok"
         assert session.wait_idle()
