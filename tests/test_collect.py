@@ -192,7 +192,7 @@ def test_groups_exports_load_with_datasets_and_the_card_names_the_splits(tmp_pat
 
     atif = [json.loads(line) for line in (out / "exports" / "atif.jsonl").open()]
     trajectory = next(t for t in atif if t["session_id"] == "fizzbuzz#0")
-    assert trajectory["schema_version"] == "ATIF-v1.4" and trajectory["agent"]["name"] == "pi"
+    assert trajectory["schema_version"] == "ATIF-v1.8" and trajectory["agent"]["name"] == "pi"
     agent_steps = [s for s in trajectory["steps"] if s["source"] == "agent"]
     record = next(r for r in records if r["id"] == "fizzbuzz#0")
     segment = record["training"]["segments"][0]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import bash, scripted_config
-from pi_env import PiSessionFactory, TaskError, load_tasks, run_rollout
+from pi_env import PiConfig, PiSessionFactory, TaskError, load_tasks, run_rollout
 from pi_env.cli import main
 from pi_env.collect import CollectRunner
 from pi_env.collect.store import read_records
@@ -34,7 +34,7 @@ def harbor_task(tmp_path: Path, *, toml: str = "", dockerfile: str = "FROM ubunt
 
 def test_examples_load_with_harbor_semantics():
     tasks = {t.task_id: t for t in load_tasks(HARBOR)}
-    assert set(tasks) == {"csv-total", "fix-palindrome"}
+    assert {"csv-total", "fix-palindrome", "column-stats", "locked-tests"} <= set(tasks)
     csv = tasks["csv-total"]
     assert (csv.timeouts.agent_s, csv.timeouts.verify_s, csv.timeouts.setup_s) == (300.0, 60.0, 120.0)
     assert csv.files == {"sales.csv": (HARBOR / "csv-total/environment/sales.csv").read_text()}  # COPY'd
@@ -51,7 +51,8 @@ def test_examples_load_with_harbor_semantics():
 @pytest.mark.needs_bwrap
 @pytest.mark.slow
 def test_examples_end_to_end_with_the_oracle(tmp_path):
-    summary = CollectRunner(HARBOR, tmp_path, concurrency=2).run()
+    summary = CollectRunner([t for t in load_tasks(HARBOR) if t.task_id in ("csv-total", "fix-palindrome")],
+                            tmp_path, concurrency=2).run()
     assert summary.complete and summary.counts["scored"] == 2 and not summary.skipped_tasks
     records = {r["task_id"]: r for r in read_records(tmp_path)}
     assert records["csv-total"]["reward"] == 1.0 and records["fix-palindrome"]["reward"] == 1.0
@@ -94,27 +95,55 @@ def test_the_agent_never_sees_the_tests_and_cannot_forge_reward_json(tmp_path, s
 @pytest.mark.slow
 def test_unsupported_environments_are_reported_per_task_and_skipped_by_collect(tmp_path, caplog, server):
     harbor_task(tmp_path, name="plain")
-    harbor_task(tmp_path, name="needs-apt",
-                dockerfile="FROM ubuntu:24.04\nRUN apt-get update && \\\n    apt-get install -y jq\nWORKDIR /app\n"
-                           "COPY data.bin /opt/data.bin\n",
+    harbor_task(tmp_path, name="needs-apk", dockerfile="FROM alpine:3.20\nRUN apk add --no-cache jq\nWORKDIR /app\n",
                 toml="[environment]\ngpus = 1\n")
-    (tmp_path / "needs-apt" / "environment" / "data.bin").write_bytes(b"\x00\xff")
+    harbor_task(tmp_path, name="needs-apt", dockerfile="FROM ubuntu:24.04\nRUN apt-get update && \\\n"
+                                                         "    apt-get install -y jq\nWORKDIR /app\n")
     with caplog.at_level(logging.WARNING, logger="pi_env.harbor"):
         tasks = {t.task_id: t for t in load_tasks(tmp_path)}
-    why = unsupported_reasons(tasks["needs-apt"])
-    assert any(w.startswith("environment/Dockerfile:2: RUN apt-get update && apt-get install -y jq") for w in why)
-    assert any("outside the work dir" in w for w in why) and any("gpus = 1" in w for w in why)
+    why = unsupported_reasons(tasks["needs-apk"], "local")
+    assert any("FROM alpine:3.20: another distribution" in w for w in why)
+    assert any("another package manager" in w for w in why) and any("gpus = 1" in w for w in why)
     assert unsupported_reasons(tasks["plain"]) == []
-    assert "needs-apt" in caplog.text and "RUN apt-get" in caplog.text
+    assert unsupported_reasons(tasks["needs-apt"], "local") == []  # built into a layer
+    assert unsupported_reasons(tasks["needs-apt"], "unsafe-local") == [
+        "environment/Dockerfile:2: RUN apt-get update && apt-get install -y jq: the unsafe-local backend does not "
+        "build environments"]
+    assert "needs-apk" in caplog.text and "gpus = 1" in caplog.text
 
     key = server.add_script([bash("echo hi > hello.txt"), ScriptedTurn(text="done")])
-    summary = CollectRunner(list(tasks.values()), tmp_path / "out", scripted_config(server, key)).run()
+    runnable = [tasks["plain"], tasks["needs-apk"]]
+    summary = CollectRunner(runnable, tmp_path / "out", scripted_config(server, key)).run()
     assert [r["task_id"] for r in read_records(tmp_path / "out")] == ["plain"]
-    assert summary.skipped_tasks == {"needs-apt": why}
+    assert summary.skipped_tasks == {"needs-apk": why}
     metadata = json.loads((tmp_path / "out" / "metadata.json").read_text())
-    assert metadata["skipped_tasks"] == {"needs-apt": why}
-    assert CollectRunner(list(tasks.values()), tmp_path / "all", scripted_config(server, key),
-                         include_unsupported=True).run().ran == 2
+    assert metadata["skipped_tasks"] == {"needs-apk": why}
+    forced = CollectRunner(runnable, tmp_path / "all", scripted_config(server, key), include_unsupported=True)
+    assert forced.run().ran == 2
+    records = {r["task_id"]: r for r in read_records(tmp_path / "all")}
+    assert records["plain"]["reward"] == 1.0
+    # forced, an environment not honoured is never scored (and never 0)
+    assert records["needs-apk"]["reward"] is None and records["needs-apk"]["error_kind"] == "environment_unsupported"
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_a_forced_rollout_whose_environment_was_not_honoured_is_unscored_even_when_its_tests_pass(tmp_path, server):
+    # Nothing stops the sandbox (no build is needed), test.sh writes 1: still no score.
+    task = load_harbor_task(harbor_task(tmp_path, name="needs-gpu", toml="[environment]\ngpus = 1\n"))
+    key = server.add_script([bash("echo hi > hello.txt"), ScriptedTurn(text="done")])
+    result = run_rollout(task, scripted_config(server, key))
+    assert result.verify_results[0].passed  # test.sh ran and wrote reward.txt = 1
+    assert result.reward is None and result.error_kind == "environment_unsupported" and "gpus = 1" in result.error
+
+
+@pytest.mark.needs_bwrap
+def test_pi_env_run_refuses_an_environment_it_cannot_honour(tmp_path, capsys):
+    harbor_task(tmp_path, name="needs-apk", dockerfile="FROM alpine:3.20\nRUN apk add --no-cache jq\nWORKDIR /app\n")
+    assert main(["run", str(tmp_path / "needs-apk")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot honour the environment of 1 task(s)" in err and "RUN apk add --no-cache jq" in err
+    assert "--backend podman" in err and "--include-unsupported" in err
 
 
 @pytest.mark.parametrize("toml, message", [
@@ -156,3 +185,57 @@ def test_pi_env_run_takes_a_harbor_directory(capsys):
     assert main(["run", str(HARBOR / "fix-palindrome"), "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["task_id"] == "fix-palindrome" and result["reward"] == 1.0
+
+
+def test_task_toml_1_4_network_healthcheck_artifacts_and_what_is_refused(tmp_path):
+    toml = """schema_version = "1.4"
+artifacts = ["/app/out.txt", { source = "/logs/agent", exclude = ["*.tmp"] }]
+
+[environment]
+network_mode = "no-network"
+os = "windows"
+
+[environment.healthcheck]
+command = "test -f /app/ready"
+retries = 2
+
+[verifier]
+network_mode = "public"
+environment_mode = "separate"
+
+[[verifier.collect]]
+command = "cp /app/state.db /logs/artifacts/"
+
+[[verifier.collect]]
+command = "dump"
+service = "db"
+"""
+    task = load_harbor_task(harbor_task(tmp_path, toml=toml))
+    assert not task.setup_network and task.verify_network  # baseline no-network, verifier's own override
+    assert task.metadata["harbor"]["artifacts"] == ["/root/workdir/out.txt", "/root/logs/agent"]
+    assert "test -f /root/workdir/ready" in task.setup[0]  # Harbor's paths, mapped as everywhere else
+    assert task.verify[0].startswith("timeout 60 bash -c 'cp /root/workdir/state.db /root/logs/artifacts/'")
+    why = unsupported_reasons(task, "local")
+    assert any("os = 'windows'" in w for w in why)
+    assert any("separate verifier environment" in w for w in why)
+    assert any("service = 'db'" in w for w in why)
+    with pytest.raises(TaskError, match="healthcheck needs a command"):
+        load_harbor_task(harbor_task(tmp_path, name="bad", toml="[environment.healthcheck]\nretries = 2\n"))
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_a_multi_step_task_runs_each_step_and_combines_the_rewards(server):
+    task = load_harbor_task(HARBOR / "text-tool")
+    assert "/root/workdir/textstat.py" in task.instruction and "count_lines" in task.instruction
+    oracle = run_rollout(task, PiConfig(endpoint="oracle"))
+    assert oracle.error_kind is None, oracle.error
+    assert oracle.reward == 1.0 and oracle.step_rewards == [1.0, 1.0]  # each step's own solution, then its tests
+    assert [v.stdout.split("\n")[0] for v in oracle.verify_results] == ["lines: [True, True, True]",
+                                                                       "words: [True, True, True]"]
+    # A wrong first step scores 0 and, below its min_reward, ends the run: step two never starts.
+    key = server.add_script([bash("printf 'def count_lines(text):\\n    return -1\\n' > textstat.py"),
+                             ScriptedTurn(text="done")])
+    wrong = run_rollout(task, scripted_config(server, key))
+    assert wrong.error_kind is None and wrong.reward == 0.0 and wrong.step_rewards == [0.0]
+    assert "below its min_reward 1.0: later steps skipped" in wrong.agent_log_tail

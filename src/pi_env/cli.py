@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--tokenizer", default=None, help="token-in tokenizer: a directory or model id (default: the model id)")
     run.add_argument("--agent-timeout", type=float, default=None, help="seconds for the agent phase")
     backend_argument(run)
+    run.add_argument("--include-unsupported", action="store_true",
+                     help="run Harbor tasks whose environment this backend cannot honour (their rollouts are "
+                          "never scored: error_kind environment_unsupported)")
     run.add_argument("--json", action="store_true", help="print each RolloutResult as JSON on stdout")
     run.add_argument("--out", type=Path, help="write the results as JSON lines to this file")
 
@@ -84,6 +87,8 @@ def _run(args) -> int:
         print(f"pi-env: {error}", file=sys.stderr)
         return EXIT_INFRA
     print(f"pi-env: {describe_sampling(config)}", file=sys.stderr, flush=True)
+    if refused := _environments_not_honoured(tasks, args.backend, args.include_unsupported):
+        return _bad_input(refused)
     out = args.out.open("w") if args.out else None
     infra_failures = 0
     results = []
@@ -112,6 +117,30 @@ def _run(args) -> int:
     if len(results) > 1 and not args.json:
         _print_totals(results)
     return EXIT_INFRA if infra_failures else 0
+
+
+def _environments_not_honoured(tasks, backend: str, include: bool) -> str | None:
+    """Harbor tasks: say what of each environment is approximated; refuse (the message) those
+    whose environment `backend` cannot honour unless `include` (then they run unscored)."""
+    from .harbor import is_harbor, unsupported_reasons
+
+    lines = []
+    for task in tasks:
+        if not is_harbor(task):
+            continue
+        for note in (task.metadata["harbor"].get("environment") or {}).get("approximated") or []:
+            print(f"pi-env: {task.task_id}: {note}", file=sys.stderr)
+        if why := unsupported_reasons(task, backend):
+            lines.append(f"  {task.task_id}: " + "\n    ".join(why))
+    if not lines:
+        return None
+    if include:
+        print(f"pi-env: running {len(lines)} task(s) whose environment the {backend} backend cannot honour; "
+              "they are not scored (environment_unsupported)", file=sys.stderr)
+        return None
+    return (f"the {backend} backend cannot honour the environment of {len(lines)} task(s):\n" + "\n".join(lines)
+            + "\nRun them on a backend that builds environments (--backend local as root, or --backend podman), "
+              "or pass --include-unsupported to run them unscored.")
 
 
 def _print_totals(results) -> None:

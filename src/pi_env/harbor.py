@@ -34,6 +34,8 @@ import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .sandbox.base import EnvironmentSpec
+from .sandbox.layers import parse_dockerfile, unsupported_base
 from .task import PiTask, TaskError, validate_task
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,9 @@ exit $status
 
 
 def is_harbor_task(path: Path) -> bool:
-    return path.is_dir() and (path / "instruction.md").is_file() and (path / "task.toml").is_file()
+    """A task.toml beside an instruction.md (or, for a multi-step task, a steps/ dir)."""
+    return path.is_dir() and (path / "task.toml").is_file() and (
+        (path / "instruction.md").is_file() or (path / "steps").is_dir())
 
 
 def harbor_task_dirs(path: Path) -> list[Path]:
@@ -104,49 +108,47 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
     unsupported: list[str] = []
     notes: list[str] = []
 
-    workdir, env_files = _environment(task_dir, environment, unsupported, notes)
+    workdir, env_files, env_info = _environment(task_dir, environment, unsupported, notes)
     path_map = {workdir: "/root/workdir", "/logs": "/root/logs", "/tests": SANDBOX_TESTS, "/solution": SANDBOX_SOLUTION}
     rewrite = _rewriter(path_map)
 
-    tests_dir = task_dir / "tests"
-    if not (tests_dir / "test.sh").is_file():
-        raise TaskError(f"{task_dir}: tests/test.sh is missing; Harbor runs it as the verifier")
-    verify_files = {f"{STAGED_TESTS}/{rel}": rewrite(text)
-                    for rel, text in _text_files(tests_dir, "tests", unsupported).items()}
     verifier_env = _env_table(verifier, "verifier.env", task_dir, notes)
     verify = [_VERIFY.format(tests=SANDBOX_TESTS, staged=STAGED_TESTS,
                              env="".join(f"{k}={shlex.quote(v)} " for k, v in verifier_env.items()))]
-
-    solution = None
-    solve = task_dir / "solution" / "solve.sh"
-    if solve.is_file():
-        files = _text_files(task_dir / "solution", "solution", unsupported)
-        solution = _solution_steps({rel: rewrite(text) for rel, text in files.items()},
-                                   _env_table(solution_cfg, "solution.env", task_dir, notes))
+    solution_env = _env_table(solution_cfg, "solution.env", task_dir, notes)
+    steps = _steps(config, task_dir, rewrite, unsupported, solution_env)
+    if steps:  # multi-step: the task itself is the first step, the others run after it (rollout.py)
+        verify_files, solution, instruction_file = steps[0]["verify_files"], steps[0]["solution"], \
+            task_dir / "steps" / steps[0]["name"] / "instruction.md"
+    else:
+        verify_files = _tests(task_dir, rewrite, unsupported)
+        solution = _solution(task_dir, rewrite, unsupported, solution_env)
+        instruction_file = task_dir / "instruction.md"
 
     if environment.get("docker_image"):
-        unsupported.append(f"[environment] docker_image = {environment['docker_image']!r}: the local backend "
-                           "runs on the host's read-only /usr, not on an image")
-    if int(environment.get("gpus") or 0) > 0:
-        unsupported.append(f"[environment] gpus = {environment['gpus']}: the local backend has no GPUs")
-    if verifier.get("network_mode") == "public":
-        verify_network = True
-    else:
-        verify_network = False
-        if environment.get("allow_internet", True) and verifier.get("network_mode") is None:
-            notes.append("the verifier runs offline in pi-env (Harbor would give it the environment's network); "
-                         "set [verifier] network_mode = \"public\" if test.sh needs it")
-    if "cpus" in environment:
-        notes.append(f"[environment] cpus = {environment['cpus']!r} is not enforced per task")
+        env_info = {**(env_info or {}), "image": str(environment["docker_image"]), "needs_build": True}
+    if env_info is not None:
+        env_info["build_timeout_s"] = _seconds(environment, "build_timeout_sec", task_dir) or 600.0
+    setup_network, verify_network = _network_policy(environment, agent, verifier, notes)
+    _schema_1_4(config, environment, agent, verifier, unsupported, notes)
+    healthcheck = _healthcheck(environment.get("healthcheck"), "[environment] healthcheck", task_dir)
+    healthcheck = rewrite(healthcheck) if healthcheck else None
+    collect_hooks = [rewrite(hook) for hook in _collect_hooks(verifier, unsupported, task_dir)]
+    artifacts = [rewrite(path) for path in _artifacts(config.get("artifacts"), "artifacts", unsupported, task_dir)]
+    verify = [*collect_hooks, *verify]
     limits = {name: _megabytes(environment, f"{name}_mb", name, task_dir) for name in ("memory", "storage")}
 
     meta = dict(config.get("metadata") or {})
     package = config.get("task") if isinstance(config.get("task"), dict) else {}
-    meta["harbor"] = {"source": str(task_dir), "path_map": path_map, "unsupported": unsupported, "notes": notes}
+    meta["harbor"] = {"source": str(task_dir), "path_map": path_map, "unsupported": unsupported, "notes": notes,
+                      "environment": env_info, "artifacts": artifacts, "steps": steps,
+                      "multi_step_reward_strategy": str(config.get("multi_step_reward_strategy") or "mean"),
+                      "schema_version": str(config.get("schema_version") or config.get("version") or "")}
     data: dict[str, Any] = {
         "task_id": str(package.get("name") or task_dir.name),
-        "instruction": rewrite(_read_text(task_dir / "instruction.md")),
+        "instruction": rewrite(_read_text(instruction_file)),
         "files": {rel: text for rel, text in env_files.items()},
+        "setup": [healthcheck] if healthcheck else [],
         "verify": verify,
         "verify_files": verify_files,
         "solution": solution,
@@ -155,18 +157,217 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
                      "verify_s": _seconds(verifier, "timeout_sec", task_dir) or 600.0,
                      "setup_s": _seconds(environment, "build_timeout_sec", task_dir)},
         "limits": {f"{name}_mb": value for name, value in limits.items() if value is not None},
-        "setup_network": bool(environment.get("allow_internet", True)),
+        "setup_network": setup_network,
         "verify_network": verify_network,
     }
     task = validate_task(data, source=str(task_dir))
     for problem in unsupported:
-        log.warning("Harbor task %s: not honoured by the local backend: %s", task.task_id, problem)
+        log.warning("Harbor task %s: not honoured by any backend: %s", task.task_id, problem)
     return task
 
 
-def unsupported_reasons(task: PiTask) -> list[str]:
-    """What of a Harbor task's environment pi-env cannot honour ([] for other tasks)."""
-    return list((task.metadata.get("harbor") or {}).get("unsupported") or [])
+def _tests(directory: Path, rewrite, unsupported: list[str]) -> dict[str, str]:
+    tests_dir = directory / "tests"
+    if not (tests_dir / "test.sh").is_file():
+        raise TaskError(f"{directory}: tests/test.sh is missing; Harbor runs it as the verifier")
+    return {f"{STAGED_TESTS}/{rel}": rewrite(text) for rel, text in _text_files(tests_dir, "tests", unsupported).items()}
+
+
+def _solution(directory: Path, rewrite, unsupported: list[str], env: dict[str, str]) -> list[dict] | None:
+    if not (directory / "solution" / "solve.sh").is_file():
+        return None
+    files = _text_files(directory / "solution", "solution", unsupported)
+    return _solution_steps({rel: rewrite(text) for rel, text in files.items()}, env)
+
+
+def _steps(config: dict, task_dir: Path, rewrite, unsupported: list[str], solution_env: dict) -> list[dict]:
+    """[[steps]]: each step's instruction, tests, solution, limits and min_reward, from
+    steps/<name>/ (Harbor's layout)."""
+    steps = []
+    for index, step in enumerate(config.get("steps") or []):
+        name = step.get("name") if isinstance(step, dict) else None
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            raise TaskError(f"{task_dir}/task.toml: [[steps]] #{index + 1} needs a name (a directory under steps/)")
+        directory = task_dir / "steps" / name
+        if not (directory / "instruction.md").is_file():
+            raise TaskError(f"{directory}: instruction.md is missing; each step has its own")
+        agent, verifier = step.get("agent") or {}, step.get("verifier") or {}
+        min_reward = step.get("min_reward")
+        if isinstance(min_reward, dict):
+            min_reward = min_reward.get("reward")  # pi-env scores the one "reward" key
+        steps.append({"name": name, "instruction": rewrite(_read_text(directory / "instruction.md")),
+                      "verify_files": _tests(directory, rewrite, unsupported),
+                      "solution": _solution(directory, rewrite, unsupported, solution_env),
+                      "agent_s": _seconds(agent, "timeout_sec", task_dir),
+                      "verify_s": _seconds(verifier, "timeout_sec", task_dir),
+                      "min_reward": min_reward})
+        if step.get("healthcheck") or step.get("artifacts") or (directory / "workdir").exists():
+            unsupported.append(f"[[steps]] {name}: per-step healthcheck, artifacts or workdir/ are not honoured")
+    return steps
+
+
+def later_steps(task: PiTask) -> list[PiTask]:
+    """The steps after the first of a multi-step Harbor task, each as the task it makes."""
+    steps = (task.metadata.get("harbor") or {}).get("steps") or []
+    return [task.model_copy(update={
+        "instruction": step["instruction"], "verify_files": step["verify_files"],
+        "solution": validate_task({"instruction": "x", "solution": step["solution"]}, source=step["name"]).solution,
+        "timeouts": task.timeouts.model_copy(update={"agent_s": step["agent_s"] or task.timeouts.agent_s,
+                                                     "verify_s": step["verify_s"] or task.timeouts.verify_s}),
+    }) for step in steps[1:]]
+
+
+def step_gate(task: PiTask, index: int, reward: float | None) -> str | None:
+    """Why the steps after step `index` do not run (its min_reward not met), or None."""
+    steps = (task.metadata.get("harbor") or {}).get("steps") or []
+    threshold = steps[index].get("min_reward") if index < len(steps) else None
+    if threshold is not None and (reward is None or reward < threshold):
+        return f"step {steps[index]['name']!r} scored {reward} below its min_reward {threshold}: later steps skipped"
+    return None
+
+
+def combine_step_rewards(task: PiTask, rewards: list[float | None]) -> float | None:
+    """Harbor's multi_step_reward_strategy: "mean" over the steps that have a verifier result,
+    "final": the last step run."""
+    if (task.metadata.get("harbor") or {}).get("multi_step_reward_strategy") == "final":
+        return rewards[-1] if rewards else None
+    scored = [r for r in rewards if r is not None]
+    return sum(scored) / len(scored) if scored else None
+
+
+# -- task.toml schema 1.4 (harbor 0.26) ------------------------------------------------------
+def _network_policy(environment: dict, agent: dict, verifier: dict, notes: list[str]) -> tuple[bool, bool]:
+    """(setup network, verifier network). [environment] network_mode (or the deprecated
+    allow_internet) is the baseline, [verifier] network_mode an override; "allowlist" cannot be
+    enforced per host, so it gets no network. The agent only ever reaches the model gateway."""
+    mode = environment.get("network_mode")
+    if mode is None and "allow_internet" in environment:
+        mode = "public" if environment["allow_internet"] else "no-network"
+    mode = mode or "public"
+    for where, value in (("[environment]", mode), ("[verifier]", verifier.get("network_mode")),
+                         ("[agent]", agent.get("network_mode"))):
+        if value == "allowlist":
+            notes.append(f"{where} network_mode = \"allowlist\": per-host allowlists are not enforced; that phase "
+                         "runs without network")
+    if agent.get("network_mode") == "public" or (mode == "public" and agent.get("network_mode") is None):
+        notes.append("the agent reaches only the model gateway, never the internet (Harbor's network_mode for the "
+                     "agent is not granted)")
+    setup = mode == "public"
+    if verifier.get("network_mode") is not None:
+        return setup, verifier["network_mode"] == "public"
+    if mode == "public":
+        notes.append("the verifier runs offline in pi-env (Harbor would give it the environment's network); "
+                     "set [verifier] network_mode = \"public\" if test.sh needs it")
+    return setup, False
+
+
+def _schema_1_4(config: dict, environment: dict, agent: dict, verifier: dict, unsupported: list[str],
+                notes: list[str]) -> None:
+    """What of task.toml is read but not honoured: refused when it could change the score,
+    noted when it cannot."""
+    if int(environment.get("gpus") or 0) > 0 or environment.get("gpu_types"):
+        unsupported.append(f"[environment] gpus = {environment.get('gpus')}: pi-env's backends have no GPUs")
+    if environment.get("tpu"):
+        unsupported.append("[environment] tpu: pi-env's backends have no TPUs")
+    if str(environment.get("os", "linux")).lower() != "linux":
+        unsupported.append(f"[environment] os = {environment['os']!r}: only Linux sandboxes")
+    if environment.get("mcp_servers"):
+        unsupported.append("[environment] mcp_servers: Pi is not given the task's MCP servers")
+    if verifier.get("environment") or verifier.get("environment_mode") == "separate":
+        unsupported.append("[verifier] environment / environment_mode = \"separate\": the verifier runs in the "
+                           "agent's sandbox; a separate verifier environment is not built")
+    if "cpus" in environment:
+        notes.append(f"[environment] cpus = {environment['cpus']!r} is not enforced per task")
+    if environment.get("env"):
+        notes.append("[environment] env: not passed (Harbor fills it from the host; pi-env hands no host "
+                     "variable to a sandbox)")
+    for table, name in ((agent, "agent"), (verifier, "verifier")):
+        if table.get("user") not in (None, "root", 0):
+            notes.append(f"[{name}] user = {table['user']!r}: runs as root (the sandbox's own uid)")
+    if environment.get("skills_dir"):
+        notes.append("[environment] skills_dir: Pi is not given skills")
+
+
+def _healthcheck(check: Any, where: str, task_dir: Path) -> str | None:
+    """A setup command that retries Harbor's healthcheck as Docker would (start period, interval,
+    retries); setup fails (the rollout is unscored, setup_failed) if it never passes."""
+    if check is None:
+        return None
+    if not isinstance(check, dict) or not isinstance(check.get("command"), str):
+        raise TaskError(f"{task_dir}/task.toml: {where} needs a command = \"...\"")
+    retries = int(check.get("retries", 3))
+    interval = float(check.get("interval_sec", 5.0))
+    timeout = float(check.get("timeout_sec", 30.0))
+    start = float(check.get("start_period_sec", 0.0))
+    return (f"sleep {start:g}; for attempt in $(seq {max(1, retries)}); do timeout {timeout:g} bash -c "
+            f"{shlex.quote(check['command'])} && exit 0; sleep {interval:g}; done; "
+            f"echo 'healthcheck never passed: {check['command'][:100]}' >&2; exit 1")
+
+
+def _collect_hooks(verifier: dict, unsupported: list[str], task_dir: Path) -> list[str]:
+    """[[verifier.collect]] hooks of the main service, run before test.sh (after the agent)."""
+    hooks = []
+    for index, hook in enumerate(verifier.get("collect") or []):
+        if not isinstance(hook, dict) or not isinstance(hook.get("command"), str):
+            raise TaskError(f"{task_dir}/task.toml: [[verifier.collect]] #{index + 1} needs a command")
+        if hook.get("service", "main") != "main":
+            unsupported.append(f"[[verifier.collect]] service = {hook['service']!r}: compose services are not started")
+            continue
+        hooks.append(f"timeout {float(hook.get('timeout_sec', 60.0)):g} bash -c {shlex.quote(hook['command'])}")
+    return hooks
+
+
+def _artifacts(entries: Any, where: str, unsupported: list[str], task_dir: Path) -> list[str]:
+    """Harbor's artifacts (str or {source, destination, exclude, service}): the sources, as
+    sandbox paths before the path map."""
+    sources = []
+    for entry in entries or []:
+        source = entry if isinstance(entry, str) else entry.get("source") if isinstance(entry, dict) else None
+        if not isinstance(source, str) or ".." in PurePosixPath(source).parts:
+            raise TaskError(f"{task_dir}/task.toml: {where}: {entry!r} is not a path or a table with a source")
+        if isinstance(entry, dict) and entry.get("service") not in (None, "main"):
+            unsupported.append(f"{where}: {source} from service {entry['service']!r}: compose services are not started")
+            continue
+        sources.append(source)
+    return sources
+
+
+# Backends that build a task's environment (see SandboxSpec.environment) and give setup and verify
+# the root of a container (SandboxSpec.container_root).
+BUILDING_BACKENDS = ("local", "podman")
+
+
+def unsupported_reasons(task: PiTask, backend: str = "local") -> list[str]:
+    """What of a Harbor task's environment the named backend cannot honour ([] for other tasks).
+    A rollout of such a task is never scored (error_kind "environment_unsupported")."""
+    harbor = task.metadata.get("harbor") or {}
+    why = list(harbor.get("unsupported") or [])
+    env = harbor.get("environment") or {}
+    if not env.get("needs_build"):
+        return why
+    if backend not in BUILDING_BACKENDS:
+        steps = env.get("build_steps") or []
+        image = [f"[environment] docker_image = {env['image']!r}"] if env.get("image") else []
+        return why + [f"{line}: the {backend} backend does not build environments" for line in image + steps]
+    if backend == "local":
+        if env.get("image"):
+            why.append(f"[environment] docker_image = {env['image']!r}: the local backend builds Dockerfiles into "
+                       "layers and cannot run images")
+        why += env.get("local_unsupported") or []
+    return why
+
+
+def environment_spec(task: PiTask, backend: str) -> EnvironmentSpec | None:
+    """The environment a backend that builds them must give this task (None: none needed)."""
+    env = (task.metadata.get("harbor") or {}).get("environment") or {}
+    if backend not in BUILDING_BACKENDS or not env.get("needs_build"):
+        return None
+    return EnvironmentSpec(dockerfile=env.get("dockerfile"), context=env.get("context"), image=env.get("image"),
+                           build_timeout_s=float(env.get("build_timeout_s") or 600.0))
+
+
+def is_harbor(task: PiTask) -> bool:
+    return "harbor" in task.metadata and "path_map" in (task.metadata.get("harbor") or {})
 
 
 # -- task.toml -----------------------------------------------------------------------------
@@ -227,74 +428,60 @@ def _env_table(table: dict, where: str, task_dir: Path, notes: list[str]) -> dic
 
 # -- environment/Dockerfile ----------------------------------------------------------------
 def _environment(task_dir: Path, environment: dict, unsupported: list[str], notes: list[str]):
-    """The work dir and the files COPY'd into it; everything else a Dockerfile does is listed."""
-    env_dir = task_dir / "environment"
+    """The work dir, the text files COPY'd into it (staged as task files, for every backend) and
+    what the environment needs beyond them (a build: see `environment_spec`)."""
+    env_dir = task_dir.resolve() / "environment"
     dockerfile = env_dir / "Dockerfile"
-    workdir, files = DEFAULT_WORKDIR, {}
+    files: dict[str, str] = {}
     if (env_dir / "docker-compose.yaml").exists() or (env_dir / "docker-compose.yml").exists():
         unsupported.append("environment/docker-compose.yaml: services next to the task are not started")
     if not dockerfile.is_file():
-        return workdir, files
-    for number, instruction in _dockerfile_instructions(_read_text(dockerfile)):
-        where = f"environment/Dockerfile:{number}"
-        word, _, rest = instruction.partition(" ")
-        word, rest = word.upper(), rest.strip()
-        if word == "FROM":
-            notes.append(f"{where}: FROM {rest}: runs on the host's read-only /usr instead of this image")
-        elif word == "WORKDIR":
-            workdir = str(PurePosixPath(workdir) / rest)
-        elif word in ("COPY", "ADD"):
-            _copy(env_dir, workdir, rest, where, files, unsupported)
-        elif word in ("LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "ARG", "SHELL", "STOPSIGNAL"):
-            continue  # nothing a one-shot sandbox needs
+        return DEFAULT_WORKDIR, files, None
+    plan = parse_dockerfile(_read_text(dockerfile), DEFAULT_WORKDIR)
+    staged_workdir = DEFAULT_WORKDIR
+    build_only: list[str] = []  # what only an environment build honours
+    for step in plan.steps:
+        if step.kind == "WORKDIR":
+            staged_workdir = step.args[0]
+        elif step.kind in ("COPY", "ADD"):
+            if not _copy(env_dir, staged_workdir, step, files):
+                build_only.append(f"{step.where}: {step.kind} {' '.join(step.args)}")
         else:
-            unsupported.append(f"{where}: {instruction[:200]}")
-    return workdir.rstrip("/") or "/", files
+            build_only.append(f"{step.where}: {step.kind} {' '.join(step.args)[:200]}")
+    for line in plan.approximated:
+        notes.append(line)
+    info = {"dockerfile": str(dockerfile), "context": str(env_dir), "base": plan.base,
+            "needs_build": bool(build_only) or bool(plan.unsupported), "build_steps": build_only,
+            "approximated": plan.approximated, "local_unsupported": unsupported_base(plan)}
+    return plan.workdir.rstrip("/") or "/", files, info
 
 
-def _dockerfile_instructions(text: str):
-    number, parts, start = 0, [], 0
-    for number, line in enumerate(text.splitlines(), start=1):
-        stripped = line.strip()
-        if not parts and (not stripped or stripped.startswith("#")):
-            continue
-        if not parts:
-            start = number
-        if stripped.endswith("\\"):
-            parts.append(stripped[:-1].strip())
-            continue
-        parts.append(stripped)
-        yield start, " ".join(p for p in parts if p)
-        parts = []
-    if parts:
-        yield start, " ".join(parts)
-
-
-def _copy(env_dir: Path, workdir: str, rest: str, where: str, files: dict, unsupported: list[str]) -> None:
-    args = [a for a in shlex.split(rest) if not a.startswith("--")]
-    if len(args) < 2 or any(ch in a for a in args[:-1] for ch in "*?["):
-        unsupported.append(f"{where}: COPY {rest}: only plain sources are staged")
-        return
-    *sources, dest = args
-    dest_path = PurePosixPath(dest if dest.startswith("/") else f"{workdir}/{dest}")
+def _copy(env_dir: Path, workdir: str, step, files: dict) -> bool:
+    """Stage a COPY into the work dir as text task files; False when only a build can honour
+    it (globs, a destination outside the work dir, binary or big files)."""
+    *sources, dest = step.args
+    if any(ch in a for a in sources for ch in "*?["):
+        return False
     try:
-        dest_rel = dest_path.relative_to(workdir)
+        dest_rel = PurePosixPath(dest).relative_to(workdir)
     except ValueError:
-        unsupported.append(f"{where}: COPY {rest}: the destination is outside the work dir {workdir}")
-        return
+        return False
+    staged: dict[str, str] = {}
+    problems: list[str] = []
     for source in sources:
         src = (env_dir / source).resolve()
         if not src.is_relative_to(env_dir.resolve()) or not src.exists():
-            unsupported.append(f"{where}: COPY {source}: not a file or directory inside environment/")
-            continue
+            return False
         if src.is_dir():
-            for rel, text in _text_files(src, f"environment/{source}", unsupported).items():
-                files[str(dest_rel / rel)] = text
+            for rel, text in _text_files(src, f"environment/{source}", problems).items():
+                staged[str(dest_rel / rel)] = text
         else:
             target = dest_rel / src.name if dest.endswith("/") or len(sources) > 1 else dest_rel
-            text = _text_file(src, f"environment/{source}", unsupported)
+            text = _text_file(src, f"environment/{source}", problems)
             if text is not None:
-                files[str(target)] = text
+                staged[str(target)] = text
+    files.update(staged)
+    return not problems
 
 
 # -- files, paths, the oracle --------------------------------------------------------------
@@ -349,3 +536,33 @@ def _solution_steps(files: dict[str, str], env: dict[str, str]) -> list[dict]:
         lines.append(f"mkdir -p $(dirname {target}) && echo {encoded} | base64 -d > {target}")
     return [{"tool": "bash", "command": "\n".join(lines)},
             {"tool": "bash", "command": f"{exports}bash {SANDBOX_SOLUTION}/solve.sh"}]
+
+
+# -- what a rollout records -----------------------------------------------------------------
+MAX_ARTIFACT_BYTES = 256 << 10
+
+
+def harbor_environment_record(task: PiTask, sandbox) -> dict | None:
+    """For RolloutResult.environment: what was built (the backend's own record: layer or image)
+    and what only approximates the task's environment (FROM as the host's userland, ...)."""
+    env = (task.metadata.get("harbor") or {}).get("environment")
+    built = getattr(sandbox, "environment_info", None)
+    if not env and not built:
+        return None
+    return {**(built or {}), "base": (env or {}).get("base"), "approximated": (env or {}).get("approximated") or []}
+
+
+def collect_artifacts(task: PiTask, sandbox, result) -> None:
+    """Harbor's `artifacts` (sandbox paths, after the path map) copied into result.artifacts:
+    files as text, a directory's files each under their own path."""
+    for path in (task.metadata.get("harbor") or {}).get("artifacts") or []:
+        try:
+            if sandbox.exists(path):
+                try:
+                    data = sandbox.read_file(path, max_bytes=MAX_ARTIFACT_BYTES)
+                    result.artifacts[path] = data.decode("utf-8", "replace")
+                except IsADirectoryError:
+                    for rel, data in sandbox.snapshot(path, max_file_bytes=MAX_ARTIFACT_BYTES).items():
+                        result.artifacts[f"{path.rstrip('/')}/{rel}"] = data.decode("utf-8", "replace")
+        except (OSError, ValueError) as error:  # outside the home, or gone: say so, never fail the rollout
+            result.artifacts[path] = f"<not collected: {error}>"

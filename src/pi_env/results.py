@@ -17,6 +17,8 @@ ErrorKind = Literal[
     "gate_timeout",  # interception_gate: the trainer did not deliver a held call within gate_timeout_s
     "invalid_reward",  # a verify command wrote a reward file that is not a finite number
     "no_verify",  # nothing to score: no verify commands and no reward file
+    "environment_unsupported",  # the backend cannot honour the task's environment (Harbor): never a score
+    "environment_build_failed",  # building the task's environment (Dockerfile) failed
     "infra",  # the sandbox, runtime or harness failed
     "internal",  # a bug in pi-env (an unexpected exception; the error holds its traceback): please report it
 ]
@@ -118,6 +120,9 @@ class RolloutResult(BaseModel):
     trace_path: str | None = None  # the gateway's per-turn trace file (transparent_proxy)
     messages: list[dict[str, Any]] = Field(default_factory=list)  # Pi's whole conversation
     files: dict[str, str] = Field(default_factory=dict)  # the work dir after the agent (bounded)
+    step_rewards: list[float | None] | None = None  # multi-step Harbor tasks: each step run, in order
+    artifacts: dict[str, str] = Field(default_factory=dict)  # Harbor artifacts (sandbox path -> text), after verify
+    environment: dict[str, Any] | None = None  # the task's built environment: layer/image, approximations
     agent_log_tail: str = ""
     proxy_log_tail: str = ""
 

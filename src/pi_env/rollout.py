@@ -6,6 +6,7 @@ clear logs/verifier -> stage verify_files -> run every verify command -> reward 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -30,6 +31,9 @@ from .proxy.rewrite import CaptureOptions
 from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, RolloutTurn
 from .sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, SandboxError, SandboxLimits, \
     SandboxProcess, SandboxSpec, get_backend
+from .harbor import collect_artifacts, combine_step_rewards, environment_spec, harbor_environment_record, \
+    is_harbor, later_steps, step_gate, unsupported_reasons
+from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported
 from .task import PiTask
 from .training import TrainingTrace, build_training_trace
 
@@ -117,6 +121,8 @@ class PiSession:
         self._lock = threading.Lock()
         self._on_event = on_event
         self._read_left = self.config.max_read_bytes  # of what the agent wrote, per rollout
+        self._in_later_step = False  # a later step of a multi-step Harbor task is running
+        self._step_endpoints: list[Endpoint] = []  # oracle scripts of later steps, released on close
 
     # -- lifecycle -------------------------------------------------------------------------
     # A rollout's phases, in order. create() runs them up to agent_start; wait_for_completion()
@@ -146,6 +152,10 @@ class PiSession:
                     return
             with self._phase("agent_start"):
                 self._start_agent(runtime)
+        except EnvironmentUnsupported as error:
+            self._fail("environment_unsupported", str(error))
+        except EnvironmentBuildError as error:
+            self._fail("environment_build_failed", str(error))
         except (SandboxError, RuntimeInstallError, OSError) as error:
             self._fail("infra", f"{type(error).__name__}: {error}")
 
@@ -181,6 +191,7 @@ class PiSession:
     def _create_sandbox(self, runtime: PiRuntime) -> None:
         self.sandbox = self.factory.backend.create(self._sandbox_spec(runtime, get_gateway().socket_path))
         self._result.sandbox_id = self.sandbox.id
+        self._result.environment = harbor_environment_record(self.task, self.sandbox)
         for path, text in self.task.files.items():
             self.sandbox.write_file(path, text)
 
@@ -252,6 +263,9 @@ class PiSession:
             # Old Pi has no -na: hide the task's .pi/ so it cannot change Pi's settings.
             agent_masked_paths=() if runtime.supports("-na") else (f"{SANDBOX_WORKDIR}/.pi",),
             archive_dir=runtime.archive_dir,
+            environment=environment_spec(self.task, self.factory.backend.name),
+            # Harbor's setup and verifier expect root of a container; the agent never gets it.
+            container_root=is_harbor(self.task),
         )
 
     def _start_agent(self, runtime: PiRuntime) -> None:
@@ -350,6 +364,61 @@ class PiSession:
             self._score()
 
     def _score(self) -> None:
+        self._score_reward()
+        if self._in_later_step:
+            return  # _run_later_steps combines the steps' rewards
+        if later := later_steps(self.task):
+            self._run_later_steps(later)
+        result = self._result
+        collect_artifacts(self.task, self.sandbox, result)
+        if why := unsupported_reasons(self.task, self.factory.backend.name) if is_harbor(self.task) else []:
+            # Run anyway (--include-unsupported), but an environment not honoured scores nothing.
+            self._fail("environment_unsupported", "the environment was not honoured: " + "; ".join(why))
+
+    def _run_later_steps(self, later: list[PiTask]) -> None:
+        """A multi-step Harbor task: after the first step was verified, each later step's agent
+        (a new Pi run on its instruction, same sandbox) and verifier; one reward by the task's
+        strategy. A step below its min_reward ends the run; a step whose agent fails leaves
+        the rollout unscored with that error."""
+        first, result = self.task, self._result
+        if result.error_kind not in (None, "invalid_reward"):
+            return
+        rewards = [result.reward]
+        result.step_rewards = [result.reward]
+        try:
+            self._in_later_step = True
+            for index, step in enumerate(later):
+                if result.error_kind == "invalid_reward":
+                    break  # the previous step has no verifier result: Harbor ends the run there
+                if why := step_gate(first, index, rewards[-1]):
+                    result.agent_log_tail += f"\n[pi-env] {why}"
+                    break
+                self.task = step
+                self._next_step_endpoint(step)
+                self.sandbox.remove(f"{SANDBOX_HOME}/tests")  # the previous step's verifier
+                self._start_agent(self.factory.runtime)
+                self._finish_agent()
+                if result.error_kind not in (None, "invalid_reward"):
+                    return  # the agent or the sandbox failed: unscored, with that error
+                rewards.append(result.reward)
+                result.step_rewards.append(result.reward)
+        finally:
+            self.task, self._in_later_step = first, False
+        combined = combine_step_rewards(first, rewards)
+        if combined is None:
+            return self._fail("invalid_reward", "no step of the multi-step task has a reward")
+        result.reward, result.reward_source, result.error_kind, result.error = combined, "reward_file", None, None
+
+    def _next_step_endpoint(self, step: PiTask) -> None:
+        """The oracle replays each step's own solution: a new script, and the session's upstream
+        key switched to it (Pi keeps its gateway token)."""
+        if not (self.endpoint and self.endpoint.synthetic and self.config.endpoint == ORACLE):
+            return
+        endpoint = oracle_endpoint(step)
+        self._step_endpoints.append(endpoint)
+        self.gateway_session.upstream = dataclasses.replace(self.gateway_session.upstream, api_key=endpoint.api_key)
+
+    def _score_reward(self) -> None:
         result = self._result
         try:
             text = self.sandbox.read_file(REWARD_FILE, max_bytes=4096).decode("utf-8", "replace").strip()
@@ -464,6 +533,8 @@ class PiSession:
             get_gateway().close_session(self.gateway_session)
         if self.endpoint is not None and self.endpoint.synthetic:
             release_oracle(self.endpoint)
+        for endpoint in self._step_endpoints:
+            release_oracle(endpoint)
 
     def __enter__(self) -> "PiSession":
         return self

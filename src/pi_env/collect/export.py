@@ -5,7 +5,7 @@
 - `grpo`: one row per token sequence of a scored rollout: `prompt_ids`, `completion_ids`,
   `logprobs` and `loss_mask` over the completion (0 on tool results and other inserted
   tokens), `reward`, `group_id`, `group_index`. Default keep `scored`.
-- `atif`: Harbor's Agent Trajectory Interchange Format (ATIF-v1.4), one trajectory per line,
+- `atif`: Harbor's Agent Trajectory Interchange Format (ATIF-v1.8, as harbor 0.26 writes it), one trajectory per line,
   with each agent step's prompt and completion token ids and logprobs when they were captured
   (Harbor's own Pi adapter records none). Default keep `all`.
 """
@@ -20,7 +20,7 @@ from .runner import KeepFilter
 from .store import read_records
 
 DEFAULT_KEEP = {"sft": "reward>=1", "grpo": "scored", "atif": "all"}
-ATIF_VERSION = "ATIF-v1.4"
+ATIF_VERSION = "ATIF-v1.8"
 
 
 def export(out_dir: str | Path, fmt: str, *, keep: str | None = None, path: str | Path | None = None) -> tuple[Path, int, int]:
@@ -108,6 +108,7 @@ def atif_trajectory(record: dict) -> dict:
                 if turn["turn"] in prompts:
                     metrics["prompt_token_ids"] = prompts[turn["turn"]]
                 step["metrics"] = {k: v for k, v in metrics.items() if v is not None}
+                step["llm_call_count"] = 1  # each assistant message is one model call
             answered += 1
             steps.append(step)
     completion = sum(t.get("completion_tokens") or 0 for t in turns)
@@ -115,6 +116,7 @@ def atif_trajectory(record: dict) -> dict:
     trajectory = {
         "schema_version": ATIF_VERSION,
         "session_id": record["id"],
+        "trajectory_id": record["id"],
         "agent": {"name": "pi", "version": record.get("pi_version") or "unknown", "model_name": record["model"],
                   "extra": {"harness": "pi-env", "mode": record["mode"], "endpoint": record["endpoint"]}},
         "steps": steps,

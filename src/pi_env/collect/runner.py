@@ -113,7 +113,9 @@ class CollectRunner:
 
         runnable = []
         for task in self.tasks:
-            why = [] if self.include_unsupported else unsupported_reasons(task)
+            backend = self.sandbox_backend if isinstance(self.sandbox_backend, str) else \
+                getattr(self.sandbox_backend, "name", None) or self.config.sandbox_backend
+            why = [] if self.include_unsupported else unsupported_reasons(task, backend)
             if self.config.endpoint == ORACLE and not task.solution:
                 why.append("no solution: the oracle endpoint replays a task's solution")
             if why:

@@ -23,6 +23,14 @@ class SandboxError(RuntimeError):
     """The sandbox itself failed (infrastructure), as opposed to a command inside it failing."""
 
 
+class EnvironmentUnsupported(SandboxError):
+    """The backend cannot honour the spec's environment (the message says what and why)."""
+
+
+class EnvironmentBuildError(SandboxError):
+    """Building the spec's environment failed (the message has the build log's tail)."""
+
+
 class SandboxUnavailable(SandboxError):
     """The backend cannot run on this machine (for example bubblewrap is not installed)."""
 
@@ -39,6 +47,18 @@ class SandboxLimits:
 
 
 @dataclass(frozen=True)
+class EnvironmentSpec:
+    """A container environment for the sandbox: a Dockerfile and its build context (Harbor's
+    environment/ dir), or a prebuilt image. Backends that build environments (local: layers,
+    podman: images) honour it in create(); the others never get one (see pi_env.harbor)."""
+
+    dockerfile: str | None = None  # host path
+    context: str | None = None  # host dir the Dockerfile's COPY sources are relative to
+    image: str | None = None  # a prebuilt image instead of a build (Harbor's docker_image)
+    build_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     """What a new sandbox looks like. `ro_mounts` maps sandbox path -> host path (read-only)."""
 
@@ -51,6 +71,10 @@ class SandboxSpec:
     # Host dir where a backend that uploads ro_mounts (the remote ones) keeps a directory's
     # archive between sandboxes; None: the archive is built afresh for each sandbox.
     archive_dir: str | None = None
+    environment: EnvironmentSpec | None = None
+    # Root of a container (Docker's default capabilities, uid 0 and nobody mapped) for every
+    # command but the agent's (network="gateway"), which stays without capabilities.
+    container_root: bool = False
 
 
 @dataclass

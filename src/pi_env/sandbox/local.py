@@ -42,6 +42,7 @@ The gateway socket (network="gateway")
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import functools
 import logging
@@ -54,17 +55,21 @@ import signal
 import stat
 import subprocess
 import threading
+import time
 
 from pi_env.sandbox.base import (
     GATEWAY_SOCKET,
     SANDBOX_HOME,
     SANDBOX_WORKDIR,
+    EnvironmentSpec,
+    EnvironmentUnsupported,
     Network,
     SandboxError,
     SandboxLimits,
     SandboxSpec,
     SandboxUnavailable,
 )
+from pi_env.sandbox.layers import DOCKER_CAPS, Layer, ensure_layer, parse_dockerfile, unsupported_base
 from pi_env.sandbox.hostdir import (
     HostDirSandbox,
     LocalProcess,
@@ -228,6 +233,68 @@ def _unreachable_why(path: str, *, readable: bool = True) -> str | None:
     return None
 
 
+def _make_userns(uid: int, nobody_uid: int) -> int:
+    """An fd of a new user namespace owned by `uid` (so bwrap running as `uid` may join it) with
+    0 -> uid and 65534 -> nobody_uid, for uids and gids. Writing a map of other ids than one's
+    own needs CAP_SETUID in the parent namespace: we are root."""
+    holder = subprocess.Popen([*_as_user(uid), "unshare", "--user", "sleep", "60"], cwd="/", env={},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        mine = os.stat("/proc/self/ns/user").st_ino
+        deadline = time.monotonic() + 10
+        while os.stat(f"/proc/{holder.pid}/ns/user").st_ino == mine or _comm(holder.pid) != "sleep":
+            if holder.poll() is not None or time.monotonic() > deadline:
+                raise SandboxError(f"could not make a user namespace: {holder.stderr.read().decode()[-300:]}")
+            time.sleep(0.001)
+        mapping = f"0 {uid} 1\n65534 {nobody_uid} 1\n".encode()
+        for name in ("uid_map", "gid_map"):
+            fd = os.open(f"/proc/{holder.pid}/{name}", os.O_WRONLY)
+            try:
+                os.write(fd, mapping)  # one write: a map is written once, whole
+            finally:
+                os.close(fd)
+        return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _copy_tree(source: str, target: str, owner: int | None) -> None:
+    """What the layer build left in the work dir, copied into a new sandbox's work dir."""
+    subprocess.run(["cp", "-a", "--no-preserve=ownership", f"{source}/.", target], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if owner is not None:
+        subprocess.run(["chown", "-R", f"{owner}:{owner}", target], check=True)
+
+
+def _make_mount_points(layer: Layer, ro_mounts: dict[str, str]) -> None:
+    """bwrap cannot create a mount point inside a read-only bind: make those of `ro_mounts` (the
+    Pi runtime under /opt, say) inside the layer's own dirs beforehand."""
+    for target, source in ro_mounts.items():
+        for top, host in layer.mounts.items():
+            if target.startswith(top + "/") and not host.startswith(os.path.join(layer.path, "view")):
+                point = os.path.join(host, os.path.relpath(target, top))
+                if os.path.isdir(source):
+                    os.makedirs(point, mode=0o755, exist_ok=True)
+                elif not os.path.exists(point):
+                    os.makedirs(os.path.dirname(point), mode=0o755, exist_ok=True)
+                    open(point, "a").close()
+
+
+def _layer_info(layer: Layer | None) -> dict | None:
+    if layer is None:
+        return None
+    return {"layer": layer.key, "built_now": layer.built_now, "build_s": layer.build_s, "workdir": layer.workdir}
+
+
 # ---------------------------------------------------------------------------------------------
 # Exclusive sandbox uids
 
@@ -372,12 +439,16 @@ class LocalSandbox(HostDirSandbox):
         lease: _UidLease | None,
         lock_fd: int,
         cgroup: SandboxCgroup | None = None,
+        nobody: _UidLease | None = None,
     ):
         """ro_mounts and gateway_socket: host paths that bwrap can bind as the sandbox uid;
-        cgroup: the sandbox's own (memory and process totals), entered by every command."""
+        cgroup: the sandbox's own (memory and process totals), entered by every command;
+        nobody: a second uid lease, for container_root (uid 65534 inside)."""
         owner = lease.uid if lease else None
         super().__init__(host_dir, owner, lock_fd)
         self.cgroup = cgroup
+        self._nobody = nobody
+        self._userns_fd: int | None = None
         self.uid = lease.uid if lease else os.getuid()  # the host uid its processes run as
         self._spec = spec
         self._bwrap = bwrap
@@ -425,7 +496,15 @@ class LocalSandbox(HostDirSandbox):
         env: dict[str, str] | None,
         network: Network,
     ) -> dict:
-        argv = [*self._launcher, self._bwrap, "--unshare-all", *_SANDBOX_FLAGS, *self._mount_args]
+        pass_fds: tuple[int, ...] = ()
+        if self._nobody is not None and network != "gateway":  # root of a container (see container_root)
+            fd = self._container_userns()
+            argv = [*self._launcher, self._bwrap, "--userns", str(fd), "--unshare-pid", "--unshare-ipc",
+                    "--unshare-uts", "--unshare-cgroup-try", "--unshare-net", *_SANDBOX_FLAGS,
+                    *(arg for cap in DOCKER_CAPS for arg in ("--cap-add", cap)), *self._mount_args]
+            pass_fds = (fd,)
+        else:
+            argv = [*self._launcher, self._bwrap, "--unshare-all", *_SANDBOX_FLAGS, *self._mount_args]
         usernet = None
         if network == "full":  # a network namespace of its own, given the internet by slirp4netns
             usernet = UserNet()
@@ -443,8 +522,17 @@ class LocalSandbox(HostDirSandbox):
         argv += ["--", *init_argv(command)]
         # env={}: bwrap itself needs nothing from the host environment.
         if usernet is None:
-            return {"args": argv, "cwd": "/", "env": {}}
-        return {"args": argv, "cwd": "/", "env": {}, "pass_fds": usernet.pass_fds, "usernet": usernet}
+            return {"args": argv, "cwd": "/", "env": {}, **({"pass_fds": pass_fds} if pass_fds else {})}
+        return {"args": argv, "cwd": "/", "env": {}, "pass_fds": (*usernet.pass_fds, *pass_fds), "usernet": usernet}
+
+    def _container_userns(self) -> int:
+        """A user namespace (made once per sandbox) owned by the sandbox uid, with uid/gid 0
+        mapped to it and 65534 (nobody) to the second leased uid: setuid to nobody, chown and
+        su work inside, while on the host every process stays one of two unprivileged uids."""
+        with self._lock:
+            if self._userns_fd is None:
+                self._userns_fd = _make_userns(self.uid, self._nobody.uid)
+            return self._userns_fd
 
     def _terminate(self, popen: subprocess.Popen) -> None:
         """Kill one sandboxed command and everything it started.
@@ -476,23 +564,28 @@ class LocalSandbox(HostDirSandbox):
 
     def _kill_leftovers(self) -> None:
         # Belt and braces: the pid namespaces already took everything down with their init.
-        if self._lease:
-            _kill_all_of(self._lease.uid)
+        for lease in (self._lease, self._nobody):
+            if lease:
+                _kill_all_of(lease.uid)
 
     def _release(self) -> None:
         try:
             if self.cgroup:
                 self.cgroup.remove()
         finally:
-            if self._lease:
-                self._lease.release()
+            if self._userns_fd is not None:
+                os.close(self._userns_fd)
+            for lease in (self._lease, self._nobody):
+                if lease:
+                    lease.release()
 
 
 class LocalSandboxBackend:
-    """Sandboxes on bubblewrap. Raises SandboxUnavailable when bwrap is missing or cannot
+    """Sandboxes on bubblewrap (Dockerfile environments as layers, see layers.py). Raises SandboxUnavailable when bwrap is missing or cannot
     create user namespaces here."""
 
     name = "local"
+    builds_environments = True
 
     def __init__(self, root: str | None = None, *, bwrap: str = "bwrap"):
         self._bwrap = shutil.which(bwrap)
@@ -516,11 +609,20 @@ class LocalSandboxBackend:
         for target in (*spec.ro_mounts, *spec.agent_masked_paths):
             if not posixpath.isabs(target) or posixpath.normpath(target) != target:
                 raise ValueError(f"sandbox path {target!r} must be a normalised absolute path")
+        layer = self._layer(spec.environment) if spec.environment else None
+        if layer:
+            _make_mount_points(layer, spec.ro_mounts)
+            spec = dataclasses.replace(spec, ro_mounts={**layer.mounts, **spec.ro_mounts}, env={**layer.env, **spec.env})
         lease = _lease_uid() if self._as_root else None
+        nobody = _lease_uid() if lease and spec.container_root else None
         host_dir = lock_fd = cgroup = None
         try:
             host_dir, lock_fd = make_host_dir(self.root, lease.uid if lease else None, spec.limits.max_disk_bytes)
             cgroup = sandbox_cgroup(os.path.basename(host_dir), spec.limits)
+            if nobody:  # nobody must reach the work dir, as in a container where /app is not under /root
+                os.chmod(os.path.join(host_dir, "home"), 0o711)
+            if layer and layer.workdir_tree:
+                _copy_tree(layer.workdir_tree, os.path.join(host_dir, "home", "workdir"), lease.uid if lease else None)
             # files/: what the sandbox sees read-only (root-owned, outside its home)
             make_dir(os.path.join(host_dir, "files"), 0o755)
             for name, content in (("passwd", _PASSWD), ("group", _GROUP), ("resolv.conf", RESOLV_CONF)):
@@ -529,15 +631,30 @@ class LocalSandboxBackend:
                     os.fchmod(f.fileno(), 0o644)
             mounts = self._ro_mount_sources(spec.ro_mounts, host_dir, lease)
             socket = self._gateway_socket(spec.gateway_socket, host_dir, lease)
-            return LocalSandbox(host_dir, spec, mounts, socket, self._bwrap, lease, lock_fd, cgroup)
+            sandbox = LocalSandbox(host_dir, spec, mounts, socket, self._bwrap, lease, lock_fd, cgroup, nobody)
+            sandbox.environment_info = _layer_info(layer)
+            return sandbox
         except BaseException:
             if cgroup:
                 cgroup.remove()
             if host_dir:
                 discard_host_dir(host_dir, lock_fd)
-            if lease:
-                lease.release()
+            for claimed in (lease, nobody):
+                if claimed:
+                    claimed.release()
             raise
+
+    def _layer(self, environment: EnvironmentSpec) -> Layer:
+        """The environment layer of a Dockerfile (built once, then from the cache)."""
+        if environment.image or not environment.dockerfile:
+            raise EnvironmentUnsupported(f"image {environment.image!r}: the local backend builds Dockerfiles "
+                                         "into layers and cannot run images; use --backend podman")
+        with open(environment.dockerfile, encoding="utf-8") as f:
+            plan = parse_dockerfile(f.read())
+        if why := unsupported_base(plan):
+            raise EnvironmentUnsupported("; ".join(why))
+        return ensure_layer(plan, environment.context or os.path.dirname(environment.dockerfile),
+                            bwrap=self._bwrap, timeout_s=environment.build_timeout_s)
 
     def _ro_mount_sources(
         self, ro_mounts: dict[str, str], host_dir: str, lease: _UidLease | None

@@ -37,19 +37,26 @@ runs it; musl images (Alpine) do not.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import itertools
+import json
 import logging
 import os
 import posixpath
+import re
 import shutil
 import stat
 import subprocess
 import time
+from pathlib import Path
 
 from pi_env.sandbox.base import (
     GATEWAY_SOCKET,
     SANDBOX_HOME,
     SANDBOX_WORKDIR,
+    EnvironmentBuildError,
+    EnvironmentSpec,
     ExecResult,
     Network,
     SandboxError,
@@ -65,6 +72,7 @@ from pi_env.sandbox.hostdir import (
     private_dir,
     sweep_stale_host_dirs,
 )
+from pi_env.sandbox.layers import DOCKER_CAPS
 from pi_env.sandbox.local import _DEFAULT_ENV, SMALL_TMPFS_BYTES, init_argv
 from pi_env.sandbox.usernet import SLIRP_DNS, NetworkHolder
 
@@ -82,8 +90,12 @@ PODMAN_TIMEOUT_S = 60.0  # a podman management command (ps, kill, rm)
 class PodmanSandbox(HostDirSandbox):
     """A host dir mounted at /root, and one container per command (see the module doc)."""
 
-    def __init__(self, host_dir: str, lock_fd: int, spec: SandboxSpec, backend: PodmanBackend):
+    def __init__(self, host_dir: str, lock_fd: int, spec: SandboxSpec, backend: PodmanBackend,
+                 image: str | None = None, image_env: dict[str, str] | None = None):
+        """image: the sandbox's own image (a built environment) instead of the backend's;
+        image_env: its ENV, which stands above pi-env's defaults and below spec.env."""
         super().__init__(host_dir, None, lock_fd)
+        self._image_env = image_env or {}
         self._spec = spec
         self._podman = backend.podman
         self._counter = itertools.count()
@@ -121,8 +133,9 @@ class PodmanSandbox(HostDirSandbox):
             os.mkdir(empty, 0o555)
             for masked in spec.agent_masked_paths:
                 self._gateway_args += ["--volume", f"{empty}:{masked}:ro"]
-        self._image = backend.image
+        self._image = image or backend.image
         self._network: NetworkHolder | None = None  # made by the first network="full" command
+        self.environment_info: dict | None = None
 
     def exec(self, command: str | list[str], **kwargs) -> ExecResult:
         result = super().exec(command, **kwargs)
@@ -140,6 +153,11 @@ class PodmanSandbox(HostDirSandbox):
     ) -> dict:
         argv = init_argv(command)
         args = [*self._base_args, "--name", f"pi-env-{self.id}-{next(self._counter)}"]
+        if self._spec.container_root and network != "gateway":
+            # Harbor's setup and verifier: Docker's default capabilities and a writable (per
+            # command, discarded) root fs, as in `docker run`; the agent never gets them.
+            args.remove("--read-only")
+            args += [arg for cap in DOCKER_CAPS for arg in ("--cap-add", cap)]
         if network == "full":
             # The sandbox's own namespace with the internet but not the host (usernet.py).
             if self._network is None:
@@ -153,7 +171,7 @@ class PodmanSandbox(HostDirSandbox):
                 args += self._gateway_args
         else:
             raise ValueError(f"unknown network mode {network!r}")
-        for name, value in {**_DEFAULT_ENV, **self._spec.env, **(env or {})}.items():
+        for name, value in {**_DEFAULT_ENV, **self._image_env, **self._spec.env, **(env or {})}.items():
             args += ["--env", f"{name}={value}"]
         args += ["--workdir", posixpath.normpath(posixpath.join(SANDBOX_WORKDIR, cwd or "."))]
         return {"args": [*args, self._image, *argv], "cwd": "/", "env": _podman_env()}
@@ -226,12 +244,78 @@ class PodmanBackend:
                 raise SandboxError(f"ro_mount {source} -> {target}: podman cannot mount paths with ':' or ','")
         if spec.gateway_socket and not stat.S_ISSOCK(os.stat(spec.gateway_socket).st_mode):
             raise SandboxError(f"gateway socket {spec.gateway_socket} is not a Unix socket")
+        image, info = self._environment_image(spec.environment) if spec.environment else (None, None)
         host_dir, lock_fd = make_host_dir(self.root, None, spec.limits.max_disk_bytes)
         try:
-            return PodmanSandbox(host_dir, lock_fd, spec, self)
+            image_env = {}
+            if spec.container_root:  # nobody must reach the work dir, as /app in a container
+                os.chmod(os.path.join(host_dir, "home"), 0o711)
+            if image:
+                config = _image_config(self.podman, image)
+                image_env = dict(item.partition("=")[::2] for item in config.get("Env") or [])
+                self._copy_workdir(image, config.get("WorkingDir") or "", host_dir)
+            sandbox = PodmanSandbox(host_dir, lock_fd, spec, self, image, image_env)
+            sandbox.environment_info = info
+            return sandbox
         except BaseException:
             discard_host_dir(host_dir, lock_fd)
             raise
+
+    builds_environments = True
+
+    def _environment_image(self, environment: EnvironmentSpec) -> tuple[str, dict]:
+        """The image a task's environment runs in: its docker_image, or its Dockerfile built once
+        (tagged by a hash of the Dockerfile and its context, under a flock, with the host's
+        network); a base image that is neither local nor pullable is named in the error."""
+        if environment.image:
+            if _podman(self.podman, "image", "exists", environment.image, check=False).returncode != 0:
+                pulled = _podman(self.podman, "pull", environment.image, check=False, timeout=environment.build_timeout_s)
+                if pulled.returncode != 0:
+                    raise EnvironmentBuildError(f"docker_image {environment.image!r} is not a local image and cannot "
+                                                f"be pulled: {pulled.stderr.strip()[-400:]}")
+            return environment.image, {"image": environment.image, "built_now": False, "build_s": 0.0}
+        key = _context_key(environment.dockerfile, environment.context)
+        tag = f"localhost/pi-env-env:{key}"
+        private_dir(self.root, 0o700)
+        fd = os.open(os.path.join(self.root, f"build-{key}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _podman(self.podman, "image", "exists", tag, check=False).returncode == 0:
+                return tag, {"image": tag, "built_now": False, "build_s": 0.0}
+            started = time.monotonic()
+            # The host's trusted CAs overlaid on the build steps' (writes discarded, never in the
+            # image): builds reach package indexes behind a TLS-inspecting proxy as the host does.
+            certs = ["--volume", "/etc/ssl/certs:/etc/ssl/certs:O"] if os.path.isdir("/etc/ssl/certs") else []
+            built = _podman(self.podman, "build", "--network", "host", "--runtime", self.runtime, "--pull=missing",
+                            *certs,
+                            "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096", "--tag", tag,
+                            "--file", environment.dockerfile, environment.context or os.path.dirname(environment.dockerfile),
+                            check=False, timeout=environment.build_timeout_s)
+            if built.returncode != 0:
+                log_tail = (built.stdout + built.stderr).strip()[-2500:]
+                bases = [b for b in _from_images(environment.dockerfile)
+                         if _podman(self.podman, "image", "exists", b, check=False).returncode != 0]
+                if bases and re.search(r"initializing source|pulling image|manifest unknown|resolve|"
+                                       r"short-name|name unknown|requested access", log_tail, re.I):
+                    raise EnvironmentBuildError(
+                        f"base image {bases[0]!r} (FROM) is not a local image and cannot be pulled here; "
+                        f"`podman pull` or `podman tag` a local image as {bases[0]!r}. podman said:\n{log_tail[-800:]}")
+                raise EnvironmentBuildError(f"podman build of {environment.dockerfile} failed; log tail:\n{log_tail}")
+            return tag, {"image": tag, "built_now": True, "build_s": round(time.monotonic() - started, 3)}
+        finally:
+            os.close(fd)
+
+    def _copy_workdir(self, image: str, workdir: str, host_dir: str) -> None:
+        """What the image holds in its WORKDIR becomes the sandbox's work dir (/root/workdir)."""
+        if workdir in ("", "/", SANDBOX_HOME) or workdir.startswith(SANDBOX_HOME + "/"):
+            return
+        target = os.path.join(host_dir, "home")
+        done = _podman(self.podman, "run", "--rm", "--pull", "never", "--runtime", self.runtime, "--network", "none",
+                       "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096", "--user", "0:0",
+                       "--volume", f"{target}:/mnt/pi-env-home:rw", "--entrypoint", "/bin/sh", image, "-c",
+                       f'test -d "$1" || exit 0; cp -a "$1"/. /mnt/pi-env-home/workdir/', "sh", workdir, check=False)
+        if done.returncode != 0:
+            raise SandboxError(f"could not copy {workdir} out of {image}: {done.stderr.strip()[-400:]}")
 
     def _reclaim(self, host_dir: str) -> None:
         remove_containers(self.podman, f"{LABEL_HOST_DIR}={host_dir}")
@@ -260,12 +344,41 @@ def _podman_env() -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")}
 
 
-def _podman(podman: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _image_config(podman: str, image: str) -> dict:
+    listing = _podman(podman, "image", "inspect", "--format", "{{json .Config}}", image).stdout
+    return json.loads(listing or "{}") or {}
+
+
+def _context_key(dockerfile: str, context: str | None) -> str:
+    """A hash of the Dockerfile and every file of its build context (names and contents)."""
+    digest = hashlib.sha256(Path(dockerfile).read_bytes())
+    root = Path(context or os.path.dirname(dockerfile))
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        with open(path, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()[:32]
+
+
+def _from_images(dockerfile: str) -> list[str]:
+    from pi_env.sandbox.layers import instructions
+
+    images = []
+    for _, instruction in instructions(Path(dockerfile).read_text(encoding="utf-8")):
+        word, _, rest = instruction.partition(" ")
+        if word.upper() == "FROM":
+            args = [a for a in rest.split() if not a.startswith("--")]
+            if args and args[0].lower() != "scratch":
+                images.append(args[0])
+    return images
+
+
+def _podman(podman: str, *args: str, check: bool = True, timeout: float = PODMAN_TIMEOUT_S) -> subprocess.CompletedProcess:
     try:
         result = subprocess.run([podman, *args], capture_output=True, text=True, cwd="/",
-                                env=_podman_env(), timeout=PODMAN_TIMEOUT_S)
+                                env=_podman_env(), timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        raise SandboxError(f"`podman {' '.join(args[:2])}` did not answer in {PODMAN_TIMEOUT_S} s") from exc
+        raise SandboxError(f"`podman {' '.join(args[:2])}` did not answer in {timeout:g} s") from exc
     if check and result.returncode != 0:
         raise SandboxError(f"`podman {' '.join(args[:2])}` failed: {result.stderr.strip()[-500:]}")
     return result
