@@ -479,13 +479,18 @@ class Gateway:
         try:
             body, allowed = police_request(body, cap=session.max_tokens_cap, budget_left=session.tokens_left())
         except PolicyError:
-            return not_a_json_object()
+            allowed, body = 0, None
         index = session.claim_turn(reserve=allowed)  # no await since tokens_left(): one step
         if index is None:
             # End the agent's turn cleanly (an empty final answer), so it stops rather than
             # failing; the rollout reads session.budget_exhausted.
-            return budget_answer(body, session.budget_exhausted)
+            return budget_answer(body or b"", session.budget_exhausted)
         turn = TurnRecord(turn=index, started_at=time.time())
+        if body is None:  # a call, but not one to relay: recorded, never sent upstream
+            turn.request_bytes = len(await request.read())
+            turn.latency_s = 0.0
+            session.record(turn)
+            return not_a_json_object()
         if session.max_total_tokens is not None:
             turn.reserved_tokens = allowed or 0
         started = time.perf_counter()
