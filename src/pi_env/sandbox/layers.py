@@ -25,6 +25,7 @@ the layer, never to the host). Mounting overlays needs root, so layers need a ro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -238,10 +239,33 @@ def layer_key(plan: DockerfilePlan, context: str) -> str:
     return digest.hexdigest()[:32]
 
 
+_known: dict[tuple, Layer] = {}  # (cache, context signature) -> a layer this process has ready
+
+
 def ensure_layer(plan: DockerfilePlan, context: str, *, bwrap: str, cache_dir: str | None = None,
                  timeout_s: float = 600.0) -> Layer:
-    """The layer for `plan` (built now under a lock, or found in the cache), mounted read-only."""
+    """The layer for `plan` (built now under a lock, or found in the cache), mounted read-only.
+    A layer this process already has is reused while its context is unchanged (a stat per file)."""
     cache = cache_dir or default_cache_dir()
+    signature = (cache, repr([(s.kind, s.args) for s in plan.steps]), _context_signature(context))
+    known = _known.get(signature)
+    if known and all(os.path.ismount(view) for top, view in known.mounts.items() if top.strip("/") in OVERLAID):
+        return dataclasses.replace(known, build_s=0.0, built_now=False)
+    layer = _ensure_layer(plan, context, bwrap, cache, timeout_s)
+    _known[signature] = layer
+    return layer
+
+
+def _context_signature(context: str) -> tuple:
+    entries = []
+    for root, _, files in os.walk(context):
+        for name in files:
+            st = os.stat(os.path.join(root, name))
+            entries.append((os.path.join(root, name), st.st_size, st.st_mtime_ns))
+    return tuple(sorted(entries))
+
+
+def _ensure_layer(plan: DockerfilePlan, context: str, bwrap: str, cache: str, timeout_s: float) -> Layer:
     os.makedirs(cache, mode=0o711, exist_ok=True)
     os.chmod(cache, 0o711)
     key = layer_key(plan, context)

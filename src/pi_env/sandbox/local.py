@@ -268,11 +268,24 @@ def _comm(pid: int) -> str:
 
 
 def _copy_tree(source: str, target: str, owner: int | None) -> None:
-    """What the layer build left in the work dir, copied into a new sandbox's work dir."""
-    subprocess.run(["cp", "-a", "--no-preserve=ownership", f"{source}/.", target], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    if owner is not None:
-        subprocess.run(["chown", "-R", f"{owner}:{owner}", target], check=True)
+    """What the layer build left in the work dir, copied into a new sandbox's work dir (owned by
+    the sandbox uid); in-process: a process spawn would cost more than a small tree."""
+    for root, dirs, files in os.walk(source):
+        rel = os.path.relpath(root, source)
+        into = target if rel == "." else os.path.join(target, rel)
+        if rel != ".":
+            os.mkdir(into, stat.S_IMODE(os.stat(root).st_mode) | 0o700)
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = os.path.join(root, name)
+            dest = os.path.join(into, name)
+            if os.path.islink(path):
+                os.symlink(os.readlink(path), dest)
+            else:
+                shutil.copy2(path, dest)
+            if owner is not None:
+                os.lchown(dest, owner, owner)
+        if owner is not None and rel != ".":
+            os.chown(into, owner, owner)
 
 
 def _make_mount_points(layer: Layer, ro_mounts: dict[str, str]) -> None:
