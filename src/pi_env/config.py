@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .task import MAX_TIMEOUT_S, check_text
+
 Mode = Literal["black_box", "transparent_proxy", "interception_gate"]
 ThinkingLevel = Literal["off", "minimal", "low", "medium", "high", "xhigh"]
 
@@ -44,9 +46,9 @@ class PiConfig(BaseModel):
     max_turns: int | None = Field(50, gt=0)  # model calls per rollout; enforced at the gateway
 
     # Phase limits (a task's own timeouts win).
-    setup_timeout_s: float = Field(600, gt=0)
-    agent_timeout_s: float = Field(600, gt=0)
-    verify_timeout_s: float = Field(300, gt=0)
+    setup_timeout_s: float = Field(600, gt=0, le=MAX_TIMEOUT_S)
+    agent_timeout_s: float = Field(600, gt=0, le=MAX_TIMEOUT_S)
+    verify_timeout_s: float = Field(300, gt=0, le=MAX_TIMEOUT_S)
     max_processes: int = Field(256, gt=8)
     max_memory_bytes: int | None = 8 << 30  # per process (RLIMIT_DATA)
     max_file_bytes: int = 1 << 30
@@ -65,11 +67,11 @@ class PiConfig(BaseModel):
     runtime_cache_dir: str | None = None  # default: $PI_ENV_CACHE or ~/.cache/pi-env
 
     max_total_tokens: int | None = Field(None, gt=0)  # usage.total_tokens summed over calls
-    upstream_connect_timeout_s: float = Field(30, gt=0)
-    upstream_read_timeout_s: float = Field(600, gt=0)  # each wait for upstream bytes (prefill included)
+    upstream_connect_timeout_s: float = Field(30, gt=0, le=MAX_TIMEOUT_S)
+    upstream_read_timeout_s: float = Field(600, gt=0, le=MAX_TIMEOUT_S)  # each wait for upstream bytes (prefill included)
     # interception_gate: a held call the trainer has not answered this long ends the rollout
     # (the agent gets a clean stop; the result is unscored, error_kind "gate_timeout").
-    gate_timeout_s: float = Field(600, gt=0)
+    gate_timeout_s: float = Field(600, gt=0, le=MAX_TIMEOUT_S)
 
     # transparent_proxy knobs (reference names first).
     proxy_max_tokens_cap: int = Field(4096, gt=0)
@@ -91,6 +93,7 @@ class PiConfig(BaseModel):
     # What the result keeps of the work dir.
     result_max_files: int = Field(200, ge=0)
     result_max_file_bytes: int = Field(256 << 10, ge=0)
+    result_max_total_bytes: int = Field(16 << 20, ge=0)  # all files together (a result travels whole)
 
     @field_validator("proxy_sampling")
     @classmethod
@@ -105,6 +108,17 @@ class PiConfig(BaseModel):
             raise ValueError("proxy_token_in renders at the gateway, which black_box never does: use "
                              "mode='transparent_proxy' (or 'interception_gate')")
         return self
+
+    @field_validator("endpoint", "base_url", "api_key", "model")
+    @classmethod
+    def _one_line(cls, value: str | None, info) -> str | None:
+        # They end up in HTTP headers and URLs: no lone surrogate, no line break, no NUL (never echoed).
+        if value is not None:
+            check_text(value, info.field_name)
+            if any(ord(char) < 32 and char != "\t" or ord(char) == 127 for char in value):
+                raise ValueError(f"{info.field_name}: holds a control character (a line break, NUL, ...); "
+                                 "give it on one line")
+        return value
 
     @field_validator("tools")
     @classmethod

@@ -14,6 +14,83 @@ class TaskError(ValueError):
     """A task (or task file) is malformed; the message says where and what to fix."""
 
 
+MAX_NAME_BYTES, MAX_PATH_BYTES = 255, 4096  # Linux's NAME_MAX and PATH_MAX
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # any phase limit beyond a week is a mistake (and 1e308 s overflows)
+MAX_TASK_FILE_BYTES = 64 << 20  # a task file or one JSONL line
+MAX_JSON_DEPTH = 100  # tasks nest a few levels; deeper is not a task (and recursion has limits)
+
+
+def check_text(value: Any, where: str) -> None:
+    """Every string in `value` is valid Unicode (a lone surrogate cannot be written to a file or
+    a command line), and commands hold no NUL byte (no exec can carry one)."""
+    stack = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValueError(f"{at}: holds a lone surrogate at character {error.start} (not valid Unicode); "
+                                 "send UTF-8 text") from None
+        elif isinstance(item, dict):
+            stack.extend((v, f"{at}[{k!r}]") for k, v in item.items())
+            stack.extend((k, f"{at} key {k!r}") for k in item if isinstance(k, str))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+
+
+def check_command(command: str, where: str) -> str:
+    if "\x00" in command:
+        raise ValueError(f"{where}: contains a NUL byte, which no command line can carry")
+    return command
+
+
+def json_depth(value: Any) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (iteratively: any depth)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def parse_json(text: str | bytes, where: str) -> Any:
+    """JSON from a file, a line or a request, as a TaskError naming `where` when it is not valid
+    UTF-8 JSON or nests deeper than MAX_JSON_DEPTH."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise TaskError(f"{where}: not UTF-8 (byte {error.start}); save it as UTF-8") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TaskError(f"{where}: not valid JSON (line {error.lineno}, column {error.colno}): {error.msg}") from None
+    except RecursionError:
+        raise TaskError(f"{where}: JSON nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise TaskError(f"{where}: JSON nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+    return value
+
+
+def read_bounded(path: Path, what: str, limit: int = MAX_TASK_FILE_BYTES) -> bytes:
+    """A whole file, but never more than `limit` bytes (`/dev/zero` is a file too)."""
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(limit + 1)
+    except FileNotFoundError:
+        raise TaskError(f"{path}: no such {what}") from None
+    except IsADirectoryError:
+        raise TaskError(f"{path}: is a directory, not a {what}") from None
+    except OSError as error:
+        raise TaskError(f"{path}: cannot read {what}: {error.strerror or error}") from None
+    if len(data) > limit:
+        raise TaskError(f"{path}: larger than {limit >> 20} MiB; a {what} this big is not supported")
+    return data
+
+
 def check_relative_path(path: str, where: str) -> str:
     """A path inside the work dir: relative, no `..`, not empty."""
     if not path or not path.strip():
@@ -25,6 +102,9 @@ def check_relative_path(path: str, where: str) -> str:
         raise ValueError(f"{where}: {path!r} contains '..'; paths must stay inside the work dir")
     if "\x00" in path:
         raise ValueError(f"{where}: {path!r} contains a NUL byte")
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES or \
+            any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in parts):
+        raise ValueError(f"{where}: path too long (at most {MAX_NAME_BYTES} bytes a name, {MAX_PATH_BYTES} in all)")
     if all(part == "." for part in parts):
         raise ValueError(f"{where}: {path!r} names the work dir itself, not a file")
     return path
@@ -65,9 +145,9 @@ class PhaseTimeouts(BaseModel):
     """Per-phase wall-clock limits in seconds; None falls back to the PiConfig default."""
 
     model_config = ConfigDict(extra="forbid")
-    setup_s: float | None = Field(None, gt=0)
-    agent_s: float | None = Field(None, gt=0)
-    verify_s: float | None = Field(None, gt=0)
+    setup_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
+    agent_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
+    verify_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
 
 
 class TaskLimits(BaseModel):
@@ -132,7 +212,24 @@ class PiTask(BaseModel):
         for index, step in enumerate(steps or []):
             if isinstance(step, (WriteStep, EditStep, ReadStep)):
                 check_relative_path(step.path, f"solution[{index}].path")
+            elif isinstance(step, BashStep):
+                check_command(step.command, f"solution[{index}].command")
         return steps
+
+    @field_validator("setup", "verify")
+    @classmethod
+    def _commands(cls, commands: list[str], info) -> list[str]:
+        for index, command in enumerate(commands):
+            check_command(command, f"{info.field_name}[{index}]")
+        return commands
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> "PiTask":
+        for name in ("task_id", "instruction", "setup", "verify", "files", "verify_files", "metadata"):
+            check_text(getattr(self, name), name)
+        for index, step in enumerate(self.solution or []):
+            check_text(step.model_dump(), f"solution[{index}]")
+        return self
 
     @model_validator(mode="after")
     def _default_task_id(self) -> "PiTask":
@@ -175,23 +272,14 @@ def validate_task(data: dict, *, source: str) -> PiTask:
 def _describe(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "task"
         message = item["msg"].removeprefix("Value error, ")
-        lines.append(f"  - {where}: {message}")
+        # A whole-task check names its field in the message.
+        lines.append(f"  - {'.'.join(str(part) for part in item['loc'])}: {message}" if item["loc"] else f"  - {message}")
     return "\n".join(lines)
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise TaskError(f"{path}: no such task file") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise TaskError(f"{path}: cannot read task file: {error}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise TaskError(f"{path}: not valid JSON (line {error.lineno}, column {error.colno}): {error.msg}") from None
+    return parse_json(read_bounded(path, "task file"), str(path))
 
 
 def load_tasks(path: str | Path) -> list[PiTask]:
@@ -230,20 +318,28 @@ def load_tasks(path: str | Path) -> list[PiTask]:
 
 def _load_jsonl(path: Path) -> list[PiTask]:
     tasks = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise TaskError(f"{path}: no such task set") from None
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(_bounded_lines(path), start=1):
         if not line.strip():
             continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise TaskError(f"{path}:{number}: not valid JSON (column {error.colno}): {error.msg}") from None
+        data = parse_json(line, f"{path}:{number}")
         if not isinstance(data, dict):
             raise TaskError(f"{path}:{number}: expected a task object, found {type(data).__name__}")
         tasks.append(validate_task(data, source=f"{path}:{number}"))
     if not tasks:
         raise TaskError(f"{path}: the task set is empty")
     return tasks
+
+
+def _bounded_lines(path: Path):
+    """The lines of a JSONL file, each at most MAX_TASK_FILE_BYTES."""
+    try:
+        handle = path.open("rb")
+    except FileNotFoundError:
+        raise TaskError(f"{path}: no such task set") from None
+    except OSError as error:
+        raise TaskError(f"{path}: cannot read task set: {error.strerror or error}") from None
+    with handle:
+        for number, line in enumerate(iter(lambda: handle.readline(MAX_TASK_FILE_BYTES + 1), b""), start=1):
+            if len(line) > MAX_TASK_FILE_BYTES:
+                raise TaskError(f"{path}:{number}: line longer than {MAX_TASK_FILE_BYTES >> 20} MiB")
+            yield line
