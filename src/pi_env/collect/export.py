@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .runner import KeepFilter
-from .store import read_records
+from .store import StoreError, check_record_fields, read_numbered_records
 
 DEFAULT_KEEP = {"sft": "reward>=1", "grpo": "scored", "atif": "all"}
 ATIF_VERSION = "ATIF-v1.8"
@@ -33,20 +33,32 @@ def export(out_dir: str | Path, fmt: str, *, keep: str | None = None, path: str 
     if not (out_dir / "results.jsonl").exists():
         raise FileNotFoundError(f"{out_dir}/results.jsonl is missing: give the --out directory of pi-env collect")
     keep_filter = KeepFilter.parse(keep or DEFAULT_KEEP[fmt])
-    records = [r for r in read_records(out_dir) if keep_filter(r)]
-    rows = {"sft": sft_rows, "grpo": grpo_rows, "atif": atif_rows}[fmt](records)
+    build = {"sft": sft_rows, "grpo": grpo_rows, "atif": atif_rows}[fmt]
     target = Path(path) if path else out_dir / EXPORTS_DIR / f"{fmt}.jsonl"
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
-    written = 0
-    with tmp.open("w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-            written += 1
+    written = used = 0
+    try:
+        with tmp.open("w", encoding="utf-8") as handle:
+            for record, where, number in read_numbered_records(out_dir):
+                check_record_fields(record, where, number)
+                if not keep_filter(record):
+                    continue
+                used += 1
+                try:  # a field of the wrong shape deep in a record: name the line, not a traceback
+                    lines = [json.dumps(row, ensure_ascii=False, allow_nan=False) for row in build([record])]
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+                    raise StoreError(f"{where}:{number}: cannot export record {record['id']!r} as {fmt}: "
+                                     f"{type(error).__name__}: {error} (fix or remove that line)") from None
+                handle.write("".join(line + "\n" for line in lines))
+                written += len(lines)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(target)
     if not path:
         write_card(out_dir)  # the card lists the exports next to the results
-    return target, written, len(records)
+    return target, written, used
 
 
 def sft_rows(records: Iterable[dict]) -> Iterator[dict]:

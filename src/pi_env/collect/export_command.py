@@ -19,10 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from .export import export
+    from .store import StoreError
 
     try:
         path, rows, records = export(args.dir, args.format, keep=args.keep, path=args.out)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, StoreError) as error:
         print(f"pi-env: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"{args.format}: {rows} rows from {records} records -> {path}")

@@ -58,18 +58,14 @@ class ResultStore:
                 handle.truncate(end)
                 os.fsync(handle.fileno())
         for number, line in enumerate(data[:end].splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                record_id = record["id"]
-            except (ValueError, KeyError, TypeError):
-                raise StoreError(f"{path}:{number}: not a pi-env record; the store is damaged (fix or remove "
-                                 "that line, or collect into a new --out)") from None
-            if record_id in self.ids:
-                raise StoreError(f"{path}:{number}: record {record_id!r} is already in {self.ids[record_id]}; "
-                                 "remove one of the two lines")
-            self.ids[record_id] = name
+            if line.strip():
+                self._remember(parse_record(line, path, number), name, path, number)
+
+    def _remember(self, record: dict, name: str, path: Path, number: int) -> None:
+        if record["id"] in self.ids:
+            raise StoreError(f"{path}:{number}: record {record['id']!r} is already in {self.ids[record['id']]}; "
+                             "remove one of the two lines")
+        self.ids[record["id"]] = name
 
     def __contains__(self, record_id: str) -> bool:
         return record_id in self.ids
@@ -112,16 +108,83 @@ class ResultStore:
 
 def read_records(directory: str | Path, *, kept_only: bool = True) -> Iterator[dict]:
     """Every complete record of a store (a torn last line is skipped, not repaired: readers
-    never write)."""
+    never write). The rules are the writer's: a corrupt line or a record stored twice is a
+    StoreError naming the file and line, never skipped or repeated silently."""
+    yield from (record for record, _, _ in read_numbered_records(directory, kept_only=kept_only))
+
+
+def read_numbered_records(directory: str | Path, *, kept_only: bool = True) -> Iterator[tuple[dict, Path, int]]:
+    """read_records(), each record with its file and line number (for errors found later)."""
     directory = Path(directory)
+    seen: dict[str, str] = {}
     for name in (RESULTS,) if kept_only else (RESULTS, DISCARDED):
         path = directory / name
         if not path.exists():
             continue
         with path.open("rb") as handle:
-            for line in handle:
-                if line.endswith(b"\n") and line.strip():
-                    yield json.loads(line)
+            for number, line in enumerate(_bounded_lines(handle, path), start=1):
+                if not (line.endswith(b"\n") and line.strip()):
+                    continue
+                record = parse_record(line, path, number)
+                if record["id"] in seen:
+                    raise StoreError(f"{path}:{number}: record {record['id']!r} is already in {seen[record['id']]}; "
+                                     "remove one of the two lines")
+                seen[record["id"]] = name
+                yield record, path, number
+
+
+MAX_RECORD_BYTES = 256 << 20
+# What every record has, and its JSON type (None allowed where a rollout may lack it).
+RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "id": (str,), "task_id": (str,), "group_id": (str,), "group_index": (int,), "messages": (list,),
+    "reward": (int, float, type(None)), "synthetic": (bool,)}
+
+
+def parse_record(line: bytes, path: Path, number: int) -> dict:
+    """One stored line as a record, or a StoreError saying at which file and line and what is wrong."""
+    def damaged(why: str) -> StoreError:
+        return StoreError(f"{path}:{number}: {why}; the store is damaged (fix or remove that line, or collect "
+                          "into a new --out)")
+
+    try:
+        record = json.loads(line, parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise damaged("not UTF-8") from None
+    except RecursionError:
+        raise damaged("JSON nested too deeply") from None
+    except ValueError as error:
+        raise damaged(f"not a JSON record ({error})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+        raise damaged("not a pi-env record" + ("" if isinstance(record, dict) else f" (a JSON {type(record).__name__})"))
+    return record
+
+
+def check_record_fields(record: dict, path: Path, number: int) -> None:
+    """A record a reader uses (an export) has every field of RECORD_FIELDS, of its type."""
+    for field, types in RECORD_FIELDS.items():
+        value = record.get(field, ...)
+        if value is ... or not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            what = "is missing" if value is ... else f"is a {type(value).__name__}"
+            raise StoreError(f"{path}:{number}: field {field!r} {what}: not a pi-env record (fix or remove that "
+                             "line)")
+    for index, message in enumerate(record["messages"]):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise StoreError(f"{path}:{number}: messages[{index}] is not a message (an object with a role): not "
+                             "a pi-env record (fix or remove that line)")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _bounded_lines(handle, path: Path) -> Iterator[bytes]:
+    while True:
+        line = handle.readline(MAX_RECORD_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_RECORD_BYTES:
+            raise StoreError(f"{path}: a line longer than {MAX_RECORD_BYTES >> 20} MiB is not a record")
+        yield line
 
 
 def _finite(value):
