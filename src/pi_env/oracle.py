@@ -44,7 +44,7 @@ def _shared_server() -> ScriptedServer:
     global _server
     with _server_lock:
         if _server is None:
-            _server = ScriptedServer()
+            _server = ScriptedServer(record_requests=0)  # long-lived: keeps nothing per request
             _server.start()
         return _server
 

@@ -51,6 +51,8 @@ SYNTHETIC_HEADERS = {"x-pi-env-synthetic": "1"}
 SCRIPT_FINISHED_TEXT = "(script finished)"
 TOKEN_CHARS = 4  # the synthetic tokenizer: every 4 characters are one token
 MAX_RECORDED_REQUESTS = 1000
+MAX_RECORDED_BYTES = 32 << 20  # request bodies kept for tests, in all (each holds the whole conversation)
+MAX_RENDERED_BYTES = 32 << 20  # rendered answers cached, in all
 SYNTHETIC_VLLM_VERSION = "0.11.0+pi-env-synthetic"
 SYNTHETIC_CREATED = 1_700_000_000  # `created` of answers under EngineQuirks(deterministic_ids=True)
 TOKEN_ID_PREFIX = "token_id:"  # vLLM --return-tokens-as-token-ids
@@ -304,10 +306,11 @@ def render_stream(turn: ScriptedTurn, turn_index: int, opts: TokenOptions) -> Re
 class RenderCache:
     """Rendered streams by (turn, turn index, token options). json.dumps of a 1,000-chunk
     answer costs milliseconds, which would dominate benchmarks of the gateway; turns are
-    immutable, so a rendering stays valid. Bounded: cleared when full."""
+    immutable, so a rendering stays valid. Bounded in entries and bytes: cleared when full."""
 
-    def __init__(self, max_entries: int = 1024):
-        self.max_entries = max_entries
+    def __init__(self, max_entries: int = 1024, max_bytes: int = MAX_RENDERED_BYTES):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._bytes = 0
         # Values keep their turn alive, so the id() in a key cannot be reused meanwhile.
         self._entries: dict[tuple, tuple[ScriptedTurn, RenderedStream]] = {}
 
@@ -315,9 +318,15 @@ class RenderCache:
         key = (id(turn), turn_index, opts)
         entry = self._entries.get(key)
         if entry is None:
-            if len(self._entries) >= self.max_entries:
+            rendered = render_stream(turn, turn_index, opts)
+            size = sum(len(choice) for choice in rendered.choices)
+            if len(self._entries) >= self.max_entries or self._bytes + size > self.max_bytes:
                 self._entries.clear()
-            entry = self._entries[key] = (turn, render_stream(turn, turn_index, opts))
+                self._bytes = 0
+            if size <= self.max_bytes:
+                self._entries[key] = (turn, rendered)
+                self._bytes += size
+            return rendered
         return entry[1]
 
 
@@ -442,15 +451,20 @@ class ScriptedServer:
     """
 
     def __init__(self, *, port: int = 0, default: list[ScriptedTurn | dict] | None = None,
-                 quirks: EngineQuirks | None = None, token_engine: "TokenEngine | None" = None):
+                 quirks: EngineQuirks | None = None, token_engine: "TokenEngine | None" = None,
+                 record_requests: int = MAX_RECORDED_REQUESTS, record_bytes: int = MAX_RECORDED_BYTES):
+        """`record_requests`/`record_bytes`: how many received requests `requests` keeps, and
+        their bodies' bytes in all (oldest dropped first); 0 keeps none (a long-lived server)."""
         self._port = port
+        self._record_requests, self._record_bytes = record_requests, record_bytes
+        self._recorded_bytes = 0
         self.quirks = quirks or EngineQuirks()  # may be replaced between requests
         # With a real tokenizer (pi_env.scripted.token_engine): real prompt ids, non-canonical
         # answer ids, and a token-in /v1/completions.
         self.token_engine = token_engine
         self._scripts: dict[str, Script] = {}
         self._default: Script | None = coerce_script(default) if default is not None else None
-        self._received: deque[ReceivedRequest] = deque(maxlen=MAX_RECORDED_REQUESTS)
+        self._received: deque[tuple[ReceivedRequest, int]] = deque()
         self.version_probes = 0  # GET /version requests, counted apart: `requests` holds the model calls
         self._render_cache = RenderCache()
         self._runner: web.AppRunner | None = None
@@ -473,8 +487,8 @@ class ScriptedServer:
 
     @property
     def requests(self) -> list[ReceivedRequest]:
-        """The most recent received requests (at most MAX_RECORDED_REQUESTS), oldest first."""
-        return list(self._received)
+        """The most recent received requests (see `record_requests`), oldest first."""
+        return [received for received, _ in list(self._received)]
 
     # -- lifecycle
 
@@ -531,11 +545,12 @@ class ScriptedServer:
         return web.json_response({"object": "list", "data": data}, headers=SYNTHETIC_HEADERS)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
         try:
-            body = json.loads(await request.read())
+            body = json.loads(raw)
         except ValueError:
             body = None
-        self._record(request, body)
+        self._record(request, body, len(raw))
         if not isinstance(body, dict):
             return openai_error(400, "request body is not a JSON object", "invalid_request_error")
 
@@ -574,11 +589,12 @@ class ScriptedServer:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         """Token-in (vLLM's /v1/completions with a token-id prompt), with a token engine only."""
+        raw = await request.read()
         try:
-            body = json.loads(await request.read())
+            body = json.loads(raw)
         except ValueError:
             body = None
-        self._record(request, body)
+        self._record(request, body, len(raw))
         if self.token_engine is None:
             return openai_error(404, "this scripted server has no token engine: /v1/completions is not served",
                                 "not_found")
@@ -634,15 +650,15 @@ class ScriptedServer:
         request.transport.close()
         return response
 
-    def _record(self, request: web.Request, body: Any) -> None:
-        self._received.append(
-            ReceivedRequest(
-                request.method,
-                request.path_qs,
-                {name.lower(): value for name, value in request.headers.items()},
-                body,
-            )
-        )
+    def _record(self, request: web.Request, body: Any, size: int = 0) -> None:
+        if self._record_requests <= 0 or size > self._record_bytes:
+            return
+        received = ReceivedRequest(request.method, request.path_qs,
+                                   {name.lower(): value for name, value in request.headers.items()}, body)
+        self._received.append((received, size))
+        self._recorded_bytes += size
+        while len(self._received) > self._record_requests or self._recorded_bytes > self._record_bytes:
+            self._recorded_bytes -= self._received.popleft()[1]
 
 
 def script_turn(script: Script, turn_index: int) -> tuple[ScriptedTurn, Fault]:
