@@ -10,7 +10,9 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -72,7 +74,8 @@ class PiSessionFactory:
             return self._runtime
 
     def create(self, task: str | dict | PiTask, seed: int | None = None, episode_id: str | None = None, *,
-               on_event: Callable[[RolloutEvent], None] | None = None) -> "PiSession":
+               on_event: Callable[[RolloutEvent], None] | None = None,
+               on_session: Callable[["PiSession"], None] | None = None) -> "PiSession":
         """Create the sandbox, stage files, run setup and start the agent. Bad input (a
         malformed task, an unknown endpoint) raises; infrastructure failures are reported by
         `wait_for_completion()` as a result with reward None and an error kind.
@@ -84,9 +87,14 @@ class PiSessionFactory:
 
         `on_event` is told of each phase, each model call and the end (`RolloutEvent`), on
         whichever thread reached it (the caller's, the session's finishing thread, or the
-        gateway's for a model call): keep it quick. An exception it raises is logged, never fails the rollout."""
+        gateway's for a model call): keep it quick. An exception it raises is logged, never fails the rollout.
+
+        `on_session` gets the session before its sandbox exists, so another thread may close()
+        it during setup (a server whose client went away)."""
         session = PiSession(self, PiTask.coerce(task), seed=seed, episode_id=episode_id, on_event=on_event)
         try:
+            if on_session is not None:
+                on_session(session)
             session._start()
         except BaseException:
             session.close()
@@ -191,6 +199,7 @@ class PiSession:
     def _create_sandbox(self, runtime: PiRuntime) -> None:
         self.sandbox = self.factory.backend.create(self._sandbox_spec(runtime, get_gateway().socket_path))
         self._result.sandbox_id = self.sandbox.id
+        self._check_open()
         self._result.environment = harbor_environment_record(self.task, self.sandbox)
         for path, text in self.task.files.items():
             self.sandbox.write_file(path, text)
@@ -199,6 +208,7 @@ class PiSession:
         """The setup commands in order; False (the rollout failed) at the first that fails."""
         config, task = self.config, self.task
         for command in [*config.extra_setup_shell, *task.setup]:
+            self._check_open()
             outcome = self._run(command, task.timeouts.setup_s or config.setup_timeout_s,
                                 "full" if task.setup_network else "none")
             self._result.setup_results.append(outcome)
@@ -244,7 +254,9 @@ class PiSession:
     def _trace_path(self) -> str | None:
         if self.config.mode == "black_box":
             return None
-        directory = Path(self.config.trace_dir or Path(tempfile.gettempdir()) / "pi-env-traces")
+        # Retention: a trace_dir is kept on purpose (collect puts it in its dataset); without one
+        # the trace is scratch in a private dir and deleted by close().
+        directory = Path(self.config.trace_dir) if self.config.trace_dir else private_scratch_dir("pi-env-traces")
         safe_id, safe_episode = (re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80]
                                  for name in (self.task.task_id, self.episode_id))
         return str(directory / f"{safe_id}-{safe_episode}-{uuid.uuid4().hex[:8]}.jsonl")
@@ -451,7 +463,10 @@ class PiSession:
             try:
                 with self._phase("collect"):
                     snapshot = self._read_tree(SANDBOX_WORKDIR, config.result_max_files, config.result_max_file_bytes)
-                result.files = {path: _as_text(data) for path, data in snapshot.items()}
+                result.files, left_out = _within_budget(snapshot, config.result_max_total_bytes)
+                if left_out:
+                    result.agent_log_tail += (f"\n[pi-env] {left_out} files left out of the result: past "
+                                              f"result_max_total_bytes={config.result_max_total_bytes}")
             except (SandboxError, OSError) as error:
                 result.agent_log_tail += f"\n[pi-env] could not collect files: {error}"
 
@@ -520,6 +535,14 @@ class PiSession:
     def _agent_alive(self) -> bool:
         return self._agent is not None and self._agent.poll() is None
 
+    def _check_open(self) -> None:
+        """close() from another thread during setup: stop here (and delete a sandbox that
+        close() could not see yet, being created)."""
+        if self._closed:
+            if self.sandbox is not None:
+                self.sandbox.close()
+            raise SandboxError("the session was closed during setup")
+
     def close(self) -> None:
         """Kill everything, delete the sandbox, end the gateway session. Idempotent."""
         if self._closed:
@@ -531,6 +554,9 @@ class PiSession:
             self.sandbox.close()
         if self.gateway_session is not None:
             get_gateway().close_session(self.gateway_session)
+            if self.config.trace_dir is None and self.gateway_session.trace_path:
+                Path(self.gateway_session.trace_path).unlink(missing_ok=True)
+                self._result.trace_path = None
         if self.endpoint is not None and self.endpoint.synthetic:
             release_oracle(self.endpoint)
         for endpoint in self._step_endpoints:
@@ -661,3 +687,27 @@ def run_rollout(task: str | dict | PiTask | Path, config: PiConfig | None = None
     factory = PiSessionFactory(config, sandbox_backend)
     with factory.create(task, on_event=on_event) as session:
         return session.wait_for_completion()
+
+
+def private_scratch_dir(name: str) -> Path:
+    """`$TMPDIR/<name>-<uid>`, 0700 and ours (another user could have made it first in a shared /tmp)."""
+    directory = Path(tempfile.gettempdir()) / f"{name}-{os.getuid()}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    info = directory.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise OSError(f"{directory} is not a directory of this user; remove it or set trace_dir")
+    if info.st_mode & 0o077:
+        directory.chmod(0o700)
+    return directory
+
+
+def _within_budget(snapshot: dict[str, bytes], max_total_bytes: int) -> tuple[dict[str, str], int]:
+    """The snapshot's files as text, in path order, until their bytes reach `max_total_bytes`;
+    and how many were left out."""
+    files, total = {}, 0
+    for path in sorted(snapshot):
+        total += len(snapshot[path])
+        if total > max_total_bytes:
+            return files, len(snapshot) - len(files)
+        files[path] = _as_text(snapshot[path])
+    return files, 0

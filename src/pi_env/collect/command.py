@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs Ray reserves per rollout")
     parser.add_argument("--max-turns", type=int, default=None, help="model calls per rollout (default 50)")
     parser.add_argument("--agent-timeout", type=float, default=None, help="seconds for the agent phase")
-    parser.add_argument("--trace-dir", default=None, help="where transparent_proxy writes per-turn trace files")
+    parser.add_argument("--trace-dir", default=None, help="where transparent_proxy writes per-turn trace files "
+                                                          "(default: OUT/traces, kept with the dataset)")
     backend_argument(parser)
     parser.add_argument("--push-to-hub", metavar="REPO", default=None, help="upload the dataset to this Hub repo")
     parser.add_argument("--private", action="store_true", help="create the Hub repo private")
@@ -51,7 +52,7 @@ def run(args) -> int:
 
     try:
         config = config_from_args(args, mode=args.mode or "transparent_proxy", max_turns=args.max_turns, agent_timeout_s=args.agent_timeout,
-                                  trace_dir=args.trace_dir)
+                                  trace_dir=args.trace_dir or str(Path(args.out) / "traces"))
         runner = CollectRunner(args.tasks, args.out, config, group_size=args.group_size,
                                concurrency=args.concurrency, limit=args.limit, retries=args.retries, keep=args.keep,
                                executor=args.executor, ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus,

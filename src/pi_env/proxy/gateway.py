@@ -205,9 +205,10 @@ class GatewaySession:
         self._idle = threading.Condition()
         self._trace_lock = threading.Lock()  # close_session() runs on the caller's thread
         self._trace: IO[str] | None = None
-        if trace_path:
-            os.makedirs(os.path.dirname(os.path.abspath(trace_path)), exist_ok=True)
-            self._trace = open(trace_path, "a", encoding="utf-8")
+        if trace_path:  # turns hold prompts and answers: for this user only (0700 dir, 0600 file)
+            os.makedirs(os.path.dirname(os.path.abspath(trace_path)), mode=0o700, exist_ok=True)
+            fd = os.open(trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            self._trace = os.fdopen(fd, "a", encoding="utf-8")
 
     def __repr__(self) -> str:  # no token
         return f"GatewaySession(id={self.id!r}, mode={self.mode!r}, upstream={self.upstream!r})"
