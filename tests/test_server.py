@@ -344,18 +344,21 @@ def test_auth_token_guards_every_route_but_health(tmp_path):
         with pytest.raises(PiEnvError, match="401"):
             PiEnv(served.url, token="wrong").run_rollout(FIZZBUZZ)
         assert PiEnv(served.url, token="s3cret-token").run_rollout(FIZZBUZZ).reward == 1.0
-        # A browser: /web?token= once sets a cookie that then stands for the header; page
-        # scripts cannot read it (HttpOnly) and other sites' requests do not carry it (SameSite).
+        # A browser signs in with the form at /web (never a token in a URL): the cookie opens the
+        # UI, not the API; page scripts cannot read it (HttpOnly), other sites' requests do not
+        # carry it (SameSite), the API never sees it (Path=/web). test_server_hostile.py tests
+        # the cookie and the Origin checks in depth.
         first_hop = http.client.HTTPConnection(*urllib.parse.urlsplit(served.url).netloc.split(":"), timeout=10)
-        first_hop.request("GET", "/web/?token=s3cret-token")
+        first_hop.request("POST", "/web/login", "token=s3cret-token", {"Origin": served.url})
         cookie = first_hop.getresponse().getheader("set-cookie") or ""
         first_hop.close()
-        assert {"HttpOnly", "SameSite=Strict", "Path=/"} <= {part.strip() for part in cookie.split(";")}, cookie
+        assert {"HttpOnly", "SameSite=Strict", "Path=/web"} <= {part.strip() for part in cookie.split(";")}, cookie
         opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
-        with opener.open(served.url + "/web/?token=s3cret-token", timeout=10) as response:
+        sign_in = urllib.request.Request(served.url + "/web/login", b"token=s3cret-token", {"Origin": served.url})
+        with opener.open(sign_in, timeout=10) as response:
             assert response.status == 200 and response.url.endswith("/web/")
-        with opener.open(served.url + "/endpoints", timeout=10) as response:
-            assert response.status == 200
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            opener.open(served.url + "/endpoints", timeout=10)
     finally:
         served.stop()
     assert "s3cret-token" not in served.log_path.read_text()

@@ -8,7 +8,8 @@ OpenEnv's `create_app` gives the routes every OpenEnv environment has (/health, 
   protocol requires) goes to FastMCP's transport, OpenEnv's plain JSON-RPC POSTs to OpenEnv;
   both reach the same FastMCP server and tool;
 - GET /endpoints: which model endpoints this server can use (no secrets), and the load;
-- bearer auth (PI_ENV_AUTH_TOKEN) on every route but /health;
+- ServerGuard (auth.py): the bearer token (PI_ENV_AUTH_TOKEN) on every route but /health, the
+  cookie for the web UI only, Origin checks, no CORS unless PI_ENV_CORS_ORIGINS lists origins;
 - DisconnectWatch: a client that hangs up mid-rollout gets its sandbox deleted.
 
 Settings (environment): MAX_CONCURRENT_ENVS (4) rollouts run at once, PI_ENV_MAX_QUEUE
@@ -42,9 +43,11 @@ from openenv.core.env_server.types import Observation, State  # noqa: E402
 from pydantic import Field, ValidationError  # noqa: E402
 from starlette.responses import JSONResponse  # noqa: E402
 
-from .auth import BearerAuth  # noqa: E402
+from .auth import ServerGuard, allowed_origins_from_env  # noqa: E402
+from .bodies import BoundedJsonBodies  # noqa: E402
 from .limiter import ServerBusy  # noqa: E402
-from .rollouts import BadArguments, RolloutService, catalog_summary, client_gone, describe, scrub  # noqa: E402
+from .rollouts import (  # noqa: E402
+    CALLER_META, BadArguments, RolloutService, caller_gone, catalog_summary, client_gone, describe, registered_caller, scrub)
 
 log = logging.getLogger("pi_env.server")
 # FastMCP logs a bad call's argument values; _CleanArgumentErrors reports it without them (a value may be a key).
@@ -99,17 +102,40 @@ def build_mcp_server(service: RolloutService) -> FastMCP:
             raise ToolError(scrub(str(error), api_key)) from None
         on_event = _progress_reporter(ctx, asyncio.get_running_loop()) if ctx is not None else None
         try:
-            result = await service.run(task_, config, on_event=on_event)
+            result = await service.run(task_, config, on_event=on_event, gone=_caller_of(ctx))
         except ServerBusy as error:
             raise ToolError(str(error)) from None
         except Exception as error:  # noqa: BLE001 - sandbox or runtime unavailable, ...: said, never a trace
             log.warning("run_rollout failed: %s", scrub(str(error), api_key))
             raise ToolError(f"infra: {type(error).__name__}: {scrub(str(error), api_key)}") from None
-        return json.loads(scrub(result.model_dump_json(), api_key))
+        return result.model_dump(mode="json")  # holds no key: nothing puts one in a result
 
     argument_names = set(inspect.signature(run_rollout.fn if hasattr(run_rollout, "fn") else run_rollout).parameters)
     argument_names.discard("ctx")
     return mcp
+
+
+def _caller_of(ctx: Context | None):
+    """The disconnect event an OpenEnv door registered for this call (see registered_caller)."""
+    try:
+        meta = ctx.request_context.meta if ctx is not None else None
+    except (AttributeError, LookupError, ValueError):  # no MCP request (a direct call)
+        return None
+    return caller_gone(getattr(meta, CALLER_META, None)) if meta is not None else None
+
+
+def _watch_callers(client) -> None:
+    """Wrap the environment's in-process MCP client so each tool call carries its caller's
+    `client_gone` (registered_caller) to the tool, whichever request started the client."""
+    call_tool = client.call_tool
+
+    async def call_tool_of_caller(name, arguments=None, *args, meta=None, **kwargs):
+        with registered_caller(client_gone.get()) as key:
+            if key is not None:
+                meta = {**(meta or {}), CALLER_META: key}
+            return await call_tool(name, arguments, *args, meta=meta, **kwargs)
+
+    client.call_tool = call_tool_of_caller
 
 
 class _CleanArgumentErrors(Middleware):
@@ -159,6 +185,7 @@ class PiEnvironment(MCPEnvironment):
 
     def __init__(self, mcp_server: FastMCP):
         super().__init__(mcp_server)
+        _watch_callers(self.mcp_client)
         self._state = State(episode_id=str(uuid.uuid4()), step_count=0)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> Observation:
@@ -215,9 +242,39 @@ def create_pi_app(service: RolloutService | None = None, *, web: bool | None = N
         return {"endpoints": catalog_summary(), "rollouts": limits.snapshot()}
 
     app.state.rollouts = service
-    asgi = DisconnectWatch(McpDispatch(app, mcp_app))
-    token = os.environ.get("PI_ENV_AUTH_TOKEN")
-    return BearerAuth(asgi, token) if token else asgi
+    origins = allowed_origins_from_env()
+    guarded = ServerGuard(BoundedJsonBodies(DisconnectWatch(McpDispatch(app, mcp_app))),
+                          os.environ.get("PI_ENV_AUTH_TOKEN") or None, origins)
+    hide_query_strings_in_logs()
+    if not origins:
+        return guarded
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(guarded, allow_origins=list(origins), allow_methods=["GET", "POST", "DELETE"],
+                          allow_headers=["authorization", "content-type", "accept", "mcp-session-id",
+                                         "mcp-protocol-version", "last-event-id"], expose_headers=["mcp-session-id"])
+
+
+class _NoQueryStrings(logging.Filter):
+    """uvicorn logs each request line and WebSocket handshake with its path: never its query string."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_path_only(arg) for arg in record.args)
+        return True
+
+
+def _path_only(value):
+    if isinstance(value, str) and value.startswith("/") and "?" in value:
+        return value.split("?", 1)[0] + "?…"
+    return value
+
+
+def hide_query_strings_in_logs() -> None:
+    for name in ("uvicorn.access", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, _NoQueryStrings) for existing in logger.filters):
+            logger.addFilter(_NoQueryStrings())
 
 
 class McpDispatch:
@@ -244,14 +301,18 @@ def _speaks_streamable_http(scope) -> bool:
 
 class DisconnectWatch:
     """Sets `client_gone` for the request when its HTTP client disconnects, so a rollout whose
-    caller hung up is cancelled (agent killed, sandbox deleted). Listens only once the request
-    body has been read, so it never takes a body chunk from the app."""
+    caller hung up is cancelled, queued or running (agent killed, sandbox deleted). Listens
+    only once the request body has been read, so it never takes a body chunk from the app. A
+    WebSocket (/ws, OpenEnv's /mcp socket) is read ahead instead: its handler awaits a whole
+    rollout before it reads again, and would not see the close until then."""
 
     def __init__(self, app):
         self.app = app
         self.state = getattr(app, "state", None)
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":
+            return await self._websocket(scope, receive, send)
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         gone = threading.Event()
@@ -286,6 +347,30 @@ class DisconnectWatch:
             client_gone.reset(token)
             if listener is not None:
                 listener.cancel()
+
+    async def _websocket(self, scope, receive, send):
+        gone = threading.Event()
+        token = client_gone.set(gone)
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=64)  # bounded: a flooding client waits
+
+        async def read_ahead() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "websocket.disconnect":
+                    gone.set()
+                elif inbox.full():  # floods while its rollout runs: treated as gone
+                    gone.set()
+                    message = {"type": "websocket.disconnect", "code": 1008}
+                await inbox.put(message)
+                if message["type"] == "websocket.disconnect":
+                    return
+
+        reader = asyncio.ensure_future(read_ahead())
+        try:
+            await self.app(scope, inbox.get, send)
+        finally:
+            client_gone.reset(token)
+            reader.cancel()
 
 
 def __getattr__(name: str):

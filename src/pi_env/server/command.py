@@ -32,8 +32,8 @@ def run(args) -> int:
 
     from .app import create_pi_app
 
-    # No access log: a browser's first visit may carry ?token= in its query string.
+    # The access log shows paths without query strings (app.hide_query_strings_in_logs).
     # A bounded graceful shutdown: then running calls are cancelled, which deletes their sandboxes.
-    uvicorn.run(create_pi_app(), host=args.host, port=args.port, access_log=False, log_level="info",
+    uvicorn.run(create_pi_app(), host=args.host, port=args.port, access_log=True, log_level="info",
                 timeout_graceful_shutdown=5)
     return 0

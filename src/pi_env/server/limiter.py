@@ -45,17 +45,18 @@ class RolloutLimiter:
                     "max_waiting": self.max_waiting}
 
     @asynccontextmanager
-    async def slot(self, on_queued=None):
+    async def slot(self, on_queued=None, gone: threading.Event | None = None):
         """Hold one rollout slot for the body. `on_queued(position)` is called when the call
-        has to wait (position 1 = next)."""
-        await self._acquire(on_queued)
+        has to wait (position 1 = next). A waiter whose `gone` is set (its client hung up)
+        leaves the queue: asyncio.CancelledError."""
+        await self._acquire(on_queued, gone)
         try:
             yield
         finally:
             with self._lock:
                 self.running -= 1
 
-    async def _acquire(self, on_queued) -> None:
+    async def _acquire(self, on_queued, gone: threading.Event | None) -> None:
         with self._lock:
             if self.running < self.max_running and not self._queue:
                 self.running += 1
@@ -72,6 +73,8 @@ class RolloutLimiter:
         try:
             while True:
                 await asyncio.sleep(self.POLL_S)
+                if gone is not None and gone.is_set():
+                    raise asyncio.CancelledError("the client went away while queued")
                 with self._lock:
                     if self._queue[0] == ticket and self.running < self.max_running:
                         self._queue.popleft()

@@ -8,12 +8,15 @@ Light on purpose (no openenv): the typed client and the tests import it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import json
 import os
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
-from urllib.parse import urlparse, urlunparse
+from urllib.parse import quote, quote_plus, urlparse, urlunparse
 
 from pydantic import ValidationError
 
@@ -129,13 +132,47 @@ def _public_url(url: str | None) -> str | None:
 
 
 def scrub(text: str, secret: str | None) -> str:
-    """Remove a caller's key from anything the server sends back or logs."""
-    return text.replace(secret, "***") if secret and len(secret) >= 4 else text
+    """Remove a caller's key from free text that came from outside (an exception's message, a
+    log line), in every form it may be quoted there: as is, JSON-escaped, repr-escaped,
+    URL-encoded. Results never hold the key (it is not put in them), so they are not scrubbed:
+    a key like "stop" or "true" must not rename `stop_reason` or break the JSON."""
+    if not secret or len(secret) < 4:
+        return text
+    forms = {secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1], repr(secret)[1:-1],
+             quote(secret, safe=""), quote_plus(secret, safe="")}
+    for form in sorted(forms, key=len, reverse=True):
+        text = text.replace(form, "***")
+    return text
 
 
 # A threading.Event set when the HTTP client of the current request disconnects (see
 # app.DisconnectWatch); contextvars follow the request into the tool call's task.
 client_gone: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("pi_env_client_gone", default=None)
+
+# OpenEnv's doors (/ws, its JSON-RPC /mcp, /step) reach the tool through an in-process MCP
+# client whose server task was started by another request, so the caller's `client_gone` does
+# not follow the call there: the caller registers it here and the call carries the key in its
+# MCP request `_meta` (CALLER_META).
+CALLER_META = "pi_env_caller"
+_callers: dict[str, threading.Event] = {}
+
+
+@contextlib.contextmanager
+def registered_caller(gone: threading.Event | None):
+    """A key for `gone` while the call runs (None when there is nothing to watch)."""
+    if gone is None:
+        yield None
+        return
+    key = uuid.uuid4().hex
+    _callers[key] = gone
+    try:
+        yield key
+    finally:
+        _callers.pop(key, None)
+
+
+def caller_gone(key: Any) -> threading.Event | None:
+    return _callers.get(key) if isinstance(key, str) else None
 
 
 class RolloutService:
@@ -160,12 +197,13 @@ class RolloutService:
         return build_rollout(arguments, sandbox_backend=self.sandbox_backend)
 
     async def run(self, task: PiTask, config: PiConfig, *, on_event: Callable[[RolloutEvent], None] | None = None,
-                  on_queued: Callable[[int], None] | None = None) -> RolloutResult:
+                  on_queued: Callable[[int], None] | None = None, gone: threading.Event | None = None) -> RolloutResult:
         """One rollout under the limit. Raises ServerBusy when the queue is full. Cancelling
-        the awaiting task (the web UI's Cancel) or the request's client disconnecting closes
-        the session: the agent is killed and the sandbox deleted."""
-        gone = client_gone.get()
-        async with self.limiter.slot(on_queued):
+        the awaiting task (the web UI's Cancel) or `gone` being set (default: the request's
+        `client_gone`) closes the session, queued or running: the agent is killed and the
+        sandbox deleted."""
+        gone = gone or client_gone.get()
+        async with self.limiter.slot(on_queued, gone=gone):
             rollout = _Rollout(task, config, on_event)
             self._active.add(rollout)
             future = asyncio.get_running_loop().run_in_executor(self._executor, rollout.run)
@@ -202,15 +240,24 @@ class _Rollout:
     def run(self) -> RolloutResult:
         from ..rollout import PiSessionFactory
 
-        session = PiSessionFactory(self.config).create(self.task, on_event=self.on_event)
-        with self._lock:
-            self.session = session
-            cancelled = self.cancelled
+        session = None
         try:
-            if cancelled:  # cancelled during setup: nobody waits for the result
+            session = PiSessionFactory(self.config).create(self.task, on_event=self.on_event,
+                                                           on_session=self._started)
+            if self.cancelled:  # cancelled during setup: nobody waits for the result
                 raise asyncio.CancelledError("cancelled during setup")
             return session.wait_for_completion()
         finally:
+            if session is not None:
+                session.close()
+
+    def _started(self, session) -> None:
+        """The session exists (its sandbox not yet): from now on cancel() closes it, even
+        mid-setup."""
+        with self._lock:
+            self.session = session
+            cancelled = self.cancelled
+        if cancelled:
             session.close()
 
     def cancel(self, wait: bool = False) -> None:

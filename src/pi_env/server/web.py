@@ -48,6 +48,7 @@ def gradio_builder(service: RolloutService, web_manager=None, action_fields=None
     endpoint_choices = [(f"{row['name']} ({'configured' if row['configured'] else 'not configured'})", row["name"])
                         for row in catalog]
 
+    by_page: dict[str | None, set[asyncio.Future]] = {}  # the running rollouts of each open tab
     with gr.Blocks(title="pi-env") as blocks:
         stored_key = gr.State(None)
         gr.Markdown("## pi-env: the Pi coding agent in a sandbox, scored\n"
@@ -72,17 +73,19 @@ def gradio_builder(service: RolloutService, web_manager=None, action_fields=None
         with gr.Row():
             run_button = gr.Button("Run", variant="primary", elem_id="run")
             cancel_button = gr.Button("Cancel", variant="stop", elem_id="cancel")
-        status = gr.Markdown(elem_id="status")
+        # What the agent or a task wrote (and errors quoting it) is shown as text: escaped into
+        # gr.HTML, never rendered as markdown or HTML (no forms, overlays or remote images).
+        status = gr.HTML(elem_id="status")
         phase_log = gr.Textbox(label="Live phase log", lines=10, max_lines=30, autoscroll=True, elem_id="phase-log")
-        reward = gr.Markdown(elem_id="reward")
+        reward = gr.HTML(elem_id="reward")
         verify_table = gr.Dataframe(headers=["verify command", "exit", "seconds", "output"], label="Verify",
                                     elem_id="verify-table", wrap=True)
         plot = gr.HTML(elem_id="logprob-plot")
         with gr.Tabs():
             with gr.Tab("Files"):
-                files = gr.Markdown(elem_id="files")
+                files = gr.HTML(elem_id="files")
             with gr.Tab("Conversation"):
-                conversation = gr.Markdown(elem_id="conversation")
+                conversation = gr.HTML(elem_id="conversation")
             with gr.Tab("Logs"):
                 logs = gr.Textbox(lines=15, label="agent and gateway logs", elem_id="logs")
             with gr.Tab("Raw JSON"):
@@ -99,9 +102,10 @@ def gradio_builder(service: RolloutService, web_manager=None, action_fields=None
 
         views = [stored_key, api_key, status, phase_log, reward, verify_table, plot, files, conversation, logs, raw]
 
-        async def run(endpoint_, model_, key_, kept_key, mode_, max_turns_, instruction_, setup_, verify_, extras_):
+        async def run(endpoint_, model_, key_, kept_key, mode_, max_turns_, instruction_, setup_, verify_, extras_,
+                      request: gr.Request):
             key = key_ or kept_key
-            yield {stored_key: key, api_key: "", status: "Checking the task…", phase_log: "", reward: "",
+            yield {stored_key: key, api_key: "", status: _text("Checking the task…"), phase_log: "", reward: "",
                    verify_table: None, plot: "", files: "", conversation: "", logs: "", raw: ""}
             try:
                 extra = json.loads(extras_ or "{}")
@@ -115,16 +119,19 @@ def gradio_builder(service: RolloutService, web_manager=None, action_fields=None
                              "instruction": instruction_ or None, "setup": _lines(setup_), "verify": _lines(verify_)}
                 task, config = service.build(arguments)
             except json.JSONDecodeError as error:
-                yield {status: f"❌ the JSON box is not valid JSON: {error}"}
+                yield {status: _text(f"❌ the JSON box is not valid JSON: {error}")}
                 return
             except BadArguments as error:
-                yield {status: f"❌ {scrub(str(error), key)}"}
+                yield {status: _text(f"❌ {scrub(str(error), key)}")}
                 return
             lines: list[str] = []
             events: queue.SimpleQueue = queue.SimpleQueue()
             running = asyncio.ensure_future(service.run(
                 task, config, on_event=events.put,
                 on_queued=lambda position: events.put(f"waiting for a free slot (position {position})")))
+            session = getattr(request, "session_hash", None)
+            by_page.setdefault(session, set()).add(running)
+            running.add_done_callback(lambda done: by_page.get(session, set()).discard(done))
             try:
                 while not running.done():
                     await asyncio.wait({running}, timeout=0.25)
@@ -132,14 +139,14 @@ def gradio_builder(service: RolloutService, web_manager=None, action_fields=None
                     if fresh:
                         lines.extend(fresh)
                         state = "⏳ Waiting for a free slot…" if "waiting for" in lines[-1] else "🏃 Running…"
-                        yield {status: state, phase_log: "\n".join(lines)}
+                        yield {status: _text(state), phase_log: "\n".join(lines)}
                 result = running.result()
             except ServerBusy as error:
-                yield {status: f"⛔ {error}"}
+                yield {status: _text(f"⛔ {error}")}
                 return
             except Exception as error:  # noqa: BLE001 - shown to the user, never a stack trace
                 log.warning("web rollout failed: %s", scrub(repr(error), key))  # no traceback: it repeats the message
-                yield {status: f"❌ {type(error).__name__}: {scrub(str(error), key)}"}
+                yield {status: _text(f"❌ {type(error).__name__}: {scrub(str(error), key)}")}
                 return
             finally:
                 if not running.done():  # cancelled (the Cancel button) or the page went away
@@ -150,8 +157,16 @@ def gradio_builder(service: RolloutService, web_manager=None, action_fields=None
 
         run_event = run_button.click(run, [endpoint, model, api_key, stored_key, mode, max_turns, instruction, setup,
                                            verify, extras], views, concurrency_limit=None)
-        cancel_button.click(lambda: "🛑 Cancelled: the agent was stopped and its sandbox deleted.", None, status,
+        cancel_button.click(lambda: _text("🛑 Cancelled: the agent was stopped and its sandbox deleted."), None, status,
                             cancels=[run_event])
+
+        async def page_closed(request: gr.Request):  # async: runs on the loop that owns the futures
+            """The tab went away (Gradio's heartbeat stream ended): its rollouts, queued or
+            running, are cancelled now, not left to run out their time limits."""
+            for running in by_page.pop(getattr(request, "session_hash", None), set()):
+                running.cancel()
+
+        blocks.unload(page_closed)
     return blocks
 
 
@@ -186,16 +201,16 @@ def event_line(event: RolloutEvent) -> str:
 
 def _result_views(result: RolloutResult, key, lines, status, phase_log, reward, verify_table, plot, files,
                   conversation, logs, raw) -> dict:
-    data = json.loads(scrub(result.model_dump_json(), key))
+    data = result.model_dump(mode="json")  # holds no key: nothing puts one in a result
     if result.reward is not None:
-        headline = f"## Reward: {result.reward}" + (" (synthetic: oracle)" if result.synthetic else "")
+        headline = f"Reward: {result.reward}" + (" (synthetic: oracle)" if result.synthetic else "")
     else:
-        headline = f"## Reward: none ({result.error_kind}: {scrub(result.error or '', key)})"
+        headline = f"Reward: none ({result.error_kind}: {scrub(result.error or '', key)})"
     rows = [[r.cmd, r.exit_code, r.duration_s, (r.stderr or r.stdout)[-300:]] for r in result.verify_results]
-    return {status: f"✅ Finished in {result.wall_s:.1f} s, {len(result.proxy_turns)} model calls",
-            phase_log: "\n".join(lines), reward: headline, verify_table: rows or None,
-            plot: logprob_svg(result), files: _files_markdown(data["files"]),
-            conversation: _conversation_markdown(data["messages"]),
+    return {status: _text(f"✅ Finished in {result.wall_s:.1f} s, {len(result.proxy_turns)} model calls"),
+            phase_log: "\n".join(lines), reward: _text(headline, "h2"), verify_table: rows or None,
+            plot: logprob_svg(result), files: _files_html(data["files"]),
+            conversation: _conversation_html(data["messages"]),
             logs: f"{data['agent_log_tail']}\n--- gateway ---\n{data['proxy_log_tail']}",
             raw: json.dumps(data, indent=1)}
 
@@ -242,13 +257,18 @@ def logprob_svg(result: RolloutResult, width: int = 960, height: int = 220) -> s
     return f'<div id="logprob-plot-inner">{"".join(parts)}<div>{low} of {len(points)} tokens below p = 0.1</div></div>'
 
 
-def _files_markdown(files: dict[str, str]) -> str:
+def _text(text: str, tag: str = "p") -> str:
+    """`text` as text: escaped, in a <pre>-like element that keeps its lines."""
+    return f'<{tag} style="white-space: pre-wrap">{html.escape(text)}</{tag}>'
+
+
+def _files_html(files: dict[str, str]) -> str:
     if not files:
-        return "_No files in the work dir._"
-    return "\n\n".join(f"**{html.escape(path)}**\n```\n{text[:20000]}\n```" for path, text in sorted(files.items()))
+        return _text("No files in the work dir.")
+    return "".join(f"<h4>{html.escape(path)}</h4>{_text(text[:20000], 'pre')}" for path, text in sorted(files.items()))
 
 
-def _conversation_markdown(messages: list[dict[str, Any]]) -> str:
+def _conversation_html(messages: list[dict[str, Any]]) -> str:
     blocks = []
     for message in messages:
         role = message.get("role", "?")
@@ -260,9 +280,9 @@ def _conversation_markdown(messages: list[dict[str, Any]]) -> str:
             if block.get("type") == "text":
                 parts.append(block.get("text", ""))
             elif block.get("type") == "toolCall":
-                parts.append(f"→ `{block.get('name')}` {json.dumps(block.get('arguments'))[:2000]}")
+                parts.append(f"→ {block.get('name')} {json.dumps(block.get('arguments'))[:2000]}")
             elif block.get("type") == "thinking":
-                parts.append(f"_(thinking)_ {block.get('thinking', '')[:2000]}")
+                parts.append(f"(thinking) {block.get('thinking', '')[:2000]}")
         body = "\n\n".join(part for part in parts if part)
-        blocks.append(f"**{role}**\n```\n{body[:4000]}\n```" if role == "toolResult" else f"**{role}**: {body}")
-    return "\n\n---\n\n".join(blocks) or "_No conversation._"
+        blocks.append(f"<h4>{html.escape(str(role))}</h4>{_text(body[:4000] if role == 'toolResult' else body, 'pre')}")
+    return "<hr>".join(blocks) or _text("No conversation.")
