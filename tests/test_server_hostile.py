@@ -1,0 +1,369 @@
+"""`pi-env serve` against a hostile caller (issue 18), outside a browser: who may call what
+(the bearer token for the API, the cookie for the UI only, Origin checks, no CORS), no token in
+logs, bad input answered with field-named errors before anything runs, and abandoned calls
+(SIGKILLed clients at every stage, every door) giving their slot and sandbox back within
+seconds. The browser's side is in test_web_ui_hostile.py."""
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import processes_of_uid
+from test_server import FIZZBUZZ, ServerProcess, get, sandbox_processes, sandbox_uids_running, sleeping_task, wait_for
+
+pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
+
+ROOT = Path(__file__).parent.parent
+TOKEN = "tok-3f9c2a7e-hostile"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+EVIL = "http://127.0.0.1:1"
+
+
+def request(url: str, body: bytes | None = None, headers: dict | None = None, method: str | None = None,
+            timeout: float = 30) -> tuple[int, dict, str]:
+    """(status, lower-cased headers, body text); redirects are not followed."""
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args):
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    req = urllib.request.Request(url, data=body, headers=headers or {}, method=method)
+    try:
+        with opener.open(req, timeout=timeout) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read().decode()
+
+
+def jsonrpc_call(arguments: dict, id_: int = 1) -> bytes:
+    """OpenEnv's plain JSON-RPC tools/call of run_rollout (json.dumps escapes lone surrogates)."""
+    return json.dumps({"jsonrpc": "2.0", "id": id_, "method": "tools/call",
+                       "params": {"name": "run_rollout", "arguments": arguments}}).encode()
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    server = ServerProcess(tmp_path_factory.mktemp("guarded"), web=True, PI_ENV_AUTH_TOKEN=TOKEN,
+                           MAX_CONCURRENT_ENVS="2", PI_ENV_MAX_QUEUE="2")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def open_server(tmp_path_factory):
+    """No token (a laptop's default): the Origin checks are all that stands between a web page
+    the user visits and the server."""
+    server = ServerProcess(tmp_path_factory.mktemp("open"), MAX_CONCURRENT_ENVS="2", PI_ENV_MAX_QUEUE="8")
+    yield server
+    server.stop()
+
+
+# -- 2. the cookie is the UI's only; Origin checks; no CORS ------------------------------------------
+
+def test_the_cookie_opens_the_ui_only_and_comes_from_a_same_origin_sign_in(guarded):
+    url = guarded.url
+    status, _, page = request(url + "/web/")
+    assert status == 401 and 'name="token"' in page  # the sign-in form, the token typed, never in a URL
+    # Signing in: only from the server's own page (Origin), only with the right token.
+    form = f"token={TOKEN}".encode()
+    assert request(url + "/web/login", form, {"Origin": url})[0] == 303
+    assert request(url + "/web/login", form)[0] == 403  # no Origin: not from the sign-in page
+    assert request(url + "/web/login", form, {"Origin": EVIL})[0] == 403
+    assert request(url + "/web/login", b"token=wrong", {"Origin": url})[0] == 401
+    status, headers, _ = request(url + "/web/login", form, {"Origin": url})
+    cookie = headers["set-cookie"]
+    for attribute in ("HttpOnly", "SameSite=Strict", "Path=/web"):
+        assert attribute in cookie, cookie
+    jar = {"Cookie": cookie.split(";")[0]}
+    assert request(url + "/web/", headers=jar)[0] == 200
+    # The cookie is not a key to the API: /mcp, OpenEnv's routes, /endpoints, /docs want the bearer token.
+    for path in ("/endpoints", "/docs", "/metadata", "/schema", "/state"):
+        assert request(url + path, headers=jar)[0] == 401, path
+        assert request(url + path, headers=BEARER)[0] == 200, path
+    body = jsonrpc_call({"task": FIZZBUZZ})
+    assert request(url + "/mcp", body, {**jar, "Content-Type": "application/json"})[0] == 401
+    assert request(url + "/mcp", body, {**jar, "Content-Type": "text/plain", "Origin": url})[0] == 401
+    # A cookie-authenticated change from another origin (another port of this host: same site) is refused.
+    assert request(url + "/web/gradio_api/queue/join", b"{}", {**jar, "Origin": EVIL,
+                                                                "Content-Type": "text/plain"})[0] == 403
+    # ... and one without any Origin (a browser always sends it on a POST) too.
+    assert request(url + "/web/gradio_api/queue/join", b"{}", {**jar, "Content-Type": "application/json"})[0] == 403
+    # No CORS: the UI's answers carry no access-control-* header, whoever asks.
+    for method in ("GET", "OPTIONS"):
+        _, headers, _ = request(url + "/web/gradio_api/info", headers={**jar, "Origin": EVIL,
+                                                                       "Access-Control-Request-Method": "POST"},
+                                method=method)
+        assert not [name for name in headers if name.startswith("access-control-")], (method, headers)
+
+
+def test_websocket_handshakes_check_origin_and_need_the_token(guarded):
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    ws = guarded.url.replace("http", "ws") + "/ws"
+    for headers, origin in ((BEARER, EVIL), (BEARER, "http://evil.example"), ({}, None),
+                            ({"Cookie": f"pi_env_token={TOKEN}"}, None), ({"Cookie": f"pi_env_token={TOKEN}"}, guarded.url)):
+        with pytest.raises(InvalidStatus) as refused:
+            connect(ws, additional_headers=headers, origin=origin, open_timeout=10).close()
+        assert refused.value.response.status_code == 403, (headers, origin)
+    with connect(ws, additional_headers=BEARER, open_timeout=10) as socket_:  # the token, no browser: fine
+        socket_.send(json.dumps({"type": "state"}))
+        assert "episode_id" in socket_.recv(timeout=10)
+    with connect(ws, additional_headers=BEARER, origin=guarded.url, open_timeout=10):
+        pass  # the server's own page
+
+
+def test_without_a_token_a_foreign_origin_still_cannot_start_a_rollout(open_server):
+    """A `no-cors` text/plain POST (what a page on any site may send) to /mcp or /step, and a
+    WebSocket handshake, from another origin: 403 before anything runs."""
+    url = open_server.url
+    body = jsonrpc_call({"task": sleeping_task(621, "csrf")})
+    for origin in (EVIL, "http://evil.example", "null"):
+        assert request(url + "/mcp", body, {"Origin": origin, "Content-Type": "text/plain"})[0] == 403
+        assert request(url + "/step", json.dumps({"action": {"type": "call_tool", "tool_name": "run_rollout",
+                                                             "arguments": {"task": sleeping_task(621)}}}).encode(),
+                       {"Origin": origin, "Content-Type": "text/plain"})[0] == 403
+    time.sleep(1)
+    assert not sandbox_processes("sleep 621")
+    assert json.loads(get(url + "/endpoints")[1])["rollouts"]["running"] == 0
+    # An API client (no Origin) and the server's own origin still work.
+    status, _, text = request(url + "/mcp", jsonrpc_call({"task": FIZZBUZZ}), {"Content-Type": "application/json"},
+                              timeout=300)
+    assert status == 200 and json.loads(text)["result"]["structured_content"]["reward"] == 1.0, text[:500]
+
+
+def test_cors_only_for_the_origins_configured(tmp_path):
+    trusted = "http://notebook.example:8888"
+    server = ServerProcess(tmp_path, PI_ENV_CORS_ORIGINS=trusted, PI_ENV_AUTH_TOKEN=TOKEN)
+    try:
+        preflight = {"Origin": trusted, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}
+        status, headers, _ = request(server.url + "/mcp", headers=preflight, method="OPTIONS")
+        assert status == 200 and headers["access-control-allow-origin"] == trusted
+        _, headers, _ = request(server.url + "/endpoints", headers={**BEARER, "Origin": trusted})
+        assert headers["access-control-allow-origin"] == trusted
+        _, headers, _ = request(server.url + "/endpoints", headers={**BEARER, "Origin": EVIL})
+        assert "access-control-allow-origin" not in headers
+        assert request(server.url + "/mcp", jsonrpc_call({"task": FIZZBUZZ}), {**BEARER, "Origin": EVIL})[0] == 403
+    finally:
+        server.stop()
+
+
+# -- 10. no query strings in logs; the token only in a header or the cookie ----------------------------
+
+def test_no_query_string_is_logged_and_a_query_token_opens_nothing(guarded):
+    from websockets.sync.client import connect
+
+    secret = "qs-secret-7d1e0c"
+    assert request(guarded.url + f"/endpoints?token={TOKEN}")[0] == 401
+    assert request(guarded.url + f"/web/?token={TOKEN}")[0] == 401
+    assert request(guarded.url + f"/endpoints?note={secret}", headers=BEARER)[0] == 200
+    with connect(guarded.url.replace("http", "ws") + f"/ws?token={secret}", additional_headers=BEARER,
+                 open_timeout=10):
+        pass
+    time.sleep(0.5)
+    log = guarded.log_path.read_text()
+    assert "GET /endpoints?" in log and "/ws?" in log  # the requests are logged ...
+    assert secret not in log and TOKEN not in log  # ... their query strings are not
+
+
+# -- 7. bad input: field-named errors before anything runs ----------------------------------------------
+
+BAD_ARGUMENTS = [
+    ({"instruction": "x", "verify": ["true"], "files": {"a.txt": "ok \ud800 no"}}, "files['a.txt']", "surrogate"),
+    ({"instruction": "x", "setup": ["echo \udfff"], "verify": ["true"]}, "setup[0]", "surrogate"),
+    ({"instruction": "x", "verify": ["true"], "solution": [{"tool": "write", "path": "a", "content": "\ud83d"}]},
+     "solution[0]", "surrogate"),
+    ({"instruction": "x", "verify": ["true\x00; rm -rf /"]}, "verify[0]", "NUL"),
+    ({"instruction": "x", "setup": ["a\x00b"], "verify": ["true"]}, "setup[0]", "NUL"),
+    ({"instruction": "x", "verify": ["true"], "agent_timeout_s": 1e308}, "agent_timeout_s", "less than or equal"),
+    ({"instruction": "x", "verify": ["true"], "files": {"n" * 300: "x"}}, "files", "path too long"),
+    ({"instruction": "x", "verify": ["true"], "endpoint": "http://127.0.0.1:9/v1", "model": "m",
+      "api_key": "line\r\nX-Injected: 1"}, "api_key", "control character"),
+    ({"task": {"instruction": "x", "verify": ["true"], "timeouts": {"agent_s": 1e308}}}, "timeouts.agent_s",
+     "less than or equal"),
+]
+
+
+@pytest.mark.parametrize("arguments,field,what", BAD_ARGUMENTS)
+def test_bad_input_is_a_field_named_error_never_infra(open_server, arguments, field, what):
+    for mcp_sdk in (False, True):
+        text = _tool_error(open_server.url, arguments, mcp_sdk)
+        assert field in text and what in text, text
+        assert "infra" not in text and "Traceback" not in text and "Error calling tool" not in text, text
+    assert not any(open_server.sandbox_root.iterdir())  # nothing ran
+
+
+def _tool_error(url: str, arguments: dict, mcp_sdk: bool) -> str:
+    if not mcp_sdk:  # OpenEnv's JSON-RPC POST
+        status, _, text = request(url + "/mcp", jsonrpc_call(arguments), {"Content-Type": "application/json"})
+        assert status == 200, (status, text)
+        answer = json.loads(text)
+        return json.dumps(answer.get("error") or answer["result"], ensure_ascii=False)
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    status, _, text = request(url + "/mcp/", jsonrpc_call(arguments), headers)  # MCP streamable HTTP, stateless
+    assert status == 200, (status, text)
+    data = next(line[5:] for line in text.splitlines() if line.startswith("data:"))
+    result = json.loads(data)["result"]
+    assert result["isError"], result
+    return result["content"][0]["text"]
+
+
+@pytest.mark.parametrize("body,what", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"x": "\xff\xfe"}}', "not UTF-8"),
+    (b'{"a": ' * 150 + b"1" + b"}" * 150, "nested too deeply"),  # valid JSON, past the 100 levels
+    (b"{" * 3000, "not valid JSON"),
+])
+def test_undecodable_or_deep_request_bodies_are_400_not_500(open_server, body, what):
+    for path, accept in (("/mcp", "application/json"), ("/mcp/", "application/json, text/event-stream"),
+                         ("/step", "application/json")):
+        status, _, text = request(open_server.url + path, body, {"Content-Type": "application/json",
+                                                                 "Accept": accept})
+        assert status == 400 and what in text, (path, status, text[:300])
+    assert get(open_server.url + "/health")[0] == 200
+
+
+def test_a_body_past_the_limit_is_413(tmp_path):
+    server = ServerProcess(tmp_path, PI_ENV_MAX_BODY_BYTES=str(1 << 20))
+    try:
+        status, _, text = request(server.url + "/mcp", b'{"x": "' + b"a" * (2 << 20) + b'"}',
+                                  {"Content-Type": "application/json"})
+        assert status == 413 and "PI_ENV_MAX_BODY_BYTES" in text
+    finally:
+        server.stop()
+
+
+# -- 3. abandoned work gives its slot back, at every stage, through every door ------------------------
+
+CLIENT = """
+import asyncio, json, sys
+sys.path.insert(0, {tests!r})
+door, url, task = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if door == "mcp":
+    from test_server import mcp_call
+    asyncio.run(mcp_call(url, {{"task": task}}))
+elif door == "ws":
+    from openenv.core.mcp_client import MCPToolClient
+    async def main():
+        async with MCPToolClient(base_url=url, message_timeout_s=600) as env:
+            await env.call_tool("run_rollout", task=task)
+    asyncio.run(main())
+elif door == "step":
+    import urllib.request
+    body = json.dumps({{"action": {{"type": "call_tool", "tool_name": "run_rollout", "arguments": {{"task": task}}}}}})
+    urllib.request.urlopen(urllib.request.Request(url + "/step", body.encode(),
+                                                  {{"Content-Type": "application/json"}}), timeout=600).read()
+"""
+
+
+def staged_task(stage: str, marker: int) -> dict:
+    """A task that stays in `stage` (setup, agent or verify) running `sleep <marker>`."""
+    sleep = f"sleep {marker}"
+    task = {"task_id": f"{stage}-{marker}", "instruction": "wait", "verify": ["true"],
+            "solution": [{"tool": "bash", "command": "true"}]}
+    if stage == "setup":
+        task["setup"] = [sleep]
+    elif stage == "agent":
+        task["solution"] = [{"tool": "bash", "command": sleep}]
+    else:
+        task["verify"] = [sleep]
+    return task
+
+
+def start_client(door: str, url: str, task: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CLIENT.format(tests=str(Path(__file__).parent)), door, url,
+                             json.dumps(task)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def rollouts(server) -> dict:
+    return json.loads(get(server.url + "/endpoints")[1])["rollouts"]
+
+
+def assert_nothing_left(server, within_s: float = 20) -> None:
+    wait_for(lambda: rollouts(server)["running"] == 0 and rollouts(server)["waiting"] == 0, within_s,
+             f"every slot and queue place to be freed ({rollouts(server)})")
+    wait_for(lambda: not any(server.sandbox_root.iterdir()), within_s, "every sandbox dir to be deleted")
+    wait_for(lambda: not [uid for uid in sandbox_uids_running() if processes_of_uid(uid)
+                          and any(str(server.sandbox_root) in cmd or "sleep 6" in cmd for _, cmd in
+                                  processes_of_uid(uid))], within_s, "every sandbox process to end")
+
+
+@pytest.mark.parametrize("door", ["mcp", "ws", "step"])
+@pytest.mark.parametrize("stage", ["setup", "agent", "verify"])
+def test_a_killed_client_frees_its_slot_within_seconds(open_server, door, stage):
+    marker = 630 + ["setup", "agent", "verify"].index(stage) * 10 + ["mcp", "ws", "step"].index(door)
+    client = start_client(door, open_server.url, staged_task(stage, marker))
+    try:
+        wait_for(lambda: sandbox_processes(f"sleep {marker}"), 90, f"the {stage} sleep to start")
+        client.kill()
+        client.wait(10)
+        killed = time.monotonic()
+        assert_nothing_left(open_server, within_s=15)
+        print(f"{door}/{stage}: slot and sandbox freed {time.monotonic() - killed:.1f} s after SIGKILL")
+    finally:
+        if client.poll() is None:
+            client.kill()
+
+
+def test_killed_queued_clients_leave_the_queue(tmp_path):
+    server = ServerProcess(tmp_path, MAX_CONCURRENT_ENVS="1", PI_ENV_MAX_QUEUE="4")
+    clients = []
+    try:
+        clients.append(start_client("mcp", server.url, staged_task("agent", 661)))
+        wait_for(lambda: sandbox_processes("sleep 661"), 90, "the first rollout to run")
+        clients += [start_client(door, server.url, staged_task("agent", 662 + i))
+                    for i, door in enumerate(["mcp", "mcp", "ws", "step"])]
+        wait_for(lambda: rollouts(server)["waiting"] == 4, 60, "four callers to queue")
+        for client in clients[1:]:
+            client.kill()
+        wait_for(lambda: rollouts(server)["waiting"] == 0, 10, "the killed callers to leave the queue")
+        assert rollouts(server)["running"] == 1 and sandbox_processes("sleep 661")  # the live one runs on
+        clients[0].kill()
+        assert_nothing_left(server)
+        assert not any(sandbox_processes(f"sleep {662 + i}") for i in range(4))  # never started
+    finally:
+        for client in clients:
+            if client.poll() is None:
+                client.kill()
+        server.stop()
+
+
+def test_sixteen_calls_killed_at_random_stages_leave_nothing_behind(tmp_path):
+    """Bounded load: 16 callers over MCP, /ws and /step (4 slots, queue 12), each running a
+    task that lingers in setup, the agent or verify, each SIGKILLed at a random moment in its
+    first 12 s (queued, in setup, mid-agent, verifying): within 30 s of the last kill no slot,
+    queue place, sandbox dir or sandbox process is left."""
+    server = ServerProcess(tmp_path, MAX_CONCURRENT_ENVS="4", PI_ENV_MAX_QUEUE="12")
+    rng = random.Random(18)
+    clients = []
+    try:
+        for i in range(16):
+            door, stage = ("mcp", "ws", "step")[i % 3], ("setup", "agent", "verify")[(i // 3) % 3]
+            clients.append((start_client(door, server.url, staged_task(stage, 700 + i)), rng.uniform(1, 12)))
+        started = time.monotonic()
+        for client, at in sorted(clients, key=lambda pair: pair[1]):
+            time.sleep(max(0.0, started + at - time.monotonic()))
+            client.kill()
+        for client, _ in clients:
+            client.wait(10)
+        killed = time.monotonic()
+        assert_nothing_left(server, within_s=30)
+        print(f"16 callers killed at random stages: everything freed {time.monotonic() - killed:.1f} s after "
+              "the last kill")
+        assert not any(sandbox_processes(f"sleep {700 + i}") for i in range(16))
+        assert rollouts(server) == {"running": 0, "waiting": 0, "max_running": 4, "max_waiting": 12}
+    finally:
+        for client, _ in clients:
+            if client.poll() is None:
+                client.kill()
+        server.stop()
