@@ -367,3 +367,22 @@ def test_sixteen_calls_killed_at_random_stages_leave_nothing_behind(tmp_path):
             if client.poll() is None:
                 client.kill()
         server.stop()
+
+
+# -- 6. keys that look like JSON or field names, or need escaping, work and corrupt nothing -------------
+
+@pytest.mark.parametrize("key", ["stop", "pass", "true", "null", 'sk-"q"\\b\tk', "sk-ключ-ü-🔑"])
+def test_any_api_key_works_and_never_rewrites_the_result(open_server, server, key):
+    from pi_env.server.client import PiEnv
+    from pi_env.testing import ScriptedToolCall, ScriptedTurn
+
+    server.add_script([ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={
+        "command": "echo pass_rate stop_reason true null > out.txt"})]), ScriptedTurn(text="stop: done, pass")],
+        api_key=key)
+    with PiEnv(open_server.url) as env:
+        result = env.run_rollout(instruction="x", verify=["grep -q stop_reason out.txt"], endpoint=server.base_url,
+                                 model="scripted-model", api_key=key)
+    assert result.reward == 1.0 and result.reward_source == "pass_rate" and result.stop_reason == "stop", result.error
+    assert result.files["out.txt"] == "pass_rate stop_reason true null\n"
+    assert "***" not in result.model_dump_json()
+    assert server.requests[-1].api_key == key  # it reached the upstream intact

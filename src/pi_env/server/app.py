@@ -47,7 +47,8 @@ from .auth import ServerGuard, allowed_origins_from_env  # noqa: E402
 from .bodies import BoundedJsonBodies  # noqa: E402
 from .limiter import ServerBusy  # noqa: E402
 from .rollouts import (  # noqa: E402
-    CALLER_META, BadArguments, RolloutService, caller_gone, catalog_summary, client_gone, describe, registered_caller, scrub)
+    CALLER_META, BadArguments, RolloutService, caller_gone, catalog_summary, client_gone, describe, registered_caller, scrub,
+    scrub_result)
 
 log = logging.getLogger("pi_env.server")
 # FastMCP logs a bad call's argument values; _CleanArgumentErrors reports it without them (a value may be a key).
@@ -108,7 +109,7 @@ def build_mcp_server(service: RolloutService) -> FastMCP:
         except Exception as error:  # noqa: BLE001 - sandbox or runtime unavailable, ...: said, never a trace
             log.warning("run_rollout failed: %s", scrub(str(error), api_key))
             raise ToolError(f"infra: {type(error).__name__}: {scrub(str(error), api_key)}") from None
-        return result.model_dump(mode="json")  # holds no key: nothing puts one in a result
+        return scrub_result(result.model_dump(mode="json"), api_key)
 
     argument_names = set(inspect.signature(run_rollout.fn if hasattr(run_rollout, "fn") else run_rollout).parameters)
     argument_names.discard("ctx")

@@ -145,6 +145,21 @@ def scrub(text: str, secret: str | None) -> str:
     return text
 
 
+def scrub_result(data: dict[str, Any], secret: str | None) -> dict[str, Any]:
+    """A result (JSON mode) with the key scrubbed from its free text from outside only: the
+    error, the logs, each turn's upstream error (an upstream may echo the key in its error
+    body). Structured fields are never touched, so a key like "stop" leaves `stop_reason`."""
+    if not secret:
+        return data
+    for field in ("error", "agent_log_tail", "proxy_log_tail"):
+        if isinstance(data.get(field), str):
+            data[field] = scrub(data[field], secret)
+    for turn in data.get("proxy_turns") or []:
+        if isinstance(turn.get("upstream_error"), str):
+            turn["upstream_error"] = scrub(turn["upstream_error"], secret)
+    return data
+
+
 # A threading.Event set when the HTTP client of the current request disconnects (see
 # app.DisconnectWatch); contextvars follow the request into the tool call's task.
 client_gone: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("pi_env_client_gone", default=None)

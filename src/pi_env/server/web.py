@@ -25,7 +25,7 @@ import gradio as gr
 from ..results import RolloutEvent, RolloutResult
 from ..task import PiTask, TaskError, load_tasks
 from .limiter import ServerBusy
-from .rollouts import MODES, BadArguments, RolloutService, catalog_summary, scrub
+from .rollouts import MODES, BadArguments, RolloutService, catalog_summary, scrub, scrub_result
 
 log = logging.getLogger("pi_env.server.web")
 EXTRA_FIELDS = ("task_id", "files", "verify_files", "solution")
@@ -201,7 +201,7 @@ def event_line(event: RolloutEvent) -> str:
 
 def _result_views(result: RolloutResult, key, lines, status, phase_log, reward, verify_table, plot, files,
                   conversation, logs, raw) -> dict:
-    data = result.model_dump(mode="json")  # holds no key: nothing puts one in a result
+    data = scrub_result(result.model_dump(mode="json"), key)
     if result.reward is not None:
         headline = f"Reward: {result.reward}" + (" (synthetic: oracle)" if result.synthetic else "")
     else:
