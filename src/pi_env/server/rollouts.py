@@ -146,12 +146,13 @@ def scrub(text: str, secret: str | None) -> str:
 
 
 def scrub_result(data: dict[str, Any], secret: str | None) -> dict[str, Any]:
-    """A result (JSON mode) with the key scrubbed from its free text from outside only: the
-    error, the logs, each turn's upstream error (an upstream may echo the key in its error
-    body). Structured fields are never touched, so a key like "stop" leaves `stop_reason`."""
+    """A result (JSON mode) with the key scrubbed from the free text that quotes the upstream
+    only: the error, the gateway's log, each turn's upstream error (an upstream may echo the key
+    in its error body). Structured fields and what the agent wrote are never touched (the agent
+    never holds the key), so a key like "stop" leaves `stop_reason` and the agent's words."""
     if not secret:
         return data
-    for field in ("error", "agent_log_tail", "proxy_log_tail"):
+    for field in ("error", "proxy_log_tail"):
         if isinstance(data.get(field), str):
             data[field] = scrub(data[field], secret)
     for turn in data.get("proxy_turns") or []:
