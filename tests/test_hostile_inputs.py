@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import scripted_config
+from helpers import scripted_config
 from pi_env import PiTask, run_rollout
 from pi_env.collect.export import export
 from pi_env.collect.store import StoreError

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import processes_of_uid
+from helpers import processes_of_uid
 from test_server import FIZZBUZZ, ServerProcess, get, sandbox_processes, sandbox_uids_running, sleeping_task, wait_for
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]

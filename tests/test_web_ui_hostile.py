@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from conftest import processes_of_uid
+from helpers import processes_of_uid
 from test_server import ServerProcess, sandbox_processes, sleeping_task, wait_for
 from test_web_ui import CHROMIUM, CHROMIUM_FLAGS, phase_log, pick_preset
 from pi_env.testing import ScriptedServer, ScriptedToolCall, ScriptedTurn

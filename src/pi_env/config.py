@@ -93,7 +93,6 @@ class PiConfig(BaseModel):
     # What the result keeps of the work dir.
     result_max_files: int = Field(200, ge=0)
     result_max_file_bytes: int = Field(256 << 10, ge=0)
-    result_max_total_bytes: int = Field(16 << 20, ge=0)  # all files together (a result travels whole)
 
     @field_validator("proxy_sampling")
     @classmethod

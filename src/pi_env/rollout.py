@@ -463,10 +463,7 @@ class PiSession:
             try:
                 with self._phase("collect"):
                     snapshot = self._read_tree(SANDBOX_WORKDIR, config.result_max_files, config.result_max_file_bytes)
-                result.files, left_out = _within_budget(snapshot, config.result_max_total_bytes)
-                if left_out:
-                    result.agent_log_tail += (f"\n[pi-env] {left_out} files left out of the result: past "
-                                              f"result_max_total_bytes={config.result_max_total_bytes}")
+                result.files = {path: _as_text(data) for path, data in snapshot.items()}
             except (SandboxError, OSError) as error:
                 result.agent_log_tail += f"\n[pi-env] could not collect files: {error}"
 
@@ -700,14 +697,3 @@ def private_scratch_dir(name: str) -> Path:
         directory.chmod(0o700)
     return directory
 
-
-def _within_budget(snapshot: dict[str, bytes], max_total_bytes: int) -> tuple[dict[str, str], int]:
-    """The snapshot's files as text, in path order, until their bytes reach `max_total_bytes`;
-    and how many were left out."""
-    files, total = {}, 0
-    for path in sorted(snapshot):
-        total += len(snapshot[path])
-        if total > max_total_bytes:
-            return files, len(snapshot) - len(files)
-        files[path] = _as_text(snapshot[path])
-    return files, 0
