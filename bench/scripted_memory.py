@@ -18,8 +18,8 @@ import json
 import tracemalloc
 import urllib.request
 
-from pi_env.testing import ScriptedServer, ScriptedTurn
-from pi_env.testing.scripted import MAX_RECORDED_BYTES
+from pi_env.scripted import ScriptedServer, ScriptedTurn
+from pi_env.scripted.server import MAX_RECORDED_BYTES
 
 
 def held_after_run(server: ScriptedServer, requests: int, turn_bytes: int) -> int:

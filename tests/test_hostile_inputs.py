@@ -19,7 +19,7 @@ from pi_env.collect.export import export
 from pi_env.collect.store import StoreError
 from pi_env.server.rollouts import scrub
 from pi_env.task import TaskError, load_tasks
-from pi_env.testing import Fault, ScriptedServer, ScriptedToolCall, ScriptedTurn
+from pi_env.scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn
 
 ROOT = Path(__file__).parent.parent
 

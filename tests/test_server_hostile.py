@@ -374,7 +374,7 @@ def test_sixteen_calls_killed_at_random_stages_leave_nothing_behind(tmp_path):
 @pytest.mark.parametrize("key", ["stop", "pass", "true", "null", 'sk-"q"\\b\tk', "sk-ключ-ü-🔑"])
 def test_any_api_key_works_and_never_rewrites_the_result(open_server, server, key):
     from pi_env.server.client import PiEnv
-    from pi_env.testing import ScriptedToolCall, ScriptedTurn
+    from pi_env.scripted import ScriptedToolCall, ScriptedTurn
 
     server.add_script([ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={
         "command": "echo pass_rate stop_reason true null > out.txt"})]), ScriptedTurn(text="stop: done, pass")],
