@@ -159,6 +159,7 @@ class PiSession:
                 if not self._run_setup():
                     return
             with self._phase("agent_start"):
+                self._check_open()
                 self._start_agent(runtime)
         except EnvironmentUnsupported as error:
             self._fail("environment_unsupported", str(error))
