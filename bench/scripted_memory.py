@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import tracemalloc
 import urllib.request
 
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--turn-bytes", type=int, default=2000)
     args = parser.parse_args()
+    load_before = os.getloadavg()
     tracemalloc.start()
     held = {}
     for name, options in (("keep_all", {"record_requests": 1000, "record_bytes": 1 << 62}),
@@ -53,7 +55,8 @@ def main() -> None:
     mib = {name: round(value / 2**20, 2) for name, value in held.items()}
     print(json.dumps({"bench": "scripted_memory", "requests": args.requests, "turn_bytes": args.turn_bytes,
                       "held_mib": mib, "default_bound_mib": MAX_RECORDED_BYTES >> 20,
-                      "keep_all_over_oracle": round(held["keep_all"] / max(held["oracle"], 1), 1)}))
+                      "keep_all_over_oracle": round(held["keep_all"] / max(held["oracle"], 1), 1),
+                      "loadavg": {"before": load_before, "after": os.getloadavg()}}))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ TINY = {
     "proxy_overhead.py": ["--n", "4", "--tokens", "100", "--concurrency", "1", "2"],
     "rollout_overhead.py": ["-n", "1"],
     "sandbox_overhead.py": ["2"],
+    "scripted_memory.py": ["--requests", "20", "--turn-bytes", "200"],
     "token_in_overhead.py": ["--tokens", "2000", "--turns", "3", "--sessions", "2"],
     "server_throughput.py": ["--rollouts", "1", "--concurrency", "1", "--rounds", "1", "--fixed-calls", "2"],
     "workspace_steps.py": ["--calls", "5", "--runs", "2", "--episodes", "1"],
