@@ -92,7 +92,7 @@ def test_store_refuses_a_second_writer_and_a_damaged_line(tmp_path):
         with pytest.raises(StoreError, match="already stored"):
             store.append({"id": "a#0"})
     (tmp_path / "results.jsonl").write_text('{"id": "a#0"}\nnot json\n{"id": "b#0"}\n')
-    with pytest.raises(StoreError, match=r"results.jsonl:2: not a pi-env record"):
+    with pytest.raises(StoreError, match=r"results.jsonl:2: not a JSON record"):
         ResultStore(tmp_path)
 
 
