@@ -88,7 +88,9 @@ class UserNet:
         for fd in self.pass_fds:  # bwrap (and the command) hold their own copies
             os.close(fd)
         try:
-            attach_network(self._child_pid(), self._exit_r)
+            pid = self._child_pid()
+            _wait_for_loopback(pid)  # bwrap sets up lo itself: touching the namespace before races it
+            attach_network(pid, self._exit_r)
             os.write(self._block_w, b"1")
         finally:
             for fd in (self._info_r, self._block_w, self._exit_r):
@@ -117,6 +119,24 @@ class UserNet:
             if not chunk:
                 raise SandboxError("bubblewrap exited before its sandbox was ready")
             data += chunk
+
+
+def _wait_for_loopback(pid: int) -> None:
+    """Wait until the loopback device of `pid`'s network namespace is up (bubblewrap brings it
+    up after reporting its pid; slirp4netns configuring the namespace meanwhile made bwrap fail
+    with "loopback: Failed RTM_NEWADDR" about once in 60 commands). An up lo has ::1 (IPv6) or
+    has joined 224.0.0.1 (IPv4)."""
+    deadline = time.monotonic() + ATTACH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for name in ("if_inet6", "igmp"):
+            try:
+                with open(f"/proc/{pid}/net/{name}") as f:
+                    if any(line.split()[-1:] == ["lo"] or line.split()[1:2] == ["lo"] for line in f):
+                        return
+            except OSError:
+                pass
+        time.sleep(0.001)
+    raise SandboxError("the sandbox's loopback device did not come up in time")
 
 
 def attach_network(pid: int, exit_fd: int) -> None:
