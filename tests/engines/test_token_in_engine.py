@@ -51,7 +51,7 @@ class Relay:
 
     upstream: str  # http://127.0.0.1:PORT/v1
     assistant_ids: list[int]  # "<|im_start|>assistant": counts a token prompt's past turns
-    seen: dict[tuple, dict] = field(default_factory=dict)  # prompt ids -> what the engine streamed
+    seen: dict[tuple, dict] = field(default_factory=dict)  # (path, prompt ids) -> what the engine streamed
     runner: web.AppRunner | None = None
     port: int = 0
 
@@ -83,7 +83,8 @@ class Relay:
                 await response.write_eof()
         if body.get("stream"):
             answer = engine_answer(bytes(raw), chat="messages" in body)
-            self.seen[tuple(answer["prompt"] or ())] = answer
+            # By path too: a first turn's prompt is the same ids through both paths.
+            self.seen[(request.match_info["rest"], tuple(answer["prompt"] or ()))] = answer
         return response
 
     async def start(self) -> None:
@@ -166,7 +167,7 @@ def test_token_in_rollouts_are_one_exact_sequence_and_plain_ones_break(relay, vl
         assert len(calls) >= FORCED_CALLS, [t.message for t in result.proxy_turns]
         assert all(transitions(result)) and result.training.append_only
         for turn in result.proxy_turns:
-            engine = relay.seen[tuple(turn.prompt_token_ids)]
+            engine = relay.seen[("completions", tuple(turn.prompt_token_ids))]
             assert turn.token_in["engine_prompt_token_ids_match"] is True
             assert turn.prompt_token_ids == engine["prompt"]
             assert turn.completion_token_ids == engine["ids"] and turn.per_token_logps == engine["logprobs"]
