@@ -366,6 +366,40 @@ def test_sandboxes_of_a_killed_owner_are_swept_and_live_ones_kept(monkeypatch):
     shutil.rmtree(outer)
 
 
+@pytest.mark.skipif(not IS_ROOT, reason="mounting a size-capped home needs root")
+def test_a_stale_sandbox_with_its_capped_home_still_mounted_is_swept(monkeypatch):
+    """A dead owner's dir whose size-capped home tmpfs is still mounted (with another tmpfs
+    stacked on it and one inside the work dir): rmdir of a mount point is EBUSY, so the sweep
+    detaches every mount under the dir first; nothing is left mounted or on disk."""
+    from pi_env.sandbox import hostdir
+    from pi_env.sandbox.totals import host_totals, mount_capped_home, mount_points_under
+
+    if not host_totals().disk:
+        pytest.skip(f"no size-capped homes here: {host_totals().why_not}")
+    outer = tempfile.mkdtemp(prefix="pi-env-sweep-mounted-")
+    os.chmod(outer, 0o711)
+    root = os.path.join(outer, "root")
+    os.mkdir(root, 0o711)
+    try:
+        host_dir, lock_fd = hostdir.make_host_dir(root, None, disk_bytes=1 << 20)
+        home = os.path.join(host_dir, "home")
+        mount_capped_home(home, 1 << 20, None)  # stacked on the capped home
+        os.mkdir(os.path.join(home, "workdir"))
+        mount_capped_home(os.path.join(home, "workdir"), 1 << 20, None)
+        with open(os.path.join(home, "workdir", "f"), "w") as f:
+            f.write("x")
+        os.close(lock_fd)  # the owner dies: no discard, its lock is free
+        assert len(mount_points_under(host_dir)) == 3
+        monkeypatch.setattr(hostdir, "STALE_LOCK_AGE_S", 0.0)
+        assert hostdir.sweep_stale_host_dirs(root) == [host_dir]
+        assert os.listdir(root) == [] and mount_points_under(outer) == []
+    finally:
+        from pi_env.sandbox.totals import unmount_all
+
+        unmount_all(outer)
+        shutil.rmtree(outer)
+
+
 def test_concurrent_sandboxes_from_threads(backend):
     def run(i: int) -> tuple[int, str]:
         with backend.create(SandboxSpec()) as sb:

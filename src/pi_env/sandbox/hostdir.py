@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from pi_env.sandbox.totals import host_totals, mount_capped_home, sweep_stale_cgroups, unmount_home
+from pi_env.sandbox.totals import host_totals, mount_capped_home, sweep_stale_cgroups, unmount_all
 from pi_env.sandbox.base import (
     SANDBOX_HOME,
     SANDBOX_WORKDIR,
@@ -110,7 +110,7 @@ def discard_host_dir(host_dir: str, lock_fd: int) -> None:
     the lock."""
     try:
         if os.path.isdir(host_dir):
-            unmount_home(os.path.join(host_dir, "home"))  # frees a capped home's content at once
+            unmount_all(host_dir)  # frees a capped home's content at once
             delete_tree(host_dir)
         os.unlink(host_dir + LOCK_SUFFIX)
     finally:
@@ -150,12 +150,12 @@ def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = Non
             if os.path.isdir(host_dir):
                 if reclaim is not None:
                     reclaim(host_dir)
-                unmount_home(os.path.join(host_dir, "home"))
+                unmount_all(host_dir)  # its capped home (and anything stacked on it) is still mounted
                 delete_tree(host_dir)
                 swept.append(host_dir)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock_path)
-        except OSError as error:
+        except (OSError, subprocess.SubprocessError) as error:  # a dir that resists never stops a backend
             log.warning("could not sweep stale sandbox %s: %s", lock_path, error)
         finally:
             os.close(fd)
@@ -430,8 +430,10 @@ def delete_tree(path: str) -> None:
     try:
         _remove_entry(parent_fd, name)
     except OSError:
-        # Nothing runs in the sandbox any more, so the plain tools are safe here.
+        # Nothing runs in the sandbox any more, so the plain tools are safe here; a mount point
+        # (EBUSY) is detached first.
         log.warning("deleting %s with rm -rf", path, exc_info=True)
+        unmount_all(path)
         subprocess.run(["chmod", "-R", "u+rwx", "--", path], stderr=subprocess.DEVNULL)
         subprocess.run(["rm", "-rf", "--", path], check=True)
     finally:

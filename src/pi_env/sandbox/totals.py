@@ -22,6 +22,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -230,6 +231,45 @@ def unmount_home(path: str) -> bool:
     if code not in (errno.EINVAL, errno.ENOENT):  # EINVAL: not a mount point
         log.warning("could not unmount %s: %s", path, os.strerror(code))
     return False
+
+
+def unmount_all(path: str) -> int:
+    """Detach every mount at or below `path`, deepest first, stacked ones included, so the tree
+    can be deleted (rmdir of a mount point is EBUSY). Lazy (MNT_DETACH): a process still inside
+    does not stop it. Returns how many were detached."""
+    detached = 0
+    for _ in range(64):  # each pass detaches the top of every stack; a bound against a mount storm
+        points = mount_points_under(path)
+        if not points:
+            break
+        progress = False
+        for point in sorted(points, key=lambda p: p.count("/"), reverse=True):
+            if unmount_home(point):
+                detached += 1
+                progress = True
+        if not progress:
+            break
+    return detached
+
+
+def mount_points_under(path: str) -> list[str]:
+    """This mount namespace's mount points at or below `path` (one entry per stacked mount)."""
+    path = os.path.realpath(path)
+    found = []
+    try:
+        with open("/proc/self/mountinfo") as mountinfo:
+            for line in mountinfo:
+                # Field 5 is the mount point, with space, tab, newline and backslash octal-escaped.
+                point = _unescape_mount_field(line.split(" ", 5)[4])
+                if point == path or point.startswith(path.rstrip("/") + "/"):
+                    found.append(point)
+    except OSError:
+        return []
+    return found
+
+
+def _unescape_mount_field(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
 @functools.cache
