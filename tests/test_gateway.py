@@ -567,6 +567,44 @@ def test_upstream_key_is_masked_in_relayed_and_recorded_errors(gateway, server, 
     gateway.close_session(session)
 
 
+def test_a_key_echoed_json_escaped_or_url_encoded_is_masked_too(gateway, server):
+    """A key with a quote, a backslash and non-ASCII comes back from an upstream's JSON error
+    escaped (and in a URL URL-encoded): every form is masked before the agent or a record sees it."""
+    from urllib.parse import quote
+
+    key = 'sk-"odd"\\key-ключ-0123'
+    echo = {"error": {"message": f"invalid key {key}", "url": f"/v1/check?key={quote(key, safe='')}"}}
+    session = gateway.open_session(Upstream(server.base_url, server.add_script(
+        [ScriptedTurn(fault=Fault(http_status=401, body=echo))], api_key=key)))
+    status, _, raw = call(gateway, session)
+    session.wait_idle(5)
+    forms = {key, json.dumps(key)[1:-1], json.dumps(key, ensure_ascii=False)[1:-1], quote(key, safe="")}
+    assert status == 401 and raw.count(b"***") == 2, raw
+    for text in (raw.decode(), session.turns[0].upstream_error):
+        assert not [form for form in forms if form in text], text
+    gateway.close_session(session)
+
+
+def test_the_trace_file_is_private_and_holds_no_key_an_upstream_echoed(gateway, server, tmp_path):
+    """Issue 18 item 4: an upstream error echoing the key (raw and JSON-escaped) is scrubbed
+    before the turn is written to the trace, which is 0600 in a 0700 directory."""
+    import stat
+
+    key = 'sk-trace-"echo"-0123456789'
+    echo = {"error": {"message": f"bad key {key}", "raw": key}}
+    trace = tmp_path / "traces" / "t.jsonl"
+    session = gateway.open_session(Upstream(server.base_url, server.add_script(
+        [ScriptedTurn(fault=Fault(http_status=401, body=echo))], api_key=key)), mode="transparent_proxy",
+        trace_path=str(trace))
+    status, _, _ = call(gateway, session)
+    session.wait_idle(5)
+    gateway.close_session(session)
+    text = trace.read_text()
+    assert status == 401 and json.loads(text)["upstream_status"] == 401 and "bad key ***" in text, text
+    assert key not in text and json.dumps(key)[1:-1] not in text and "echo" not in text, text
+    assert stat.S_IMODE(trace.stat().st_mode) == 0o600 and stat.S_IMODE(trace.parent.stat().st_mode) == 0o700
+
+
 def test_a_lone_surrogate_escape_is_still_relayed(gateway, server):
     """node's JSON.stringify writes "\\ud83d" for a string cut inside a surrogate pair: valid JSON
     that the fast parser refuses; the gateway still relays it (and still applies its rules)."""

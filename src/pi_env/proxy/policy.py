@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from typing import Any
+from urllib.parse import quote, quote_plus
 
 import msgspec
 
@@ -126,8 +127,15 @@ def secrets_of(api_key: str | None, headers: dict[str, str]) -> tuple[bytes, ...
     """The byte strings that must never reach the agent or a record: the upstream key and the
     values of the extra upstream headers, longest first (so a longer secret is masked whole)."""
     values = [api_key or "", *headers.values()]
-    found = {value.encode() for value in values if len(value) >= _MIN_SECRET_CHARS}
+    found = {form.encode() for value in values if len(value) >= _MIN_SECRET_CHARS for form in _quoted_forms(value)}
     return tuple(sorted(found, key=len, reverse=True))
+
+
+def _quoted_forms(value: str) -> set[str]:
+    """`value` as an upstream may echo it in an error body: as is, JSON-escaped (a key with `"`,
+    `\\` or non-ASCII), URL-encoded."""
+    return {value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1], quote(value, safe=""),
+            quote_plus(value, safe="")}
 
 
 def scrub(data: bytes, secrets: tuple[bytes, ...]) -> bytes:
