@@ -108,6 +108,25 @@ def test_scrub_matches_every_encoding_of_the_key(key):
         assert scrubbed == "upstream said: *** (401)", (form, scrubbed)
 
 
+def test_the_web_uis_live_log_is_scrubbed_like_a_result():
+    """A live log line quotes a model call's upstream error (which may echo the caller's key in
+    any encoding): the key is never shown, the rest of the line is."""
+    import queue
+    from urllib.parse import quote
+
+    from pi_env.results import RolloutEvent, RolloutTurn
+    from pi_env.server.web import _drain
+
+    key = 'sk-"ui"\\key-ключ-4242'
+    events = queue.SimpleQueue()
+    for form in (key, json.dumps(key)[1:-1], quote(key, safe="")):
+        events.put(RolloutEvent(kind="turn", elapsed_s=1.0, turn=RolloutTurn(
+            turn=0, upstream_status=401, upstream_error=f'{{"error": "invalid key {form}"}}')))
+    lines = _drain(events, key)
+    assert len(lines) == 3 and all("upstream 401" in line and "invalid key ***" in line for line in lines), lines
+    assert "ui" not in "".join(lines).replace("upstream", ""), lines
+
+
 # -- 4. trace files: private, scrubbed, kept only on purpose -------------------------------------------
 
 def bash(command: str) -> ScriptedTurn:

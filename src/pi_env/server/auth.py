@@ -12,6 +12,10 @@
   neither a form, a no-cors fetch nor a `new WebSocket(...)` from it reaches a rollout.
 - CORS is off unless PI_ENV_CORS_ORIGINS lists origins: the `access-control-*` headers the
   mounted apps (Gradio) add are dropped.
+- The UI's pages carry a Content-Security-Policy that lets them load nothing from another
+  origin (no image, media, font, style, script, frame or form target): what the agent wrote is
+  shown as text (web.py), and should anything slip through it still cannot beacon out, phish
+  to another host or be framed.
 /health is open: it says nothing but "healthy".
 """
 
@@ -28,6 +32,11 @@ OPEN_PATHS = ("/health",)
 UI_PREFIX = "/web"
 LOGIN_PATH = "/web/login"
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+# Gradio's page needs its inline bootstrap script and inline styles; nothing from elsewhere.
+UI_CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline' 'unsafe-eval'; style-src 'self' 'unsafe-inline'; "
+          "img-src 'self' data: blob:; media-src 'self' data: blob:; font-src 'self' data:; connect-src 'self'; "
+          "frame-src 'self'; worker-src 'self' blob:; object-src 'none'; base-uri 'self'; form-action 'self'; "
+          "frame-ancestors 'none'").encode()
 MAX_LOGIN_BODY = 4096
 
 
@@ -54,8 +63,8 @@ class ServerGuard:
         if unsafe and origin is not None and not self._origin_allowed(origin, headers.get("host", "")):
             return await _refuse(scope, send, 403, "forbidden: cross-origin request (the Origin is not this "
                                                    "server's; list trusted origins in PI_ENV_CORS_ORIGINS)")
-        send = self._without_cors(send)
         path = scope["path"]
+        send = self._without_cors(send, ui=path == UI_PREFIX or path.startswith(UI_PREFIX + "/"))
         if self.token is None or path in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self._ok(_bearer(headers.get("authorization", ""))):
@@ -80,13 +89,17 @@ class ServerGuard:
         origin = origin.rstrip("/")
         return origin in self.allowed_origins or (bool(host) and urlsplit(origin).netloc == host)
 
-    def _without_cors(self, send):
-        """Drop the access-control-* headers the mounted apps add (Gradio allows any localhost origin)."""
+    def _without_cors(self, send, ui: bool = False):
+        """Drop the access-control-* headers the mounted apps add (Gradio allows any localhost
+        origin); the UI's answers get UI_CSP."""
 
         async def filtered(message):
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [(name, value) for name, value in message.get("headers", [])
-                                                  if not name.lower().startswith(b"access-control-")]}
+                headers = [(name, value) for name, value in message.get("headers", [])
+                           if not name.lower().startswith(b"access-control-")]
+                if ui and not any(name.lower() == b"content-security-policy" for name, _ in headers):
+                    headers.append((b"content-security-policy", UI_CSP))
+                message = {**message, "headers": headers}
             await send(message)
 
         return filtered

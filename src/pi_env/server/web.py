@@ -135,7 +135,7 @@ def gradio_builder(service: RolloutService, web_manager=None, action_fields=None
             try:
                 while not running.done():
                     await asyncio.wait({running}, timeout=0.25)
-                    fresh = _drain(events)
+                    fresh = _drain(events, key)
                     if fresh:
                         lines.extend(fresh)
                         state = "⏳ Waiting for a free slot…" if "waiting for" in lines[-1] else "🏃 Running…"
@@ -151,7 +151,7 @@ def gradio_builder(service: RolloutService, web_manager=None, action_fields=None
             finally:
                 if not running.done():  # cancelled (the Cancel button) or the page went away
                     running.cancel()
-            lines.extend(_drain(events))
+            lines.extend(_drain(events, key))
             yield _result_views(result, key, lines, status, phase_log, reward, verify_table, plot, files,
                                 conversation, logs, raw)
 
@@ -175,14 +175,15 @@ def _lines(text: str | None) -> list[str] | None:
     return commands or None
 
 
-def _drain(events: queue.SimpleQueue) -> list[str]:
+def _drain(events: queue.SimpleQueue, key: str | None) -> list[str]:
+    """The live log's new lines, scrubbed like a result's upstream errors (a line may quote one)."""
     lines = []
     while True:
         try:
             item = events.get_nowait()
         except queue.Empty:
             return lines
-        lines.append(item if isinstance(item, str) else event_line(item))
+        lines.append(scrub(item if isinstance(item, str) else event_line(item), key))
 
 
 def event_line(event: RolloutEvent) -> str:
