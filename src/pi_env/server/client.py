@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+import anyio
 import httpx
 from mcp import ClientSession
 
@@ -107,10 +108,14 @@ class PiEnv:
 
     # -- transport -------------------------------------------------------------------------------
     async def _call(self, name: str, arguments: dict[str, Any], progress) -> dict[str, Any]:
+        watch = _CallStreamWatch()
         try:
-            async with self._session() as session:
-                answer = await session.call_tool(name, arguments, read_timeout_seconds=timedelta(seconds=self.timeout_s),
-                                                 progress_callback=progress)
+            async with self._session(watch) as session:
+                answer = await watch.guard(session.call_tool(
+                    name, arguments, read_timeout_seconds=timedelta(seconds=self.timeout_s), progress_callback=progress))
+            if answer is None:
+                raise PiEnvError(f"{self.base_url}/mcp: the server closed the {name} call without an answer (it "
+                                 "stopped or crashed mid-call); the call's result is lost")
         except BaseExceptionGroup as group:  # anyio task groups wrap the transport's errors
             raise PiEnvError(f"{self.base_url}/mcp: {_first_error(group)}") from None
         except httpx.HTTPError as error:
@@ -123,14 +128,82 @@ class PiEnv:
         return answer.structuredContent or json.loads(text)
 
     @asynccontextmanager
-    async def _session(self):
+    async def _session(self, watch: "_CallStreamWatch | None" = None):
         """One MCP connection: initialize, then the caller's requests."""
         timeout = httpx.Timeout(self.connect_timeout_s, read=self.timeout_s)
-        async with httpx.AsyncClient(headers=self._headers, timeout=timeout, verify=_ssl_context()) as http, \
+        hooks = {"response": [watch.on_response]} if watch is not None else {}
+        async with httpx.AsyncClient(headers=self._headers, timeout=timeout, verify=_ssl_context(),
+                                     event_hooks=hooks) as http, \
                 streamable_http_client(f"{self.base_url}/mcp", http_client=http) as (read, write, _), \
                 ClientSession(read, write) as session:
             await session.initialize()
             yield session
+
+
+class _CallStreamWatch:
+    """A watchdog for the one gap the MCP SDK leaves (python-sdk#1577): when the SSE stream
+    answering a tools/call ends without the answer (the server stopped, crashed or dropped the
+    connection), the SDK never resolves the call and its caller waits out `timeout_s`. This
+    notices the stream's end; a call still unanswered a moment later is given up (None)."""
+
+    GRACE_S = 10.0  # the answer, read just before the stream ended, reaches the caller well within this
+
+    def __init__(self):
+        self.ended = anyio.Event()
+
+    async def on_response(self, response: httpx.Response) -> None:
+        request = response.request
+        if request.method == "POST" and response.headers.get("content-type", "").startswith("text/event-stream") \
+                and b'"tools/call"' in _body(request):
+            response.stream = _StreamEndSignal(response.stream, self.ended)
+
+    async def guard(self, call):
+        """The call's answer, or None when its stream ended and no answer came."""
+        answer: list = []
+
+        async with anyio.create_task_group() as group:
+            async def run() -> None:
+                try:
+                    answer.append(await call)
+                except Exception as error:  # noqa: BLE001 - raised below, outside the task group
+                    answer.append(error)
+                group.cancel_scope.cancel()
+
+            async def watchdog() -> None:
+                await self.ended.wait()
+                await anyio.sleep(self.GRACE_S)
+                group.cancel_scope.cancel()
+
+            group.start_soon(run)
+            group.start_soon(watchdog)
+        if answer and isinstance(answer[0], Exception):
+            raise answer[0]
+        return answer[0] if answer else None
+
+
+class _StreamEndSignal(httpx.AsyncByteStream):
+    def __init__(self, stream, ended: anyio.Event):
+        self.stream, self.ended = stream, ended
+
+    async def __aiter__(self):
+        try:
+            async for chunk in self.stream:
+                yield chunk
+        finally:
+            self.ended.set()
+
+    async def aclose(self) -> None:
+        try:
+            await self.stream.aclose()
+        finally:
+            self.ended.set()
+
+
+def _body(request: httpx.Request) -> bytes:
+    try:
+        return request.content
+    except httpx.RequestNotRead:  # a streamed body: not a JSON-RPC message of the SDK's
+        return b""
 
 
 @functools.cache
