@@ -1,7 +1,8 @@
 """The rollout lifecycle, the only room that composes the others:
 
 stage files -> setup (first failure aborts) -> agent -> kill what it left running ->
-clear logs/verifier -> stage verify_files -> run every verify command -> reward -> collect.
+the world back as setup left it, but the agent's output -> clear logs/verifier ->
+stage verify_files -> run every verify command -> reward -> collect.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ if TYPE_CHECKING:
 REWARD_FILE = f"{SANDBOX_HOME}/logs/verifier/reward.txt"
 VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"
 LOG_TAIL_CHARS = 8000
+# Verify's world (PiSession._verify_world): the agent's output is the work dir and these home
+# dirs (Harbor's /logs/agent, where Pi's session is too); the rest of the home is setup's.
+AGENT_OUTPUT_DIRS = ("logs/agent",)
+# Verify's environment: no shell start-up file named by the environment.
+VERIFY_ENV = {"BASH_ENV": "", "ENV": ""}
+# Hooks verify turns off unless setup made them (then they are the task's, restored with the
+# home): name -> (value, home paths whose presence after setup means setup made them).
+# GIT_CONFIG_GLOBAL names the home's own file, never /dev/null: a `git config --global` run as
+# root would replace /dev/null with a regular file.
+VERIFY_HOOKS = {
+    "PYTHONNOUSERSITE": ("1", (f"{SANDBOX_HOME}/.local/lib",)),
+    "GIT_CONFIG_GLOBAL": (f"{SANDBOX_HOME}/.gitconfig", (f"{SANDBOX_HOME}/.config/git",)),
+}
 log = logging.getLogger(__name__)
 
 
@@ -131,6 +145,10 @@ class PiSession:
         self._read_left = self.config.max_read_bytes  # of what the agent wrote, per rollout
         self._in_later_step = False  # a later step of a multi-step Harbor task is running
         self._step_endpoints: list[Endpoint] = []  # oracle scripts of later steps, released on close
+        self._spec: SandboxSpec | None = None
+        self._verify_env: dict[str, str] = dict(VERIFY_ENV)
+        self._agent_home_aside = False  # a later step's agent gets its home back (_verify_world)
+        self._later_steps_left = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     # A rollout's phases, in order. create() runs them up to agent_start; wait_for_completion()
@@ -143,7 +161,8 @@ class PiSession:
     #   setup           _run_setup          setup commands in order; the first failure aborts
     #   agent_start     _start_agent        Pi's settings and prompt, Pi started
     #   agent           _finish_agent       wait, kill leftovers, judge Pi's outcome
-    #   verify          _verify, _score     verify_files, verify commands, the reward
+    #   verify          _verify, _score     setup's world (_verify_world), verify_files, verify commands,
+    #                                       the reward
     #   collect         _collect            turns, the training view, the work dir's files
     def _start(self) -> None:
         self._resolve_endpoint()
@@ -158,6 +177,7 @@ class PiSession:
             with self._phase("setup"):
                 if not self._run_setup():
                     return
+                self._keep_setup_world()
             with self._phase("agent_start"):
                 self._check_open()
                 self._start_agent(runtime)
@@ -198,20 +218,21 @@ class PiSession:
             self.gateway_session.strategy.timeout_s = config.gate_timeout_s
 
     def _create_sandbox(self, runtime: PiRuntime) -> None:
-        self.sandbox = self.factory.backend.create(self._sandbox_spec(runtime, get_gateway().socket_path))
+        self._spec = self._sandbox_spec(runtime, get_gateway().socket_path)
+        self.sandbox = self.factory.backend.create(self._spec)
         self._result.sandbox_id = self.sandbox.id
         self._check_open()
         self._result.environment = harbor_environment_record(self.task, self.sandbox)
         for path, text in self.task.files.items():
             self.sandbox.write_file(path, text)
 
-    def _run_setup(self) -> bool:
+    def _run_setup(self, sandbox: Sandbox | None = None) -> bool:
         """The setup commands in order; False (the rollout failed) at the first that fails."""
         config, task = self.config, self.task
         for command in [*config.extra_setup_shell, *task.setup]:
             self._check_open()
             outcome = self._run(command, task.timeouts.setup_s or config.setup_timeout_s,
-                                "full" if task.setup_network else "none")
+                                "full" if task.setup_network else "none", sandbox=sandbox)
             self._result.setup_results.append(outcome)
             if not outcome.passed:
                 why = "timed out" if outcome.timed_out else f"exited {outcome.exit_code}"
@@ -363,16 +384,76 @@ class PiSession:
             return self._fail("agent_error", message)
         self._verify()
 
+    def _keep_setup_world(self) -> None:
+        """Remember the world setup left, for verify (_verify_world): the home but the work dir,
+        where the sandbox can put it back in place; which hooks setup itself made."""
+        sandbox = self.sandbox
+        if hasattr(sandbox, "checkpoint_home"):
+            sandbox.checkpoint_home()
+        env = dict(VERIFY_ENV)
+        for name, (value, made_by_setup) in VERIFY_HOOKS.items():
+            if not any(sandbox.exists(path) for path in made_by_setup):
+                # unsafe-local does not translate sandbox paths in env values: it has host_path()
+                env[name] = sandbox.host_path(value) if value.startswith("/") and hasattr(sandbox, "host_path") \
+                    else value
+        # What the caller set on purpose (PiConfig.extra_env) stands.
+        self._verify_env = {name: value for name, value in env.items() if name not in self.config.extra_env}
+
+    def _verify_world(self) -> Sandbox:
+        """The sandbox verify runs in: one the agent did not shape. Everything outside the work
+        dir (and AGENT_OUTPUT_DIRS) goes back to what setup left: in place where commands can
+        write only the home (local, podman, unsafe-local: /tmp is per command there, or the
+        sandbox's own TMPDIR), or else (remote services, where the agent was root of the whole
+        machine) a fresh sandbox gets the task's files, setup again, and the agent's work dir."""
+        sandbox = self.sandbox
+        if hasattr(sandbox, "restore_home"):
+            # A later step's agent continues in its own home: keep it aside meanwhile.
+            self._agent_home_aside = bool(later_steps(self.task)) if not self._in_later_step \
+                else self._later_steps_left > 0
+            sandbox.restore_home(AGENT_OUTPUT_DIRS, set_aside=self._agent_home_aside)
+            return sandbox
+        if not hasattr(sandbox, "export_tree"):
+            raise SandboxError(f"the {self.factory.backend.name!r} backend can neither restore its home "
+                               "(restore_home) nor hand a work dir to a fresh sandbox (export_tree/import_tree): "
+                               "verify would run in the world the agent shaped")
+        trees = {path: sandbox.export_tree(path) for path in (SANDBOX_WORKDIR, *(
+            f"{SANDBOX_HOME}/{name}" for name in AGENT_OUTPUT_DIRS))}
+        fresh = self.factory.backend.create(self._spec)
+        try:
+            for path, text in self.task.files.items():
+                fresh.write_file(path, text)
+            first_run = len(self._result.setup_results)
+            try:
+                failed = None if self._run_setup(fresh) else self._result.setup_results[-1]
+            finally:
+                del self._result.setup_results[first_run:]  # the first run's results are the rollout's
+            if failed:
+                raise SandboxError(f"setup command {failed.cmd!r} passed before the agent but failed in the "
+                                   f"fresh verify sandbox: {_tail(failed.stderr or failed.stdout, 300)}")
+            for path, data in trees.items():
+                fresh.import_tree(path, data)
+        except BaseException:
+            fresh.close()
+            raise
+        self.sandbox = fresh
+        sandbox.close()
+        return fresh
+
     def _verify(self) -> None:
-        task, result, sandbox = self.task, self._result, self.sandbox
+        task, result = self.task, self._result
         with self._phase("verify"):
+            try:
+                sandbox = self._verify_world()
+            except (SandboxError, OSError) as error:
+                return self._fail("infra", f"could not give verify a clean world: {type(error).__name__}: {error}")
             sandbox.remove(VERIFIER_DIR)  # whatever the agent wrote there is never honoured
             sandbox.write_file(f"{VERIFIER_DIR}/.keep", "")
             for path, text in task.verify_files.items():
                 sandbox.write_file(path, text)
             for command in task.verify:
                 result.verify_results.append(self._run(command, task.timeouts.verify_s or self.config.verify_timeout_s,
-                                                       "full" if task.verify_network else "none"))
+                                                       "full" if task.verify_network else "none",
+                                                       env=self._verify_env))
             sandbox.kill_all()
             self._score()
 
@@ -406,8 +487,10 @@ class PiSession:
                 if why := step_gate(first, index, rewards[-1]):
                     result.agent_log_tail += f"\n[pi-env] {why}"
                     break
-                self.task = step
+                self.task, self._later_steps_left = step, len(later) - index - 1
                 self._next_step_endpoint(step)
+                if self._agent_home_aside:  # the agent continues in its home, not in verify's world
+                    self.sandbox.put_back_agent_home()
                 self.sandbox.remove(f"{SANDBOX_HOME}/tests")  # the previous step's verifier
                 self._start_agent(self.factory.runtime)
                 self._finish_agent()
@@ -567,8 +650,9 @@ class PiSession:
         self.close()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _run(self, command: str, timeout_s: float, network) -> CommandResult:
-        outcome = self.sandbox.exec(command, timeout_s=timeout_s, network=network)
+    def _run(self, command: str, timeout_s: float, network, *, env: dict[str, str] | None = None,
+             sandbox: Sandbox | None = None) -> CommandResult:
+        outcome = (sandbox or self.sandbox).exec(command, timeout_s=timeout_s, network=network, env=env)
         return CommandResult(cmd=command, exit_code=outcome.exit_code, stdout=outcome.stdout, stderr=outcome.stderr,
                              duration_s=round(outcome.duration_s, 4), timed_out=outcome.timed_out)
 

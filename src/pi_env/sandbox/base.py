@@ -168,6 +168,13 @@ class Sandbox(Protocol):
         """Kill everything and delete the sandbox. Idempotent."""
         ...
 
+    # Optional, for verify's clean world (pi_env.rollout: PiSession._verify_world). A sandbox whose
+    # commands can write only its home offers checkpoint_home() (after setup) and
+    # restore_home(keep, set_aside=) (before verify: all but the work dir and `keep` back as
+    # checkpointed; put_back_agent_home() undoes it for a multi-step task's next agent). One whose
+    # commands can change the whole machine offers export_tree(path) -> bytes and
+    # import_tree(path, data), and verify runs in a fresh sandbox that receives only the work dir.
+
 
 @runtime_checkable
 class SandboxBackend(Protocol):

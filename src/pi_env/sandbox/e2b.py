@@ -7,6 +7,11 @@ unpacked at /opt/pi-env/runtime to skip the per-sandbox upload), lifetime
 PI_ENV_REMOTE_LIFETIME_S; any other `e2b` connection option (domain, api_url, sandbox_url,
 http_version, ...) as keyword arguments.
 
+Egress: E2B's network rules, per phase. A sandbox is created with all egress denied; before a
+command whose network mode differs from the last one's, the rules are replaced
+(`Sandbox.update_network`): "full" (setup with network) the service's default, "gateway" (the
+agent) only the gateway URL's host, "none" (verify) nothing.
+
 Lifetime: E2B's own sandbox timeout, set at create: the service deletes the sandbox then, so a
 crashed client leaks nothing beyond it. Every sandbox carries the metadata `pi-env=1` and
 `pi-env-sandbox=<id>`: list leftovers with Sandbox.list filtered on it.
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from pi_env.sandbox.base import SandboxSpec, SandboxUnavailable
+from pi_env.sandbox.base import Network, SandboxSpec, SandboxUnavailable
 from pi_env.sandbox.remote import DEFAULT_LIFETIME_S, RemoteSandbox, Retrying, open_sandbox, remote_gateway_url
 
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
@@ -71,6 +76,19 @@ class E2BSession:
     def destroy(self) -> None:
         self._sandbox.kill()
 
+    def set_network(self, network: Network, gateway_host: str | None) -> None:
+        """E2B's egress rules for the commands that follow (they replace the previous ones):
+        "full" the service's default (open); "gateway" only the gateway's host; "none" nothing."""
+        from e2b import ALL_TRAFFIC
+
+        if network == "full":
+            rules = {}
+        elif network == "gateway" and gateway_host:
+            rules = {"deny_out": [ALL_TRAFFIC], "allow_out": [gateway_host]}
+        else:
+            rules = {"deny_out": [ALL_TRAFFIC]}
+        self._sandbox.update_network(rules)
+
 
 class E2BSandboxBackend:
     name = "e2b"
@@ -92,10 +110,12 @@ class E2BSandboxBackend:
         self.retrying = retrying or Retrying(transient)
 
     def create(self, spec: SandboxSpec) -> RemoteSandbox:
-        from e2b import Sandbox
+        from e2b import ALL_TRAFFIC, Sandbox
 
+        # No egress until a command's network mode opens it (E2BSession.set_network).
         return open_sandbox(
             spec, lambda metadata: E2BSession(Sandbox.create(
-                self.template, timeout=int(self.lifetime_s), metadata=metadata, **self.connection)),
+                self.template, timeout=int(self.lifetime_s), metadata=metadata,
+                network={"deny_out": [ALL_TRAFFIC]}, **self.connection)),
             labels=self.labels, retrying=self.retrying, gateway_url=self.gateway_url,
             watchdog_s=None)  # E2B's own timeout is the lifetime

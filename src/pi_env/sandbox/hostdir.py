@@ -57,6 +57,9 @@ UNLOCKED_DIR_AGE_S = 86400.0  # a sandbox dir without a lock file (older pi-env)
 # Host-side walks of a sandbox tree hold at most this many directories open: snapshot() does
 # not look deeper; deletion moves deeper subtrees up first.
 WALK_MAX_DEPTH = 64
+SETUP_HOME = "setup-home"  # <host dir>/setup-home: the home as setup left it (checkpoint_home)
+AGENT_HOME = "agent-home"  # <host dir>/agent-home: the agent's home, set aside while verify runs
+WORKDIR_NAME = SANDBOX_WORKDIR[len(SANDBOX_HOME) + 1:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,6 +426,15 @@ def _make_removable(fd: int) -> None:
     os.fchmod(fd, 0o700)  # a read-only dir the sandbox made would stop a non-root owner
 
 
+def _copy_entries(source: str, names: list[str], target: str) -> None:
+    """Copy the entries `names` of the dir `source` into `target` as they are: symlinks stay
+    symlinks (nothing is followed), owners, modes and times are kept; reflinks where the
+    filesystem has them. Called with nothing running in the sandbox."""
+    if names:
+        subprocess.run(["cp", "-a", "--reflink=auto", "--", *(os.path.join(source, n) for n in names), target + "/"],
+                       check=True, capture_output=True, cwd="/", env={"PATH": "/usr/bin:/bin"})
+
+
 def delete_tree(path: str) -> None:
     """Delete a sandbox's host dir, never following a symlink inside it."""
     parent, name = os.path.split(path)
@@ -624,6 +636,95 @@ class HostDirSandbox:
     def _check_open(self) -> None:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
+
+    # -- the world verify runs in (pi_env.rollout: PiSession._verify_world)
+
+    def checkpoint_home(self) -> None:
+        """Keep a copy of the home as setup left it, all but the work dir (dotfiles, ~/.local,
+        ~/.config, ~/.cache, ...), outside the home where no command reaches it, for
+        restore_home(). Call with nothing running."""
+        self._check_open()
+        saved = os.path.join(self.host_dir, SETUP_HOME)
+        if os.path.lexists(saved):
+            delete_tree(saved)
+        make_dir(saved, 0o700)
+        self._setup_home_mode = stat.S_IMODE(os.fstat(self._home_fd).st_mode)
+        _copy_entries(self.host_home, [n for n in os.listdir(self._home_fd) if n != WORKDIR_NAME], saved)
+
+    def restore_home(self, keep: tuple[str, ...] = (), *, set_aside: bool = False) -> None:
+        """Kill every command and put the home back as checkpoint_home() saved it, but for the
+        work dir and the home-relative dirs `keep` (the agent's output: they stay as the agent
+        left them; one that is a symlink or a file now is an empty dir). Whatever a command
+        planted elsewhere (a usercustomize.py, a .pth, a git config, a shell rc) is gone.
+        set_aside: the rest of the agent's home is kept for put_back_agent_home() (a later
+        step of a multi-step task continues in it), else deleted."""
+        self._check_open()
+        saved = os.path.join(self.host_dir, SETUP_HOME)
+        if not os.path.isdir(saved):
+            raise SandboxError(f"sandbox {self.id}: restore_home() without checkpoint_home()")
+        self.kill_all()
+        self._kept_paths = keep
+        kept = self._take_out((WORKDIR_NAME, *keep))
+        if set_aside:
+            aside = os.path.join(self.host_dir, AGENT_HOME)
+            if os.path.lexists(aside):
+                delete_tree(aside)
+            make_dir(aside, 0o700)
+            _copy_entries(self.host_home, [n for n in os.listdir(self._home_fd) if n not in kept], aside)
+        self._clear_home(kept)
+        _copy_entries(saved, os.listdir(saved), self.host_home)
+        os.fchmod(self._home_fd, self._setup_home_mode)
+        self._put_in(kept)
+
+    def put_back_agent_home(self) -> None:
+        """Undo restore_home(set_aside=True): the agent's home in place of verify's, but for the
+        work dir and `keep` as they are now."""
+        self._check_open()
+        aside = os.path.join(self.host_dir, AGENT_HOME)
+        if not os.path.isdir(aside):
+            raise SandboxError(f"sandbox {self.id}: put_back_agent_home() without restore_home(set_aside=True)")
+        self.kill_all()
+        kept = self._take_out((WORKDIR_NAME, *self._kept_paths))
+        self._clear_home(kept)
+        _copy_entries(aside, os.listdir(aside), self.host_home)
+        delete_tree(aside)
+        self._put_in(kept)
+
+    def _take_out(self, paths: tuple[str, ...]) -> dict[str, str]:
+        """Rename each home-relative dir of `paths` to a top-level name of its own (never
+        following a symlink on the way): temporary name -> path. A path that is missing, a
+        symlink or a file is dropped (and later made an empty dir)."""
+        kept: dict[str, str] = {}
+        for index, path in enumerate(paths):
+            temp = f".pi-env-kept-{index}"
+            _remove_entry(self._home_fd, temp)  # a command's, in the way
+            try:
+                with self._parent_dir(f"{SANDBOX_HOME}/{path}", create=False) as (dir_fd, name):
+                    if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                        os.rename(name, temp, src_dir_fd=dir_fd, dst_dir_fd=self._home_fd)
+            except FileNotFoundError:
+                pass
+            kept[temp] = path
+        return kept
+
+    def _put_in(self, kept: dict[str, str]) -> None:
+        for temp, path in kept.items():
+            with self._parent_dir(f"{SANDBOX_HOME}/{path}", create=True) as (dir_fd, name):
+                _remove_entry(dir_fd, name)
+                try:
+                    os.rename(temp, name, src_dir_fd=self._home_fd, dst_dir_fd=dir_fd)
+                except FileNotFoundError:  # it was not a dir: an empty one
+                    os.mkdir(name, 0o755, dir_fd=dir_fd)
+                    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                    try:
+                        self._chown(fd)
+                    finally:
+                        os.close(fd)
+
+    def _clear_home(self, kept: dict[str, str]) -> None:
+        for name in os.listdir(self._home_fd):  # deleted in place, never followed
+            if name not in kept:
+                _remove_entry(self._home_fd, name)
 
     # -- files
 

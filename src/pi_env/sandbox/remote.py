@@ -29,14 +29,17 @@ network="gateway" commands get PI_ENV_GATEWAY_URL, the host gateway's URL as the
 reaches it, and the agent's forwarder proxies to it; the agent holds only its per-session token.
 The gateway never runs inside the sandbox: the agent is root there and would read its key.
 
-What a remote sandbox does NOT do (see docs/backends.md, "Remote sandboxes"): per-command network modes
-(the network is the service's, for every command), spec.limits beyond ulimit (open files,
-file size), agent_masked_paths.
+Network modes per command only where the service has egress rules (E2B: the session's
+`set_network`, called when a command's mode differs from the last one's); elsewhere (HF) the
+network is the service's for every command. What a remote sandbox does NOT do (see
+docs/backends.md, "Remote sandboxes"): spec.limits beyond ulimit (open files, file size),
+agent_masked_paths.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import logging
@@ -53,6 +56,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
+from urllib.parse import urlsplit
 
 from pi_env.sandbox.base import (
     SANDBOX_HOME,
@@ -242,6 +246,43 @@ def _clear_the_way(full: str) -> str:
     return "".join(checks)
 
 
+def _safe_tree(data: bytes) -> bytes:
+    """A tar archive of the members of `data` that extract inside their target dir: regular
+    files, dirs and symlinks (as links, never followed on extraction) with relative names free
+    of '..', none below a symlink member; hard links only to such a file. Device nodes, FIFOs
+    and everything else are dropped. Bad archives give an empty one."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as clean:
+        links: set[str] = set()
+        files: set[str] = set()
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data)) if data else contextlib.nullcontext([]) as tar:
+                for member in tar:
+                    name = posixpath.normpath(member.name)
+                    parts = name.split("/")
+                    if name == "." or name.startswith("/") or ".." in parts \
+                            or any("/".join(parts[:i]) in links for i in range(1, len(parts))):
+                        continue
+                    member.name, member.uid, member.gid, member.uname, member.gname = name, 0, 0, "root", "root"
+                    member.mode &= 0o7777 & ~0o6000  # no setuid/setgid bits
+                    if member.issym():
+                        links.add(name)
+                        clean.addfile(member)
+                    elif member.islnk():
+                        target = posixpath.normpath(member.linkname)
+                        if target in files:
+                            member.linkname = target
+                            clean.addfile(member)
+                    elif member.isdir():
+                        clean.addfile(member)
+                    elif member.isreg():
+                        files.add(name)
+                        clean.addfile(member, tar.extractfile(member))
+        except (tarfile.TarError, EOFError, OSError) as error:
+            log.warning("an exported tree was not a readable tar archive (%s): using what was read", error)
+    return out.getvalue()
+
+
 def _full_path(path: str) -> str:
     relative = relative_to_home(path)  # ValueError naming /root for anything outside it
     return f"{SANDBOX_HOME}/{relative}" if relative else SANDBOX_HOME
@@ -346,6 +387,7 @@ class RemoteSandbox:
         self._closed = False
         self._processes: list[RemoteProcess] = []
         self._gateway_url = gateway_url
+        self._network: Network | None = None  # the egress rules last set (services that have them)
 
     # -- plumbing
 
@@ -416,6 +458,11 @@ class RemoteSandbox:
         else:
             program = " ".join(_q(a) for a in command)
         extra = self._network_env(network)
+        set_network = getattr(self._session, "set_network", None)  # a service with egress rules (E2B)
+        if set_network is not None and network != self._network:
+            host = urlsplit(self._gateway_url).hostname if self._gateway_url else None
+            self._retry("network", lambda: set_network(network, host))
+            self._network = network
         job = self._next()
         d = f"{JOBS_DIR}/{job}"
         environment = {"HOME": SANDBOX_HOME, "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -546,6 +593,35 @@ class RemoteSandbox:
         else:
             script = f"chmod -R u+w {_q(full)} 2>/dev/null; rm -rf {_q(full)}"
         code, out = self._file_script(f"{_no_symlink_in(full, last=False)}{script}")
+        self._raise_for(code, path, out)
+
+    def export_tree(self, path: str) -> bytes:
+        """The directory `path` as a tar archive (symlinks as symlinks, nothing followed), for
+        import_tree() into another sandbox; a missing one (or a symlink) as an empty archive.
+        What comes back is rebuilt host-side from safe members only (_safe_tree): the agent
+        was root here and may have replaced tar itself."""
+        full = _full_path(path)
+        staging = f"{JOBS_DIR}/export-{secrets.token_hex(6)}.tar"
+        code, out = self._file_script(
+            f"{_no_symlink_in(full, last=True)}[ -d {_q(full)} ] || exit {_MISSING}; "
+            f"tar -C {_q(full)} -cf {staging} .", 600)
+        if code in (_MISSING, _SYMLINK):
+            return _safe_tree(b"")  # an empty archive
+        self._raise_for(code, path, out)
+        try:
+            return _safe_tree(self._retry("download", lambda: self._session.download(staging)))
+        finally:
+            self._control(f"rm -f {staging}", 60)
+
+    def import_tree(self, path: str, data: bytes) -> None:
+        """Replace the directory `path` with the content of an export_tree() archive."""
+        full = _full_path(path)
+        staging = f"{JOBS_DIR}/import-{secrets.token_hex(6)}.tar"
+        self._check_open()
+        self._retry("upload", lambda: self._session.upload(staging, data))
+        code, out = self._file_script(
+            f"{_clear_the_way(full)}mkdir -p {_q(full)} && "
+            f"tar -C {_q(full)} -xf {staging} --no-same-owner; c=$?; rm -f {staging}; exit $c", 600)
         self._raise_for(code, path, out)
 
     def snapshot(self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10,

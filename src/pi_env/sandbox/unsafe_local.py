@@ -8,7 +8,8 @@ For machines without bubblewrap, and only by explicit choice. What it does:
   (the caller's PATH, spec.env, the per-call env); the rlimits of spec.limits apply, with
   RLIMIT_NPROC counting every process of the caller.
 What it cannot do:
-- no file isolation: commands see and can change everything the caller can;
+- no file isolation: commands see and can change everything the caller can (restore_home()
+  resets only the sandbox's home and its own TMPDIR, not the host's /tmp or the caller's files);
 - no network isolation: every `network` mode is the host's network; the gateway socket is
   not bound at GATEWAY_SOCKET and agent_masked_paths hide nothing;
 - ro_mounts are not mounted, and absolute sandbox paths inside commands or env values
@@ -25,13 +26,13 @@ import os
 import resource
 import signal
 import subprocess
-import tempfile
 import warnings
 
 from pi_env.sandbox.base import Network, SandboxSpec
 from pi_env.sandbox.hostdir import (
     HostDirSandbox,
     default_root,
+    delete_tree,
     make_host_dir,
     private_dir,
     relative_to_home,
@@ -63,6 +64,15 @@ class UnsafeLocalSandbox(HostDirSandbox):
         self._spec = spec
         rlimits = sandbox_rlimits(spec.limits, exclusive_uid=False)
         self._rlimits = functools.partial(_apply_rlimits, rlimits)
+        # The sandbox's own TMPDIR (the host's /tmp is shared with everything): emptied by
+        # restore_home(), so what the agent left there never reaches verify through $TMPDIR.
+        self._tmp = os.path.join(host_dir, "tmp")
+        os.mkdir(self._tmp, 0o700)
+
+    def restore_home(self, keep: tuple[str, ...] = (), *, set_aside: bool = False) -> None:
+        super().restore_home(keep, set_aside=set_aside)
+        delete_tree(self._tmp)
+        os.mkdir(self._tmp, 0o700)
 
     def host_path(self, path: str) -> str:
         """The host path standing for a sandbox path under /root (relative: to the workdir)."""
@@ -83,7 +93,7 @@ class UnsafeLocalSandbox(HostDirSandbox):
         environment = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
             "LANG": "C.UTF-8",
-            "TMPDIR": tempfile.gettempdir(),
+            "TMPDIR": self._tmp,
             "USER": os.environ.get("USER", "root"),
             **self._spec.env,
             **(env or {}),

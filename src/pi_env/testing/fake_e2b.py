@@ -11,7 +11,8 @@ namespace (private /root, /tmp, /opt, /run; the host's other files read-only; th
 network); commands enter it with nsenter and run for real; files go through /proc/<pid>/root.
 
 What it is not: E2B's templates, VMs, timeouts (the requested one is only recorded), network
-policy, pause/resume, users. Faults for retry tests: `fail_api`.
+policy (create and update requests are recorded in `requests` and `networks`, not enforced),
+pause/resume, users. Faults for retry tests: `fail_api`.
 Needs HTTP/1.1 on the client (E2B_HTTP_VERSION=1.1 / http_version="1.1"): it speaks no h2c.
 """
 
@@ -213,6 +214,7 @@ class FakeE2B:
         self.api_key = api_key
         self.machines: dict[str, _Machine] = {}
         self.requests: dict[str, dict] = {}  # sandbox id -> its create request body
+        self.networks: dict[str, list[dict]] = {}  # sandbox id -> its network updates, in order
         self.killed: list[str] = []
         self.fail_api: list[int] = []  # statuses the next REST API requests answer with
         self._root = tempfile.mkdtemp(prefix="pi-env-fake-e2b-")
@@ -310,6 +312,12 @@ class FakeE2B:
             return self._reply(start_response, 201, {
                 "templateID": request.get("templateID", "base"), "sandboxID": sandbox_id, "clientID": "fake",
                 "envdVersion": ENVD_VERSION, "envdAccessToken": machine.token})
+        if method == "PUT" and path.endswith("/network"):  # egress rules: recorded, not enforced
+            sandbox_id = path.split("/")[2]
+            if sandbox_id not in self.machines:
+                return self._reply(start_response, 404, {"message": "sandbox not found", "code": 404})
+            self.networks.setdefault(sandbox_id, []).append(json.loads(body or b"{}"))
+            return self._reply(start_response, 204)
         if method == "DELETE":
             machine = self.machines.pop(path.rsplit("/", 1)[1], None)
             if machine is None:

@@ -18,6 +18,7 @@ and `FakeHfJobs.fail_sandbox_requests`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import secrets
@@ -313,6 +314,9 @@ class FakeHfJobs(ThreadingHTTPServer):
         self.fail_jobs_api: list[int] = []  # statuses the next Jobs API requests answer with
         self._root = tempfile.mkdtemp(prefix="pi-env-fake-hf-")
         self._thread = threading.Thread(target=self.serve_forever, name="fake-hf-jobs", daemon=True)
+        # Jobs are spawned from one long-lived thread: bwrap's --die-with-parent fires when the
+        # spawning *thread* ends, and a request thread ends with its connection.
+        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fake-hf-spawner")
 
     def __enter__(self) -> FakeHfJobs:
         self._thread.start()
@@ -326,6 +330,7 @@ class FakeHfJobs(ThreadingHTTPServer):
             self.stop_job(job)
         self.shutdown()
         self.server_close()
+        self._spawner.shutdown()
         shutil.rmtree(self._root, ignore_errors=True)
 
     def fail_sandbox_requests(self, job_id: str, status: int, count: int) -> None:
@@ -362,7 +367,8 @@ class FakeHfJobs(ThreadingHTTPServer):
         python = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3"
         shutil.copyfile(os.path.abspath(__file__), os.path.join(root, "control", "sbx_server.py"))
         argv += ["--", python, "-I", f"{SANDBOX_CONTROL}/sbx_server.py", SANDBOX_CONTROL]
-        job.process = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL)
+        job.process = self._spawner.submit(subprocess.Popen, argv, start_new_session=True,
+                                           stdin=subprocess.DEVNULL).result()
         port_file = os.path.join(root, "control", "port")
         deadline = time.monotonic() + 30
         while not os.path.exists(port_file):
