@@ -260,3 +260,20 @@ def test_restore_home_puts_back_setups_home_and_keeps_the_agents_output(backend)
         run("rm -rf ~/logs && mkdir -p ~/elsewhere/agent && echo x > ~/elsewhere/agent/f && ln -s elsewhere ~/logs")
         sandbox.restore_home(("logs/agent",))
         assert run("test ! -L ~/logs && ls -A ~/logs/agent; test ! -e ~/elsewhere && echo gone") == "gone\n"
+
+
+def test_an_agent_that_fills_its_capped_home_is_still_verified_and_scored():
+    """The agent deletes what setup left in the home and fills the freed space with its work dir,
+    so setup's home no longer fits back in: verify still runs (with less of setup's world, never
+    with the agent's) and the rollout is scored, not unscored."""
+    from pi_env.sandbox.totals import host_totals
+
+    if not host_totals().disk:
+        pytest.skip("this host cannot cap a sandbox home (needs root for a tmpfs home)")
+    task = PiTask(task_id="fill-home", instruction="x", setup=["head -c 8M /dev/zero > $HOME/.setup-blob"],
+                  verify=["test -f solved.txt"],
+                  solution=[{"tool": "bash", "command": "rm $HOME/.setup-blob; head -c 64M /dev/zero > fill; echo filled"}])
+    result = run_rollout(task, PiConfig(max_disk_bytes=32 << 20))
+    assert result.error_kind is None, (result.error, result.agent_log_tail[-2000:])
+    assert result.reward == 0.0 and [r.exit_code for r in result.verify_results] == [1]
+    assert "setup's home was restored only in part" in result.agent_log_tail

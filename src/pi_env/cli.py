@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,12 +59,26 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(commands.add_parser(name, help=help_text))
 
     args = parser.parse_args(argv)
+    if args.command != "serve":  # the server stops on SIGTERM its own way (uvicorn)
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         if args.command in ROOM_COMMANDS:
             return importlib.import_module(ROOM_COMMANDS[args.command][0]).run(args)
         return _run(args) if args.command == "run" else _doctor(args)
+    except Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, `kill`, a scheduler): unwinds like Ctrl-C, so every open rollout closes
+    its sandbox and gateway session, and the process exits through its normal clean-up."""
+
+
+def _terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+    raise Terminated()
 
 
 def _run(args) -> int:

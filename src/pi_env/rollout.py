@@ -410,7 +410,8 @@ class PiSession:
             # A later step's agent continues in its own home: keep it aside meanwhile.
             self._agent_home_aside = bool(later_steps(self.task)) if not self._in_later_step \
                 else self._later_steps_left > 0
-            sandbox.restore_home(AGENT_OUTPUT_DIRS, set_aside=self._agent_home_aside)
+            for problem in sandbox.restore_home(AGENT_OUTPUT_DIRS, set_aside=self._agent_home_aside):
+                self._result.agent_log_tail += f"\n[pi-env] {problem}"
             return sandbox
         if not hasattr(sandbox, "export_tree"):
             raise SandboxError(f"the {self.factory.backend.name!r} backend can neither restore its home "

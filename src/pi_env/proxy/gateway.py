@@ -23,7 +23,6 @@ import bisect
 import logging
 import os
 import secrets
-import shutil
 import socket
 import tempfile
 import threading
@@ -42,6 +41,7 @@ from pi_env._aio import run_sync
 from pi_env.proxy.capture import TurnCapture, sse_payloads
 from pi_env.proxy.policy import PolicyError, police_request, scrub, secrets_of, upstream_path
 from pi_env.proxy.rewrite import CaptureOptions
+from pi_env.sandbox.hostdir import discard_host_dir, make_owned_dir, sweep_stale_host_dirs
 
 if TYPE_CHECKING:
     from pi_env.proxy.token_in import TokenInSpec
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BASE_URL_PATH = "/v1"
+GATEWAY_DIR_PREFIX = "pi-env-gateway-"  # <tmp>/pi-env-gateway-<id>/: the Unix socket's dir
 ERROR_BODY_LIMIT = 4096  # bytes of an upstream error body kept in the TurnRecord
 ERROR_RELAY_LIMIT = 1 << 20  # bytes of it relayed to the agent (read whole, to mask secrets)
 
@@ -437,8 +438,11 @@ class Gateway:
 
         # Sandboxed agents run as other uids: the directory is traversable but not listable,
         # the socket world-writable; the per-session token is the authentication.
-        self._dir = tempfile.mkdtemp(prefix="pi-env-gateway-")
-        os.chmod(self._dir, 0o711)
+        # Locked while this process lives, so a process killed before close() leaves a dir
+        # that the next gateway sweeps (as sandbox dirs are swept).
+        root = tempfile.gettempdir()
+        sweep_stale_host_dirs(root, prefix=GATEWAY_DIR_PREFIX)
+        self._dir, self._dir_lock = make_owned_dir(root, GATEWAY_DIR_PREFIX)
         self.socket_path = os.path.join(self._dir, "gateway.sock")
         unix_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         unix_sock.bind(self.socket_path)
@@ -453,7 +457,7 @@ class Gateway:
         runner, self._runner = self._runner, None
         await runner.cleanup()
         await self._client.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        discard_host_dir(self._dir, self._dir_lock)
 
     # -- request handling (on the loop)
 

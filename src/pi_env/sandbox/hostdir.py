@@ -88,16 +88,27 @@ def make_dir(path: str, mode: int, owner: int | None = None) -> None:
         os.chown(path, owner, owner)
 
 
-def make_host_dir(root: str, owner: int | None, disk_bytes: int | None = None) -> tuple[str, int]:
-    """<root>/<id>/ (0o711) with home/ and home/workdir/ owned by `owner` (None: by us), and
-    the fd of <root>/<id>.lock, flocked before the dir exists and held while the sandbox
-    lives: a dir whose lock is free belongs to nobody (its owner died) and may be swept.
-    `disk_bytes`: home/ is a tmpfs of that size where the host allows it (sandbox/totals.py)."""
-    host_dir = os.path.join(root, "sb-" + secrets.token_hex(8))
-    lock_fd = os.open(host_dir + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def make_owned_dir(root: str, prefix: str) -> tuple[str, int]:
+    """A new dir <root>/<prefix><random>/ (0o711) and the fd of its <dir>.lock, flocked before
+    the dir exists and held while its owner lives: a dir whose lock is free belongs to nobody
+    (its owner died) and may be swept (sweep_stale_host_dirs). discard_host_dir() undoes it."""
+    path = os.path.join(root, prefix + secrets.token_hex(8))
+    lock_fd = os.open(path + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        make_dir(host_dir, 0o711)
+        make_dir(path, 0o711)
+    except BaseException:
+        discard_host_dir(path, lock_fd)
+        raise
+    return path, lock_fd
+
+
+def make_host_dir(root: str, owner: int | None, disk_bytes: int | None = None) -> tuple[str, int]:
+    """A sandbox's <root>/sb-<id>/ (see make_owned_dir) with home/ and home/workdir/ owned by
+    `owner` (None: by us). `disk_bytes`: home/ is a tmpfs of that size where the host allows it
+    (sandbox/totals.py)."""
+    host_dir, lock_fd = make_owned_dir(root, "sb-")
+    try:
         make_dir(os.path.join(host_dir, "home"), 0o700, owner)
         if disk_bytes is not None and host_totals().disk:
             mount_capped_home(os.path.join(host_dir, "home"), disk_bytes, owner)
@@ -120,17 +131,18 @@ def discard_host_dir(host_dir: str, lock_fd: int) -> None:
         os.close(lock_fd)
 
 
-def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = None) -> list[str]:
-    """Delete the sandbox dirs under `root` whose owner died without closing them (SIGKILL,
-    OOM, power loss): their lock is free. `reclaim(host_dir)` runs first (the local backend
-    kills what may still run as the dir's uid). Returns the dirs deleted."""
+def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = None, *,
+                          prefix: str = "sb-") -> list[str]:
+    """Delete the dirs `<root>/<prefix>*` (sandbox dirs; the gateway's too) whose owner died
+    without closing them (SIGKILL, OOM, power loss): their lock is free. `reclaim(host_dir)` runs
+    first (the local backend kills what may still run as the dir's uid). Returns the dirs deleted."""
     names = set(os.listdir(root))
-    locks = [name for name in names if name.startswith("sb-") and name.endswith(LOCK_SUFFIX)]
+    locks = [name for name in names if name.startswith(prefix) and name.endswith(LOCK_SUFFIX)]
     for name in names - {lock[: -len(LOCK_SUFFIX)] for lock in locks}:
         # A dir without a lock file (made by an older pi-env): dead once it is old enough.
         path = os.path.join(root, name)
         with contextlib.suppress(OSError):
-            if name.startswith("sb-") and not name.endswith(LOCK_SUFFIX) \
+            if name.startswith(prefix) and not name.endswith(LOCK_SUFFIX) \
                     and time.time() - os.lstat(path).st_mtime > UNLOCKED_DIR_AGE_S:
                 os.close(os.open(path + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
                 os.utime(path + LOCK_SUFFIX, (0, 0))
@@ -164,7 +176,7 @@ def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = Non
             os.close(fd)
     if swept:
         sweep_stale_cgroups({os.path.basename(host_dir) for host_dir in swept})
-        log.warning("deleted %d sandbox dir(s) left behind by dead processes under %s", len(swept), root)
+        log.warning("deleted %d %s* dir(s) left behind by dead processes under %s", len(swept), prefix, root)
     return swept
 
 
@@ -431,8 +443,10 @@ def _copy_entries(source: str, names: list[str], target: str) -> None:
     symlinks (nothing is followed), owners, modes and times are kept; reflinks where the
     filesystem has them. Called with nothing running in the sandbox."""
     if names:
-        subprocess.run(["cp", "-a", "--reflink=auto", "--", *(os.path.join(source, n) for n in names), target + "/"],
-                       check=True, capture_output=True, cwd="/", env={"PATH": "/usr/bin:/bin"})
+        done = subprocess.run(["cp", "-a", "--reflink=auto", "--", *(os.path.join(source, n) for n in names),
+                               target + "/"], capture_output=True, cwd="/", env={"PATH": "/usr/bin:/bin"})
+        if done.returncode != 0:
+            raise SandboxError(f"copying into {target} failed: {done.stderr.decode(errors='replace')[-300:]}")
 
 
 def delete_tree(path: str) -> None:
@@ -651,13 +665,15 @@ class HostDirSandbox:
         self._setup_home_mode = stat.S_IMODE(os.fstat(self._home_fd).st_mode)
         _copy_entries(self.host_home, [n for n in os.listdir(self._home_fd) if n != WORKDIR_NAME], saved)
 
-    def restore_home(self, keep: tuple[str, ...] = (), *, set_aside: bool = False) -> None:
+    def restore_home(self, keep: tuple[str, ...] = (), *, set_aside: bool = False) -> list[str]:
         """Kill every command and put the home back as checkpoint_home() saved it, but for the
         work dir and the home-relative dirs `keep` (the agent's output: they stay as the agent
         left them; one that is a symlink or a file now is an empty dir). Whatever a command
         planted elsewhere (a usercustomize.py, a .pth, a git config, a shell rc) is gone.
         set_aside: the rest of the agent's home is kept for put_back_agent_home() (a later
-        step of a multi-step task continues in it), else deleted."""
+        step of a multi-step task continues in it), else deleted. Returns what went wrong on the
+        way that the agent could have caused (its output filling a capped home, say): never
+        anything of the agent's outside its output, at worst less of setup's home."""
         self._check_open()
         saved = os.path.join(self.host_dir, SETUP_HOME)
         if not os.path.isdir(saved):
@@ -665,24 +681,33 @@ class HostDirSandbox:
         self.kill_all()
         self._kept_paths = keep
         kept = self._take_out((WORKDIR_NAME, *keep))
+        problems = []
+        aside = os.path.join(self.host_dir, AGENT_HOME)
+        if os.path.lexists(aside):
+            delete_tree(aside)
         if set_aside:
-            aside = os.path.join(self.host_dir, AGENT_HOME)
-            if os.path.lexists(aside):
-                delete_tree(aside)
             make_dir(aside, 0o700)
-            _copy_entries(self.host_home, [n for n in os.listdir(self._home_fd) if n not in kept], aside)
-        self._clear_home(kept)
-        _copy_entries(saved, os.listdir(saved), self.host_home)
+            try:
+                _copy_entries(self.host_home, [n for n in os.listdir(self._home_fd) if n not in kept], aside)
+            except SandboxError as error:
+                delete_tree(aside)
+                problems.append(f"the agent's home was not set aside for the next step ({error})")
+        self._clear_home(kept)  # first: whatever fails below, nothing of the agent's is left
+        try:
+            _copy_entries(saved, os.listdir(saved), self.host_home)
+        except SandboxError as error:
+            problems.append(f"setup's home was restored only in part for verify ({error})")
         os.fchmod(self._home_fd, self._setup_home_mode)
         self._put_in(kept)
+        return problems
 
     def put_back_agent_home(self) -> None:
         """Undo restore_home(set_aside=True): the agent's home in place of verify's, but for the
-        work dir and `keep` as they are now."""
+        work dir and `keep` as they are now. Nothing set aside (it could not be): verify's stays."""
         self._check_open()
         aside = os.path.join(self.host_dir, AGENT_HOME)
         if not os.path.isdir(aside):
-            raise SandboxError(f"sandbox {self.id}: put_back_agent_home() without restore_home(set_aside=True)")
+            return
         self.kill_all()
         kept = self._take_out((WORKDIR_NAME, *self._kept_paths))
         self._clear_home(kept)

@@ -69,10 +69,11 @@ class UnsafeLocalSandbox(HostDirSandbox):
         self._tmp = os.path.join(host_dir, "tmp")
         os.mkdir(self._tmp, 0o700)
 
-    def restore_home(self, keep: tuple[str, ...] = (), *, set_aside: bool = False) -> None:
-        super().restore_home(keep, set_aside=set_aside)
+    def restore_home(self, keep: tuple[str, ...] = (), *, set_aside: bool = False) -> list[str]:
+        problems = super().restore_home(keep, set_aside=set_aside)
         delete_tree(self._tmp)
         os.mkdir(self._tmp, 0o700)
+        return problems
 
     def host_path(self, path: str) -> str:
         """The host path standing for a sandbox path under /root (relative: to the workdir)."""
