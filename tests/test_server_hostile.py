@@ -338,34 +338,87 @@ def test_killed_queued_clients_leave_the_queue(tmp_path):
         server.stop()
 
 
+def descendants(pid: int) -> dict[int, str]:
+    """{pid: command line} of every live process below `pid` (children, theirs, ...); zombies
+    (dead, not yet reaped) do not count."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    found, stack = {}, list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        try:
+            found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        stack += children.get(child, [])
+    return found
+
+
 def test_sixteen_calls_killed_at_random_stages_leave_nothing_behind(tmp_path):
     """Bounded load: 16 callers over MCP, /ws and /step (4 slots, queue 12), each running a
-    task that lingers in setup, the agent or verify, each SIGKILLed at a random moment in its
-    first 12 s (queued, in setup, mid-agent, verifying): within 30 s of the last kill no slot,
-    queue place, sandbox dir or sandbox process is left."""
+    task that lingers in setup, the agent or verify. Five are SIGKILLed at a random moment once
+    callers queue (queued behind the four running, or starting); the others 2-8 s into their
+    stage. Within 30 s of the last kill no slot or queue place, sandbox
+    dir, sandbox process or process below the server is left (the server's own helpers, started
+    by a first rollout, stay as they were)."""
     server = ServerProcess(tmp_path, MAX_CONCURRENT_ENVS="4", PI_ENV_MAX_QUEUE="12")
     rng = random.Random(18)
     clients = []
     try:
+        start_client("mcp", server.url, FIZZBUZZ).wait(300)  # warm: a whole rollout
+        assert_nothing_left(server)
+        helpers_before = descendants(server.process.pid)
+        early = set(rng.sample(range(16), 5))
+        started = time.monotonic()
         for i in range(16):
             door, stage = ("mcp", "ws", "step")[i % 3], ("setup", "agent", "verify")[(i // 3) % 3]
-            clients.append((start_client(door, server.url, staged_task(stage, 700 + i)), rng.uniform(1, 12)))
-        started = time.monotonic()
-        for client, at in sorted(clients, key=lambda pair: pair[1]):
-            time.sleep(max(0.0, started + at - time.monotonic()))
-            client.kill()
-        for client, _ in clients:
-            client.wait(10)
+            clients.append({"process": start_client(door, server.url, staged_task(stage, 700 + i)),
+                            "marker": f"sleep {700 + i}", "what": f"{door}/{stage}",
+                            "early": i in early, "kill_at": None})
+        killed_in = []
+        deadline = time.monotonic() + 240  # 12 waves of setup + Pi start at most, on a loaded machine
+        while any(client["process"].poll() is None for client in clients):
+            assert time.monotonic() < deadline, (f"never reached their stage (slots not freed by the killed?): "
+                                                 f"{[c['what'] for c in clients if c['process'].poll() is None]}, "
+                                                 f"{rollouts(server)}")
+            waiting = rollouts(server)["waiting"]
+            sandboxed = [cmd for uid in sandbox_uids_running() for _, cmd in processes_of_uid(uid)]
+            for client in clients:
+                if client["process"].poll() is not None:
+                    continue
+                in_stage = any(client["marker"] in cmd for cmd in sandboxed)
+                if client["kill_at"] is None and in_stage:  # kept a while, so that others queue
+                    client["kill_at"] = time.monotonic() + rng.uniform(2, 8)
+                elif client["kill_at"] is None and client["early"] and waiting > 0:
+                    client["kill_at"] = time.monotonic() + rng.uniform(0, 1)
+                if client["kill_at"] is not None and time.monotonic() >= client["kill_at"]:
+                    client["process"].kill()
+                    client["process"].wait(10)
+                    killed_in.append((client["what"], "in its stage" if in_stage else "queued or starting", waiting))
+            time.sleep(0.2)
         killed = time.monotonic()
         assert_nothing_left(server, within_s=30)
-        print(f"16 callers killed at random stages: everything freed {time.monotonic() - killed:.1f} s after "
-              "the last kill")
+        wait_for(lambda: descendants(server.process.pid).keys() <= helpers_before.keys(), 30,
+                 "every process the load started below the server to end")
+        print(f"16 callers killed ({killed_in}): everything freed {time.monotonic() - killed:.1f} s after the "
+              f"last kill, {killed - started:.0f} s after the first call")
+        assert sum(where == "in its stage" for _, where, _ in killed_in) >= 11, killed_in
+        assert sum(where == "queued or starting" and waiting > 0 for _, where, waiting in killed_in) >= 2, killed_in
         assert not any(sandbox_processes(f"sleep {700 + i}") for i in range(16))
         assert rollouts(server) == {"running": 0, "waiting": 0, "max_running": 4, "max_waiting": 12}
+        assert get(server.url + "/health")[0] == 200  # and it still serves
     finally:
-        for client, _ in clients:
-            if client.poll() is None:
-                client.kill()
+        for client in clients:
+            if client["process"].poll() is None:
+                client["process"].kill()
         server.stop()
 
 
