@@ -250,28 +250,23 @@ def test_oracle_skips_tasks_without_a_solution_and_bad_input_exits_2(tmp_path):
     assert bad.returncode == 2 and "--keep 'best'" in bad.stderr
 
 
-def test_sft_messages_from_pi_session_messages():
-    pi = [{"role": "system", "content": "", "sections": {"a": "You are Pi.", "b": "<tools/>"},
-           "toolsAdded": [{"name": "bash", "description": "run", "parameters": {"type": "object"}}]},
-          {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-          {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm"}, {"type": "text", "text": "ok "},
-                                            {"type": "toolCall", "id": "c1", "name": "bash", "arguments": {"command": "ls"}}]},
-          {"role": "toolResult", "toolCallId": "c1", "toolName": "bash", "content": [{"type": "text", "text": "a.txt"}],
-           "isError": False},
-          {"role": "assistant", "content": [{"type": "text", "text": "done"}]}]
-    from pi_env.agent.pi import parse_session  # the path Pi's session file takes into a record
-
-    session_file = "\n".join(json.dumps({"type": "message", "message": message}) for message in pi)
-    messages, tools = sft_messages(parse_session(session_file).messages)
+def test_sft_messages_from_the_gateway_conversation():
+    sent = [{"role": "system", "content": "You are Pi."},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": "ok ", "reasoning_content": "hmm",
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command":"ls"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+            {"role": "assistant", "content": "done"}]
+    tools = [{"type": "function", "function": {"name": "bash", "description": "run", "parameters": {"type": "object"}}}]
+    messages, schemas = sft_messages(sent, tools)
     assert messages == [
-        {"role": "system", "content": "You are Pi.\n\n<tools/>"},
+        {"role": "system", "content": "You are Pi."},
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "ok ", "reasoning_content": "hmm",
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]},
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command":"ls"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "name": "bash", "content": "a.txt"},
         {"role": "assistant", "content": "done"}]
-    assert tools == [{"type": "function", "function": {"name": "bash", "description": "run",
-                                                       "parameters": {"type": "object"}}}]
+    assert schemas == tools
 
 
 class _FakeHub(QuietJsonHandler):

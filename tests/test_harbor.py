@@ -84,7 +84,7 @@ def test_the_agent_never_sees_the_tests_and_cannot_forge_reward_json(tmp_path, s
         ScriptedTurn(text="done")])
     with PiSessionFactory(scripted_config(server, key)).create(task) as session:
         result = session.wait_for_completion()
-    seen = next(m for m in result.messages if m.get("role") == "toolResult")["content"][0]["text"]
+    seen = json.dumps(next(m for m in result.messages if m.get("role") == "tool")["content"])
     assert "No such file or directory" in seen and "no reward written" not in seen
     assert result.reward is None and result.error_kind == "invalid_reward"  # unscored, never 0
     assert "no reward file" in result.error

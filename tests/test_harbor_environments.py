@@ -63,7 +63,8 @@ def test_the_agent_never_gets_the_verifiers_capabilities(server):
                                   "ls /etc/passwd /etc/apt >/dev/null && echo layer-etc-visible"),
                              ScriptedTurn(text="done")])
     result = run_rollout(load_harbor_task(HARBOR / "locked-tests"), scripted_config(server, key))
-    seen = next(m for m in result.messages if m.get("role") == "toolResult")["content"][0]["text"]
+    seen = next(m for m in result.messages if m.get("role") == "tool")["content"]  # as the model was sent it
+    seen = seen if isinstance(seen, str) else "".join(part.get("text", "") for part in seen)
     assert "CapEff:\t0000000000000000" in seen
     # The layer's /etc is a pruned copy: no host secret reaches the agent through it.
     assert "layer-etc-visible" in seen and "\n4\n" in seen  # all four missing

@@ -28,9 +28,14 @@ def rollout_with_uid(task, config=None):
 
 
 def tool_outputs(result) -> str:
-    """Everything the agent's tools returned, as one string."""
-    return "\n".join(block.get("text", "") for message in result.messages if message.get("role") == "toolResult"
-                     for block in message.get("content", []) if isinstance(block, dict))
+    """Everything the agent's tools returned (as the gateway relayed it to the model), as one string."""
+    texts = []
+    for message in result.messages:
+        if message.get("role") == "tool":
+            content = message.get("content")
+            texts += [content] if isinstance(content, str) else \
+                [block.get("text", "") for block in content or [] if isinstance(block, dict)]
+    return "\n".join(texts)
 
 
 @pytest.mark.parametrize("task", EXAMPLES, ids=[task.task_id for task in EXAMPLES])
@@ -98,11 +103,16 @@ def test_setup_runs_before_the_agent_and_files_are_staged():
 
 
 def test_hanging_agent_is_killed_at_its_timeout_with_nothing_left():
-    task = PiTask(task_id="hang", instruction="x", verify=["true"], timeouts={"agent_s": 4},
+    # 20 s: time for Pi's first call to be answered on a loaded machine (before it, a timeout is
+    # unscored: the agent never acted), then the tool hangs until the limit.
+    task = PiTask(task_id="hang", instruction="x", verify=["true"], timeouts={"agent_s": 20},
                   solution=[{"tool": "bash", "command": "(setsid sleep 600 &) ; nohup sleep 700 & sleep 900"}])
     result, uid = rollout_with_uid(task)
-    assert result.reward is None and result.error_kind == "agent_timeout" and result.stop_reason == "timeout"
-    assert 4 <= result.timings["agent"] < 15
+    # The agent spent its own time (a hung tool): scored like any rollout that stopped, never
+    # unscored (that would let a failing agent dodge its 0).
+    assert result.error_kind is None and result.stop_reason == "timeout", result.error
+    assert result.reward == 1.0 and len(result.verify_results) == 1
+    assert 20 <= result.timings["agent"] < 35
     assert processes_of_uid(uid) == []
 
 
@@ -405,13 +415,13 @@ def test_a_failing_event_listener_does_not_fail_the_rollout():
 
 
 def test_the_system_prompt_in_the_result_is_the_text_the_model_saw(tmp_path):
-    """messages[0] is the system message with its plain text as `content` (Pi's session file
-    has it only as `sections`, which stay): exactly what the model was sent, appended text too."""
+    """messages[0] is the system message exactly as the model was sent it (the gateway's record),
+    appended text too; Pi's session file (which has it only as `sections`) is the untrusted extra."""
     config = PiConfig(mode="transparent_proxy", append_system_prompt="Answer in French.", trace_dir=str(tmp_path))
     result = run_rollout(EXAMPLES[0], config)
     assert result.reward == 1.0, result.error
     system = result.messages[0]
     sent = json.loads(Path(result.trace_path).read_text().splitlines()[0])["capture"]["request"]["messages"][0]
-    assert system["role"] == "system" == sent["role"] and system["sections"]
-    assert system["content"] == sent["content"]
+    assert system == sent and system["role"] == "system"
+    assert result.pi_session_messages[0]["role"] == "system" and result.pi_session_messages[0]["sections"]
     assert "Answer in French." in system["content"] and "You are" in system["content"]

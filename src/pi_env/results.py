@@ -11,8 +11,8 @@ from pydantic import BaseModel, Field
 # Why a rollout has no reward. Every kind means "do not train on this as a score".
 ErrorKind = Literal[
     "setup_failed",  # a setup command failed: the task or its environment is broken
-    "agent_error",  # Pi ended with an error (a rejected request, a crash, a bad config)
-    "agent_timeout",  # the agent phase ran past its limit and was killed
+    "agent_error",  # Pi never got going: it could not start, or its first call was refused
+    "agent_timeout",  # the agent's limit passed while the model had not begun its answer
     "endpoint_error",  # the model endpoint was unreachable or answered 5xx
     "gate_timeout",  # interception_gate: the trainer did not deliver a held call within gate_timeout_s
     "invalid_reward",  # a verify command wrote a reward file that is not a finite number
@@ -98,7 +98,7 @@ class RolloutResult(BaseModel):
     error: str | None = None
     error_kind: ErrorKind | None = None
     agent_exit_code: int | None = None
-    stop_reason: str | None = None  # Pi's last stopReason, or "budget" / "timeout"
+    stop_reason: str | None = None  # the last answer's (stop, toolUse, length), or error / budget / timeout
     budget_exhausted: str | None = None  # "max_turns" / "max_total_tokens" when a budget ended it
     wall_s: float = 0.0
     timings: dict[str, float] = Field(default_factory=dict)  # per phase, seconds
@@ -118,7 +118,14 @@ class RolloutResult(BaseModel):
     proxy_turns: list[RolloutTurn] = Field(default_factory=list)
     training: "TrainingTrace | None" = None  # transparent_proxy: the token-level training view
     trace_path: str | None = None  # the gateway's per-turn trace file (transparent_proxy)
-    messages: list[dict[str, Any]] = Field(default_factory=list)  # Pi's whole conversation
+    # The conversation as the gateway saw it (OpenAI chat messages; every assistant message is an
+    # answer the gateway relayed), in every mode: see pi_env.proxy.conversation.
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[dict[str, Any]] = Field(default_factory=list)  # the tool schemas the model was offered
+    rewritten_turns: list[int] = Field(default_factory=list)  # calls whose history the agent's client rewrote
+    # UNTRUSTED: Pi's own session file as the agent left it (the agent can rewrite it). For
+    # debugging only; never the record, never training data.
+    pi_session_messages: list[dict[str, Any]] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)  # the work dir after the agent (bounded)
     step_rewards: list[float | None] | None = None  # multi-step Harbor tasks: each step run, in order
     artifacts: dict[str, str] = Field(default_factory=dict)  # Harbor artifacts (sandbox path -> text), after verify

@@ -29,6 +29,7 @@ from .agent.runtime import SANDBOX_RUNTIME_DIR, PiRuntime, RuntimeInstallError, 
 from .config import Mode, PiConfig
 from .endpoints import OPEN_SERVER_COMPAT, ORACLE, Endpoint, resolve_endpoint, supports_return_token_ids
 from .oracle import oracle_endpoint, release_oracle
+from .proxy.conversation import gateway_conversation
 from .proxy.gateway import GatewaySession, TurnRecord, Upstream, get_gateway
 from .proxy.rewrite import CaptureOptions
 from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, RolloutTurn
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 REWARD_FILE = f"{SANDBOX_HOME}/logs/verifier/reward.txt"
 VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"
 LOG_TAIL_CHARS = 8000
+# Answers that say the endpoint (or pi-env's config of it) is at fault, not the agent's request.
+ENDPOINT_FAULT_STATUSES = frozenset({401, 403, 404, 408, 429})
 # Verify's world (PiSession._verify_world): the agent's output is the work dir and these home
 # dirs (Harbor's /logs/agent, where Pi's session is too); the rest of the home is setup's.
 AGENT_OUTPUT_DIRS = ("logs/agent",)
@@ -358,30 +361,42 @@ class PiSession:
         self.sandbox.kill_all()  # nothing the agent started survives into verification
         result.agent_exit_code = outcome.exit_code
         result.agent_log_tail = _tail(outcome.stderr + outcome.stdout, LOG_TAIL_CHARS)
-        pi = parse_session(self._session_text())
-        result.messages = pi.messages
-        result.stop_reason = pi.stop_reason
         gateway = self.gateway_session
-        gateway.wait_idle()  # a capturing mode records a turn just after Pi has its answer
+        gateway.wait_idle()  # a turn is recorded just after Pi has its answer
+        # The record is what the gateway saw; Pi's session file is the agent's to rewrite.
+        result.pi_session_messages = parse_session(self._session_text()).messages
+        conversation = gateway_conversation(gateway.turns)
+        result.messages, result.tools = conversation.messages, conversation.tools
+        result.rewritten_turns, result.stop_reason = conversation.rewritten_turns, conversation.stop_reason
+        last = gateway.turns[-1] if gateway.turns else None
         if self._closed:  # close() from another thread killed the agent: not the agent's failure
             return self._fail("infra", "the session was closed while the agent ran")
         if outcome.timed_out:
             result.stop_reason = "timeout"
-            return self._fail("agent_timeout", f"the agent ran past its {self._agent_limit():g} s limit and was killed")
-        if getattr(gateway.strategy, "stop_reason", None):  # interception_gate: the trainer never answered
+            if not conversation.messages or (last is not None and last.client_disconnected and last.ttfb_s is None):
+                return self._fail("agent_timeout", f"the agent's {self._agent_limit():g} s limit passed while the model "
+                                                   "endpoint had not begun its answer (or before Pi called it)")
+            # Otherwise the agent spent its own time (a hung tool, a killed or stopped Pi): scored.
+        elif getattr(gateway.strategy, "stop_reason", None):  # interception_gate: the trainer never answered
             result.stop_reason = gateway.strategy.stop_reason
             return self._fail("gate_timeout", gateway.strategy.stop_message)
-        if gateway.budget_exhausted:
+        elif gateway.budget_exhausted:
             # A budget, not a failure: the gateway ended the turn cleanly, and what the agent
             # did is scored.
             result.stop_reason, result.budget_exhausted = "budget", gateway.budget_exhausted
-        elif pi.failed:
-            upstream = next((t for t in reversed(gateway.turns) if t.upstream_error or (t.upstream_status or 0) >= 400), None)
-            message = pi.error_message or _tail(outcome.stderr, 500) or f"Pi exited {outcome.exit_code} without an answer"
-            if upstream and (upstream.upstream_status is None or upstream.upstream_status >= 500):
-                return self._fail("endpoint_error", f"model endpoint failed ({upstream.upstream_status or 'unreachable'}): "
-                                                    f"{_tail(upstream.upstream_error or message, 500)}")
+        elif last is not None and (last.upstream_error or (last.upstream_status or 0) >= 400):
+            status = last.upstream_status
+            if status is None or status >= 500 or status in ENDPOINT_FAULT_STATUSES:
+                return self._fail("endpoint_error", f"model endpoint failed ({status or 'unreachable'}): "
+                                                    f"{_tail(last.upstream_error or '', 500)}")
+            if not conversation.messages:  # refused before the agent ever had a turn: the harness's request
+                return self._fail("agent_error", f"the model endpoint refused the first call ({status}): "
+                                                 f"{_tail(last.upstream_error or '', 500)}")
+        elif last is None:  # Pi never called the model: it could not start
+            message = _tail(outcome.stderr, 500) or f"Pi exited {outcome.exit_code} without calling the model"
             return self._fail("agent_error", message)
+        # Whatever else ended the agent (Pi stopped, crashed or was killed, its session file
+        # mangled) is the agent's outcome, and verified like any other.
         self._verify()
 
     def _keep_setup_world(self) -> None:

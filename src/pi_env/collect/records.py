@@ -27,7 +27,7 @@ def record_id(task_id: str, group_index: int) -> str:
 
 def to_record(result: RolloutResult, *, task, group_index: int, attempt: int,
               failed_attempts: list[dict] | None = None, worker: str = "") -> dict[str, Any]:
-    messages, tools = sft_messages(result.messages)
+    messages, tools = sft_messages(result.messages, result.tools)  # the gateway's record, never Pi's file
     return {
         "id": record_id(task.task_id, group_index),
         "task_id": task.task_id,
@@ -74,38 +74,43 @@ def _turn(turn) -> dict[str, Any]:
             "latency_s": turn.latency_s, "timestamp": turn.timestamp}
 
 
-def sft_messages(pi_messages: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Pi's session messages -> (OpenAI/TRL chat messages, tool schemas)."""
-    messages: list[dict] = []
-    tools: list[dict] = []
-    for message in pi_messages:
+def sft_messages(messages: list[dict], tools: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
+    """The gateway's conversation (OpenAI chat messages, RolloutResult.messages) and tool schemas
+    -> TRL's shape: text content, tool calls with string arguments, tool results named."""
+    out: list[dict] = []
+    names: dict[str, str] = {}  # tool_call_id -> the tool's name
+    for message in messages:
         role = message.get("role")
-        if role == "system":
-            text = message.get("content") or ""  # parse_session fills it from Pi's `sections`
-            if isinstance(text, list):
-                text = _text(text)
-            messages.append({"role": "system", "content": text})
-            tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-                                                       "parameters": t.get("parameters", {})}}
-                     for t in message.get("toolsAdded") or [] if isinstance(t, dict)]
+        if role in ("system", "developer"):
+            out.append({"role": "system", "content": _text(message.get("content"))})
         elif role == "user":
-            messages.append({"role": "user", "content": _text(message.get("content"))})
+            out.append({"role": "user", "content": _text(message.get("content"))})
         elif role == "assistant":
-            blocks = message.get("content") if isinstance(message.get("content"), list) else []
-            out: dict[str, Any] = {"role": "assistant", "content": _text(message.get("content"))}
-            reasoning = "".join(b.get("thinking", "") for b in blocks if isinstance(b, dict) and b.get("type") == "thinking")
-            if reasoning:
-                out["reasoning_content"] = reasoning
-            calls = [{"id": b.get("id", ""), "type": "function",
-                      "function": {"name": b.get("name", ""), "arguments": _arguments(b.get("arguments"))}}
-                     for b in blocks if isinstance(b, dict) and b.get("type") == "toolCall"]
+            entry: dict[str, Any] = {"role": "assistant", "content": _text(message.get("content"))}
+            reasoning = message.get("reasoning_content") or message.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                entry["reasoning_content"] = reasoning
+            calls = []
+            for call in [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]:
+                function = call.get("function") if isinstance(call.get("function"), dict) else {}
+                calls.append({"id": call.get("id") or "", "type": "function",
+                              "function": {"name": function.get("name") or "",
+                                           "arguments": _arguments(function.get("arguments"))}})
+                names[calls[-1]["id"]] = calls[-1]["function"]["name"]
             if calls:
-                out["tool_calls"] = calls
-            messages.append(out)
-        elif role == "toolResult":
-            messages.append({"role": "tool", "tool_call_id": message.get("toolCallId", ""),
-                             "name": message.get("toolName", ""), "content": _text(message.get("content"))})
-    return messages, tools
+                entry["tool_calls"] = calls
+            out.append(entry)
+        elif role == "tool":
+            call_id = message.get("tool_call_id") or ""
+            out.append({"role": "tool", "tool_call_id": call_id, "name": message.get("name") or names.get(call_id, ""),
+                        "content": _text(message.get("content"))})
+    schemas = []
+    for tool in [t for t in tools or [] if isinstance(t, dict)]:
+        function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        schemas.append({"type": "function", "function": {"name": function.get("name"),
+                                                         "description": function.get("description", ""),
+                                                         "parameters": function.get("parameters", {})}})
+    return out, schemas
 
 
 def _text(content: Any) -> str:
@@ -118,7 +123,7 @@ def _text(content: Any) -> str:
         if isinstance(block, dict):
             if block.get("type") == "text":
                 parts.append(block.get("text", ""))
-            elif block.get("type") == "image":
+            elif block.get("type") in ("image", "image_url"):
                 parts.append("[image]")
         elif isinstance(block, str):
             parts.append(block)

@@ -38,7 +38,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from pi_env._aio import run_sync
-from pi_env.proxy.capture import TurnCapture, sse_payloads
+from pi_env.proxy.capture import TurnCapture
 from pi_env.proxy.policy import PolicyError, police_request, scrub, secrets_of, upstream_path
 from pi_env.proxy.rewrite import CaptureOptions
 from pi_env.sandbox.hostdir import discard_host_dir, make_owned_dir, sweep_stale_host_dirs
@@ -136,19 +136,29 @@ class Strategy(Protocol):
 
 
 class BlackBox:
-    """Relay untouched; record only status, timings and sizes (no parsing: the cheap mode).
-    Only with a token budget does it read the usage from the answer's last bytes."""
+    """Relay untouched (no rewriting, no capture parameters), and record what was asked and
+    answered: the conversation comes from the gateway, never from the agent's own files (see
+    transparent.assemble_after: a small answer is parsed inline, a large one in a worker)."""
 
     def __init__(self, session: "GatewaySession"):
         self.session = session
 
     async def chat_completions(self, call: "Call", body: bytes, turn: TurnRecord) -> web.StreamResponse:
-        if self.session.max_total_tokens is None:
+        from pi_env.proxy.transparent import assemble_after  # parses: loaded only when used
+
+        request = agent_request(body)
+        if request is None:
             return await call.relay(body, turn)
-        raw = bytearray()
-        response = await call.relay(body, turn, keep=raw)
-        turn.total_tokens = usage_total_tokens(bytes(raw[-8192:]))
-        return response
+        answer = await call.open(body, turn)
+        if isinstance(answer, web.Response):
+            return answer
+        if answer.status >= 400:  # as relay(): read whole (bounded), secrets echoed in it masked
+            error = await call.read_error(answer, turn)
+            return web.Response(status=answer.status, body=error, headers=call.agent_headers(answer))
+        turn.capture = capture = TurnCapture(request=request)
+        # finish=False: a small answer is recorded before the agent sees its end, as before
+        # black_box parsed anything.
+        return await assemble_after(call, answer, capture, turn, request.get("stream") is True, finish=False)
 
 
 def _transparent_proxy(session: "GatewaySession") -> Strategy:
@@ -625,19 +635,6 @@ class Call:
             if error_body is not None and not turn.upstream_error:
                 text = scrub(bytes(error_body), self.session.secrets).decode(errors="replace")
                 turn.upstream_error = text or f"HTTP {answer.status} (empty body)"
-
-
-def usage_total_tokens(raw_tail: bytes) -> int | None:
-    """usage.total_tokens from the last usage chunk in the tail of an SSE answer (or a body)."""
-    for payload in reversed(sse_payloads(raw_tail) or [raw_tail]):
-        if b'"usage"' in payload:
-            try:
-                usage = msgspec.json.decode(payload).get("usage") or {}
-            except (msgspec.DecodeError, AttributeError):
-                continue
-            total = usage.get("total_tokens")
-            return total if isinstance(total, int) else None
-    return None
 
 
 def budget_answer(body: bytes, reason: str) -> web.Response:

@@ -60,7 +60,7 @@ class TransparentProxy:
                 self.fallback_reason = f"upstream answered {answer.status}: {error[:300].decode(errors='replace')}"
                 return await self._fall_back(call, rewritten, capture, turn, streaming)
             return _error_answer(answer.status, error, answer.content_type)
-        return await self._stream(call, answer, capture, turn, streaming)
+        return await assemble_after(call, answer, capture, turn, streaming)
 
     async def _fall_back(self, call: Call, rewritten: dict, capture: TurnCapture, turn: TurnRecord,
                          streaming: bool) -> web.StreamResponse:
@@ -80,7 +80,7 @@ class TransparentProxy:
         if isinstance(answer, web.Response):
             return answer
         self.fallback = WITHOUT_CAPTURE
-        return await self._stream(call, answer, capture, turn, streaming)
+        return await assemble_after(call, answer, capture, turn, streaming)
 
     async def _non_streaming(self, call: Call, rewritten: dict, capture: TurnCapture,
                              turn: TurnRecord) -> web.StreamResponse:
@@ -101,46 +101,50 @@ class TransparentProxy:
         answer.release()
         turn.ttfb_s = time.perf_counter() - call.started  # the agent's first byte leaves only now
         turn.response_bytes = len(raw)
-        self._assemble(capture, turn, raw, streaming=False)
+        _assemble(capture, turn, raw, streaming=False)
         include_usage = bool((rewritten.get("stream_options") or {}).get("include_usage"))
         return web.Response(body=sse_from_capture(capture, include_usage=include_usage),
                             content_type="text/event-stream")
 
-    async def _stream(self, call: Call, answer, capture: TurnCapture, turn: TurnRecord,
-                      streaming: bool) -> web.StreamResponse:
-        raw = bytearray()
-        try:
-            response = await call.stream(answer, turn, keep=raw, finish=True)
-        except asyncio.CancelledError:  # the agent hung up: keep what had arrived
-            self._assemble(capture, turn, bytes(raw), streaming)
-            raise
-        data = bytes(raw)
-        if len(data) < OFFLOAD_MIN_BYTES:
-            self._assemble(capture, turn, data, streaming)
-        else:
-            call.finish_record_later(self._assemble_in_worker(capture, turn, data, streaming))
-        return response
 
-    async def _assemble_in_worker(self, capture: TurnCapture, turn: TurnRecord, raw: bytes,
-                                  streaming: bool) -> None:
-        """Large answers are parsed in the capture worker process: tens of milliseconds of
-        decoding would otherwise hold the gateway's event loop, and with it every other stream.
-        When the worker fails the answer is parsed inline (rather than lost), and the capture
-        says why (`worker_error`). Cancellation is never swallowed."""
-        worker = capture_worker()
-        try:
-            assembled = await asyncio.get_running_loop().run_in_executor(None, worker.assemble, raw, streaming)
-        except CaptureWorkerError as error:
-            log.warning("turn %s parsed on the event loop: %s", turn.turn, error)
-            capture.worker_error = str(error)
-            return self._assemble(capture, turn, raw, streaming)
-        _merge(capture, assembled)
-        _count_tokens(capture, turn)
+async def assemble_after(call: Call, answer, capture: TurnCapture, turn: TurnRecord, streaming: bool, *,
+                         finish: bool = True) -> web.StreamResponse:
+    """Stream the answer to the agent, then assemble it into `capture` (every mode records what
+    the model answered): inline when small, in a worker process when large. `finish`: the agent
+    has the whole answer before the assembly (else its last bytes wait for an inline one)."""
+    raw = bytearray()
+    try:
+        response = await call.stream(answer, turn, keep=raw, finish=finish)
+    except asyncio.CancelledError:  # the agent hung up: keep what had arrived
+        _assemble(capture, turn, bytes(raw), streaming)
+        raise
+    data = bytes(raw)
+    if len(data) < OFFLOAD_MIN_BYTES:
+        _assemble(capture, turn, data, streaming)
+    else:
+        call.finish_record_later(_assemble_in_worker(capture, turn, data, streaming))
+    return response
 
-    @staticmethod
-    def _assemble(capture: TurnCapture, turn: TurnRecord, raw: bytes, streaming: bool) -> None:
-        _merge(capture, assemble_answer(raw, streaming))
-        _count_tokens(capture, turn)
+
+async def _assemble_in_worker(capture: TurnCapture, turn: TurnRecord, raw: bytes, streaming: bool) -> None:
+    """Large answers are parsed in the capture worker process: tens of milliseconds of decoding
+    would otherwise hold the gateway's event loop, and with it every other stream. When the
+    worker fails the answer is parsed inline (rather than lost), and the capture says why
+    (`worker_error`). Cancellation is never swallowed."""
+    worker = capture_worker()
+    try:
+        assembled = await asyncio.get_running_loop().run_in_executor(None, worker.assemble, raw, streaming)
+    except CaptureWorkerError as error:
+        log.warning("turn %s parsed on the event loop: %s", turn.turn, error)
+        capture.worker_error = str(error)
+        return _assemble(capture, turn, raw, streaming)
+    _merge(capture, assembled)
+    _count_tokens(capture, turn)
+
+
+def _assemble(capture: TurnCapture, turn: TurnRecord, raw: bytes, streaming: bool) -> None:
+    _merge(capture, assemble_answer(raw, streaming))
+    _count_tokens(capture, turn)
 
 
 def _merge(capture: TurnCapture, assembled: TurnCapture) -> None:

@@ -284,6 +284,13 @@ def _conversation_html(messages: list[dict[str, Any]]) -> str:
                 parts.append(f"→ {block.get('name')} {json.dumps(block.get('arguments'))[:2000]}")
             elif block.get("type") == "thinking":
                 parts.append(f"(thinking) {block.get('thinking', '')[:2000]}")
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:  # the gateway's record (OpenAI shape)
+            parts.insert(0, f"(thinking) {reasoning[:2000]}")
+        for call in message.get("tool_calls") or []:
+            function = (call.get("function") or {}) if isinstance(call, dict) else {}
+            parts.append(f"→ {function.get('name')} {str(function.get('arguments'))[:2000]}")
         body = "\n\n".join(part for part in parts if part)
-        blocks.append(f"<h4>{html.escape(str(role))}</h4>{_text(body[:4000] if role == 'toolResult' else body, 'pre')}")
+        blocks.append(f"<h4>{html.escape(str(role))}</h4>"
+                      f"{_text(body[:4000] if role in ('tool', 'toolResult') else body, 'pre')}")
     return "<hr>".join(blocks) or _text("No conversation.")
