@@ -277,3 +277,38 @@ def test_an_agent_that_fills_its_capped_home_is_still_verified_and_scored():
     assert result.error_kind is None, (result.error, result.agent_log_tail[-2000:])
     assert result.reward == 0.0 and [r.exit_code for r in result.verify_results] == [1]
     assert "setup's home was restored only in part" in result.agent_log_tail
+
+
+def test_an_exported_work_dir_keeps_only_members_that_stay_inside_it():
+    """On hf/e2b the agent was root of the machine that made the archive (it may have replaced tar):
+    what reaches verify's fresh sandbox is rebuilt host-side from members that extract inside the
+    work dir only."""
+    import io
+    import tarfile
+
+    from pi_env.sandbox.remote import _safe_tree
+
+    hostile = io.BytesIO()
+    with tarfile.open(fileobj=hostile, mode="w") as tar:
+        def add(name, kind=tarfile.REGTYPE, link="", mode=0o644, data=b"x"):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname, info.mode, info.size = kind, link, mode, len(data) if kind == tarfile.REGTYPE else 0
+            tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+        add("./out.txt")
+        add("./site", tarfile.SYMTYPE, "/root/.local/lib/python3.11/site-packages")
+        add("./site/usercustomize.py")  # through the symlink just made
+        add("../.bashrc")
+        add("/root/.gitconfig")
+        add("./dev", tarfile.CHRTYPE)
+        add("./fifo", tarfile.FIFOTYPE)
+        add("./suid", mode=0o4755)
+        add("./hard", tarfile.LNKTYPE, "../../etc/passwd")
+        add("./ok-link", tarfile.LNKTYPE, "out.txt")
+    with tarfile.open(fileobj=io.BytesIO(_safe_tree(hostile.getvalue()))) as clean:
+        members = {m.name: m for m in clean.getmembers()}
+    assert sorted(members) == ["ok-link", "out.txt", "site", "suid"]
+    assert members["site"].issym() and members["suid"].mode == 0o755
+    assert members["ok-link"].islnk() and members["ok-link"].linkname == "out.txt"
+    with tarfile.open(fileobj=io.BytesIO(_safe_tree(b""))) as empty:
+        assert empty.getmembers() == []
