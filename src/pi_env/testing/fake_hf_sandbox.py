@@ -370,7 +370,7 @@ class FakeHfJobs(ThreadingHTTPServer):
         job.process = self._spawner.submit(subprocess.Popen, argv, start_new_session=True,
                                            stdin=subprocess.DEVNULL).result()
         port_file = os.path.join(root, "control", "port")
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a loaded machine starts a sandbox slowly
         while not os.path.exists(port_file):
             if job.process.poll() is not None or time.monotonic() > deadline:
                 self.stop_job(job)
