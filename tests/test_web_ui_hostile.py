@@ -163,6 +163,7 @@ def run_and_wait(page) -> None:
     page.wait_for_selector("#reward h2", timeout=240_000)
 
 
+@pytest.mark.timeout(900)  # three rollouts and a setup failure, each bounded by run_and_wait
 def test_agent_and_task_output_is_shown_as_text(browser, hostile_server, remote, server):
     """The payloads in the instruction, file contents, a file name, tool arguments and output,
     verify output, a setup error, the agent's thinking and final message: each view shows them
