@@ -137,18 +137,21 @@ def bash(command: str) -> ScriptedTurn:
 @pytest.mark.slow
 def test_trace_files_are_private_and_deleted_unless_kept(server, tmp_path):
     key = server.add_script([bash("echo hi > a.txt"), ScriptedTurn(text="done")], api_key="sk-trace-0123456789")
-    task = PiTask(instruction="write a.txt", verify=["test -f a.txt"])
+    task = PiTask(task_id=f"trace-retention-{os.getpid()}", instruction="write a.txt", verify=["test -f a.txt"])
     kept_dir = tmp_path / "traces"
     result = run_rollout(task, scripted_config(server, key, mode="transparent_proxy", trace_dir=str(kept_dir)))
     trace = Path(result.trace_path)
     assert result.reward == 1.0 and trace.parent == kept_dir and len(trace.read_text().splitlines()) == 2
     assert stat.S_IMODE(kept_dir.stat().st_mode) == 0o700 and stat.S_IMODE(trace.stat().st_mode) == 0o600
-    # No trace_dir: the trace is scratch, deleted with the rollout (nothing piles up in /tmp).
+    # No trace_dir: the trace is scratch, deleted with the rollout (nothing piles up in /tmp). The
+    # scratch dir is shared with every other rollout of this user: only this task's files count.
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"pi-env-traces-{os.getuid()}"
-    before = set(scratch.iterdir()) if scratch.exists() else set()
-    result = run_rollout(task, scripted_config(server, key, mode="transparent_proxy"))
+    seen = []
+    result = run_rollout(task, scripted_config(server, key, mode="transparent_proxy"),
+                         on_event=lambda event: seen.extend(p for p in scratch.glob(f"{task.task_id}-*")))
     assert result.reward == 1.0 and result.trace_path is None
-    assert set(scratch.iterdir()) == before and stat.S_IMODE(scratch.stat().st_mode) == 0o700
+    assert seen, "the scratch trace was never written"  # it existed while the rollout ran ...
+    assert not list(scratch.glob(f"{task.task_id}-*")) and stat.S_IMODE(scratch.stat().st_mode) == 0o700
 
 
 # -- 5. the scripted server keeps nothing per request it was not asked to ------------------------------
