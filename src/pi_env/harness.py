@@ -89,9 +89,13 @@ class HarnessSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["Ha
     def create(self, task: Any = None, seed: int | None = None, episode_id: str | None = None, *,
                on_event=None) -> "HarnessSession":
         """Start one rollout of the task `task` names (see `select_task`). Bad input raises;
-        infrastructure failures surface as an unscored rollout (`verify().env_reward` None)."""
+        infrastructure failures surface as an unscored rollout (`verify().env_reward` None).
+        Returns once the task and endpoint are checked: the sandbox, setup and Pi start in the
+        background, so a trainer that stops can close() the session at once (TRL's worker closes
+        the sessions it holds on stop, and waits for the rest)."""
         chosen = self.select_task(task, seed)
-        return HarnessSession(super().create(chosen, seed=seed, episode_id=episode_id, on_event=on_event))
+        return HarnessSession(super().create(chosen, seed=seed, episode_id=episode_id, on_event=on_event,
+                                             background=True))
 
     def select_task(self, task: Any = None, seed: int | None = None) -> PiTask:
         """The task a `create` argument names. A `PiTask` or a task dict is itself; a dataset

@@ -92,7 +92,8 @@ class PiSessionFactory:
 
     def create(self, task: str | dict | PiTask, seed: int | None = None, episode_id: str | None = None, *,
                on_event: Callable[[RolloutEvent], None] | None = None,
-               on_session: Callable[["PiSession"], None] | None = None) -> "PiSession":
+               on_session: Callable[["PiSession"], None] | None = None,
+               background: bool = False) -> "PiSession":
         """Create the sandbox, stage files, run setup and start the agent. Bad input (a
         malformed task, an unknown endpoint) raises; infrastructure failures are reported by
         `wait_for_completion()` as a result with reward None and an error kind.
@@ -107,12 +108,17 @@ class PiSessionFactory:
         gateway's for a model call): keep it quick. An exception it raises is logged, never fails the rollout.
 
         `on_session` gets the session before its sandbox exists, so another thread may close()
-        it during setup (a server whose client went away)."""
+        it during setup (a server whose client went away).
+
+        `background=True` returns as soon as the task and the endpoint are checked (bad input
+        still raises here); the sandbox, setup and the agent's start follow on the session's own
+        thread, so a caller that stops (a trainer shutting down) can close() it at once instead
+        of waiting for a setup to end. Their failures are the result's, as always."""
         session = PiSession(self, PiTask.coerce(task), seed=seed, episode_id=episode_id, on_event=on_event)
         try:
             if on_session is not None:
                 on_session(session)
-            session._start()
+            session._start(background)
         except BaseException:
             session.close()
             raise
@@ -152,6 +158,8 @@ class PiSession:
         self._verify_env: dict[str, str] = dict(VERIFY_ENV)
         self._agent_home_aside = False  # a later step's agent gets its home back (_verify_world)
         self._later_steps_left = 0
+        self._launch_pending: Callable[[], None] | None = None  # create(background=True)'s launch
+        self._launched = threading.Event()  # the agent started, or the rollout failed before it
 
     # -- lifecycle -------------------------------------------------------------------------
     # A rollout's phases, in order. create() runs them up to agent_start; wait_for_completion()
@@ -167,14 +175,28 @@ class PiSession:
     #   verify          _verify, _score     setup's world (_verify_world), verify_files, verify commands,
     #                                       the reward
     #   collect         _collect            turns, the training view, the work dir's files
-    def _start(self) -> None:
+    def _start(self, background: bool = False) -> None:
         self._resolve_endpoint()
         token_in = self._token_in() if self.config.proxy_token_in else None  # bad input: raises here
+        if background:
+            self._launch_pending = lambda: self._launch(token_in)
+            self._begin_finishing()
+        else:
+            self._launch(token_in)
+
+    def wait_for_start(self, timeout_s: float | None = None) -> bool:
+        """Wait until the agent has started (or the rollout failed before it); False if
+        `timeout_s` passed first. Only a `create(background=True)` session can be starting."""
+        return self._launched.wait(timeout_s)
+
+    def _launch(self, token_in) -> None:
+        """The phases from the runtime to the agent's start."""
         try:
             with self._phase("runtime"):
                 runtime = self.factory.runtime
             self._result.pi_version = runtime.pi_version
             self._open_gateway(token_in)
+            self._check_open()
             with self._phase("sandbox_create"):
                 self._create_sandbox(runtime)
             with self._phase("setup"):
@@ -190,6 +212,8 @@ class PiSession:
             self._fail("environment_build_failed", str(error))
         except (SandboxError, RuntimeInstallError, OSError) as error:
             self._fail("infra", f"{type(error).__name__}: {error}")
+        finally:
+            self._launched.set()
 
     def _resolve_endpoint(self) -> None:
         config, result = self.config, self._result
@@ -238,6 +262,7 @@ class PiSession:
                                 "full" if task.setup_network else "none", sandbox=sandbox)
             self._result.setup_results.append(outcome)
             if not outcome.passed:
+                self._check_open()  # close() killed it: not the task's failure
                 why = "timed out" if outcome.timed_out else f"exited {outcome.exit_code}"
                 self._fail("setup_failed", f"setup command {command!r} {why}: "
                                            f"{_tail(outcome.stderr or outcome.stdout, 500)}")
@@ -320,11 +345,7 @@ class PiSession:
         first, in whichever phase (the rollout keeps going: call again, from any thread, or
         close()). The agent's own time limit is enforced regardless. Every caller gets the same
         result (or the same exception, should finishing fail)."""
-        with self._lock:  # held only to start the finishing work, once
-            if self._finisher is None:
-                self._finisher = threading.Thread(target=self._finish, name=f"pi-env-finish-{self.episode_id[:8]}",
-                                                  daemon=True)
-                self._finisher.start()
+        self._begin_finishing()
         if not self._finished.wait(timeout_s):
             raise TimeoutError(f"rollout {self.task.task_id!r} still running after {timeout_s} s")
         if self._finish_error is not None:
@@ -337,9 +358,19 @@ class PiSession:
         wait_for_completion() returns at once."""
         return self._finished.is_set()
 
+    def _begin_finishing(self) -> None:
+        with self._lock:  # held only to start the finishing work, once
+            if self._finisher is None:
+                self._finisher = threading.Thread(target=self._finish, name=f"pi-env-finish-{self.episode_id[:8]}",
+                                                  daemon=True)
+                self._finisher.start()
+
     def _finish(self) -> None:
-        """Agent -> verify -> collect, on a thread of its own so that any wait can be bounded."""
+        """(A background start's launch ->) agent -> verify -> collect, on a thread of its own
+        so that any wait can be bounded."""
         try:
+            if self._launch_pending is not None:
+                self._launch_pending()
             if self._agent is not None and self._result.error_kind is None:
                 try:
                     self._finish_agent()
@@ -638,6 +669,7 @@ class PiSession:
         if self._closed:
             if self.sandbox is not None:
                 self.sandbox.close()
+            self._end_gateway_session()
             raise SandboxError("the session was closed during setup")
 
     def close(self) -> None:
@@ -649,15 +681,20 @@ class PiSession:
             self._agent.kill()
         if self.sandbox is not None:
             self.sandbox.close()
+        self._end_gateway_session()
+        if self.endpoint is not None and self.endpoint.synthetic:
+            release_oracle(self.endpoint)
+        for endpoint in self._step_endpoints:
+            release_oracle(endpoint)
+
+    def _end_gateway_session(self) -> None:
+        """Revoke the session's token; without a trace_dir its trace was scratch: delete it.
+        Idempotent (close() and a setup that close() interrupted may both call it)."""
         if self.gateway_session is not None:
             get_gateway().close_session(self.gateway_session)
             if self.config.trace_dir is None and self.gateway_session.trace_path:
                 Path(self.gateway_session.trace_path).unlink(missing_ok=True)
                 self._result.trace_path = None
-        if self.endpoint is not None and self.endpoint.synthetic:
-            release_oracle(self.endpoint)
-        for endpoint in self._step_endpoints:
-            release_oracle(endpoint)
 
     def __enter__(self) -> "PiSession":
         return self
