@@ -11,9 +11,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from helpers import CHROMIUM, processes_of_uid, wait_for
+from helpers import processes_of_uid, wait_for
 from test_server import ServerProcess, sandbox_processes, sleeping_task
-from test_web_ui import CHROMIUM_FLAGS, phase_log, pick_preset
+from test_web_ui import browser, phase_log, pick_preset  # noqa: F401 - browser: the shared chromium fixture
 from pi_env.scripted import ScriptedToolCall, ScriptedTurn
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow, pytest.mark.needs_chromium]
@@ -63,16 +63,6 @@ def payload(remote: str) -> str:
             f"<video autoplay src=\"{remote}/video.mp4\"></video><audio autoplay src=\"{remote}/audio.mp3\"></audio>\n"
             f"<link rel=\"stylesheet\" href=\"{remote}/style.css\"><style>body{{background:url({remote}/bg.png)}}</style>\n"
             f"<iframe src=\"{remote}/frame\"></iframe><script>document.title='pwned'</script>\n```\n")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
