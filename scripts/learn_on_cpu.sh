@@ -17,16 +17,9 @@ export PI_ENV_ENGINES_DIR=${PI_ENV_ENGINES_DIR:-$PWD/.engines}
 RUN_DIR=${RUN_DIR:-runs/learn_on_cpu}
 ENGINE_PY=$PI_ENV_ENGINES_DIR/vllm-venv/bin/python
 [ -x .venv/bin/python ] || bash scripts/bootstrap.sh            # Pi, bubblewrap, the main venv
-[ -f "$PI_ENV_ENGINES_DIR/vllm-venv/.installed" ] || bash scripts/engines/install.sh vllm
+bash scripts/engines/install.sh vllm   # idempotent: the engine venv (renderers for token-in) and the model
 mkdir -p "$RUN_DIR"
-# Token-in (the default; --no-token-in turns it off) needs PyPI `renderers` beside the engine venv's
-# transformers: installed once into .venv-learn-extra, never into the shared engine venv.
-EXTRA=$PWD/.venv-learn-extra
-if ! PYTHONPATH=$EXTRA "$ENGINE_PY" -c "import renderers" 2>/dev/null; then
-  "$ENGINE_PY" -m pip install -q --disable-pip-version-check --target "$EXTRA" --no-deps \
-    'renderers>=0.1.12,<0.2' openai-harmony prime-pydantic-config
-fi
-export PYTHONPATH=$PWD/src:$EXTRA HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD/src HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft eval_sft rl eval_rl --run-dir "$RUN_DIR" "$@"
 PYTHONPATH=$PWD/src .venv/bin/python -m pi_env.learning report --run-dir "$RUN_DIR" "$@"
 echo "[learn] report: $RUN_DIR/report.json, plot: $RUN_DIR/learning_curve.png"

@@ -188,6 +188,30 @@ def test_an_engine_without_token_in_is_refused_by_name(server, tokenizer_dir):
         check_endpoint_sync(upstream, spec)
 
 
+def test_a_busy_engine_is_not_taken_for_one_without_token_in(token_server, tokenizer_dir):
+    """A 503 or 429 to the probe says nothing about token-in: not refused, probed again later."""
+    from pi_env.scripted import Fault
+
+    spec = load_renderer("chatml-hermes", str(tokenizer_dir))
+    for status in (503, 429):
+        key = token_server.add_script([ScriptedTurn(text="x", fault=Fault(http_status=status))])
+        check_endpoint_sync(Upstream(token_server.base_url, key, f"busy-{status}"), spec)  # does not raise
+
+
+def test_collect_stops_at_once_with_what_is_missing_instead_of_storing_failures(server, tokenizer_dir, tmp_path):
+    """Token-in against an engine without it is a configuration every rollout would fail on:
+    the collect says what to fix, and no record claims a rollout ran."""
+    from pi_env.collect import CollectError, CollectRunner
+    from pi_env.collect.store import read_records
+
+    config = scripted_config(server, server.add_script([ScriptedTurn(text="x")]), mode="transparent_proxy",
+                             proxy_token_in=True, proxy_tokenizer=str(tokenizer_dir))
+    tasks = [PiTask(task_id=f"t{i}", instruction="x", verify=["true"]) for i in range(3)]
+    with pytest.raises(CollectError, match="has no token-in /v1/completions"):
+        CollectRunner(tasks, tmp_path / "out", config, concurrency=2).run()
+    assert list(read_records(tmp_path / "out")) == []
+
+
 def sse_chunks(raw: bytes) -> list[dict]:
     return [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: {")]
 

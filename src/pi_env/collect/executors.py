@@ -68,6 +68,7 @@ def run_one(factory, task: PiTask, live: LiveSessions | None = None) -> RolloutR
     retried, never mixed with infrastructure, the traceback kept in the record's error)."""
     from ..agent.runtime import RuntimeInstallError
     from ..endpoints import EndpointError
+    from ..proxy.token_in import TokenInUnavailable
     from ..sandbox import SandboxError
 
     try:
@@ -79,7 +80,7 @@ def run_one(factory, task: PiTask, live: LiveSessions | None = None) -> RolloutR
                 return session.wait_for_completion()
             finally:
                 live.discard(session)
-    except EndpointError as error:  # the endpoint's configuration changed under the run
+    except (EndpointError, TokenInUnavailable) as error:  # the configuration cannot work: every rollout would fail
         raise BadInput(str(error)) from None
     except (SandboxError, RuntimeInstallError, OSError) as error:
         return RolloutResult(task_id=task.task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")

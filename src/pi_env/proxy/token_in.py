@@ -352,6 +352,8 @@ async def check_endpoint(client: aiohttp.ClientSession, upstream: Upstream, prob
                            timeout=upstream.timeout()) as answer:
         raw = await answer.content.read(ERROR_LIMIT)
         where = f"the endpoint {upstream.host}"
+        if answer.status == 429 or answer.status >= 500:
+            return  # busy or failing, not decided: probed again by the next session
         if answer.status >= 400:
             raise TokenInUnavailable(f"token-in: {where} has no token-in /v1/completions: POST /v1/completions with a "
                                      f"token-id prompt answered {answer.status}: {raw[:300].decode(errors='replace')} "
