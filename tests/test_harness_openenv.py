@@ -22,7 +22,7 @@ from importlib.util import find_spec
 import pytest
 
 import pi_env
-from helpers import bash, direct_answer, processes_of_uid, scripted_config
+from helpers import bash, direct_answer, processes_of_uid, scripted_config, wait_for
 from pi_env import PiConfig, PiTask, TaskError
 from pi_env.scripted import Fault, ScriptedTurn
 
@@ -325,10 +325,7 @@ def test_create_returns_before_setup_and_close_ends_a_setup_at_once(factory_for)
     started = time.monotonic()
     session = factory.create(task)
     assert time.monotonic() - started < 120  # not the 600 s setup
-    deadline = time.monotonic() + 120
-    while session.pi_session.sandbox is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    uid = session.pi_session.sandbox.uid
+    uid = wait_for(lambda: session.pi_session.sandbox, 120, "the sandbox").uid
     time.sleep(1)  # the setup command is running
     closed = time.monotonic()
     session.close()
