@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pi_env import PiConfig, PiSessionFactory
-from pi_env.learning.pipeline import LearnConfig, LeakError, check_held_out, stage_tasks
+from pi_env.learning.pipeline import LearnConfig, LeakError, check_held_out, read_tasks, rl_tasks, stage_tasks
 from pi_env.learning.rows import group_advantages, rl_rows
 from pi_env.task import PiTask
 from pi_env.workspace.coding import CODING_FAMILIES, generate_coding_tasks, make_coding_splits
@@ -104,6 +104,52 @@ def test_held_out_check_refuses_unknown_training_ids(tmp_path):
     cfg = _run_dir(tmp_path, ["from-elsewhere"])
     with pytest.raises(LeakError, match="cannot prove"):
         check_held_out(cfg, [])
+
+
+def test_the_rl_split_is_fresh_and_added_to_an_older_run_without_touching_it(tmp_path):
+    """RL draws instances SFT never saw, disjoint from train and eval; a run directory made
+    before the RL split existed gets one, its train and eval files unchanged."""
+    cfg = LearnConfig(run_dir=tmp_path, n_train=10, n_eval=5, n_rl=8)
+    stage_tasks(cfg)
+    tasks = {name: read_tasks(tmp_path / "tasks" / f"{name}.jsonl") for name in ("train", "eval", "rl")}
+    digests = {name: {t.digest() for t in ts} for name, ts in tasks.items()}
+    assert len(tasks["rl"]) == len(digests["rl"]) == 8
+    assert not digests["rl"] & (digests["train"] | digests["eval"])
+    before = {name: (tmp_path / "tasks" / f"{name}.jsonl").read_text() for name in ("train", "eval")}
+    (tmp_path / "tasks" / "rl.jsonl").unlink()
+    assert stage_tasks(cfg)["rl"] == 8
+    assert {name: (tmp_path / "tasks" / f"{name}.jsonl").read_text() for name in ("train", "eval")} == before
+    assert read_tasks(tmp_path / "tasks" / "rl.jsonl") == tasks["rl"]
+    # trained RL ids are known to the held-out check
+    step = tmp_path / "rl" / "step_0"
+    step.mkdir(parents=True)
+    (step / "results.jsonl").write_text(json.dumps({"id": "r0", "task_id": tasks["rl"][0].task_id, "group_id": "g"}) + "\n")
+    (tmp_path / "oracle" / "exports").mkdir(parents=True)
+    (tmp_path / "oracle" / "exports" / "sft.jsonl").write_text("")
+    assert check_held_out(cfg, tasks["eval"]) == 1
+
+
+def test_rl_draws_fresh_tasks_favouring_the_families_that_fail(tmp_path):
+    cfg = LearnConfig(run_dir=tmp_path, n_train=5, n_eval=5, n_rl=100, rl_tasks_per_step=4)
+    stage_tasks(cfg)
+    first = rl_tasks(cfg, 0, [])
+    assert first == rl_tasks(cfg, 0, [])  # deterministic
+    assert {t.task_id for t in first} <= {t.task_id for t in read_tasks(tmp_path / "tasks" / "rl.jsonl")}
+    # history: rename_symbol always solved, data_program always failed
+    history = [{"task_id": t.task_id, "group_id": t.task_id, "reward": 1.0 if t.metadata["family"] == "rename_symbol" else 0.0}
+               for t in first]
+    history += [{"task_id": f"rl-0-{i}-rename_symbol", "group_id": "x", "reward": 1.0} for i in range(8)]
+    history += [{"task_id": f"rl-0-{i}-data_program", "group_id": "y", "reward": 0.0} for i in range(8)]
+    drawn = [t for step in range(1, 40) for t in rl_tasks(cfg, step, history)]
+    assert not {t.task_id for t in drawn} & {t.task_id for t in first}  # never a task used before
+    count = {f: sum(t.metadata["family"] == f for t in drawn) for f in ("rename_symbol", "data_program")}
+    assert count["data_program"] > 2 * count["rename_symbol"] > 0, count
+
+
+def test_rl_falls_back_to_the_train_split_without_an_rl_split(tmp_path):
+    cfg = LearnConfig(run_dir=tmp_path, n_train=6, n_eval=3, n_rl=0, rl_tasks_per_step=3)
+    stage_tasks(cfg)
+    assert {t.task_id for t in rl_tasks(cfg, 0, [])} <= {t.task_id for t in read_tasks(tmp_path / "tasks" / "train.jsonl")}
 
 
 def test_group_advantages():

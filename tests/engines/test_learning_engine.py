@@ -84,7 +84,7 @@ def test_shared_prefix_scoring_matches_scoring_every_row_whole(train_layers):
 
 def test_every_stage_on_tiny_sizes(tmp_path):
     run_dir = tmp_path / "run"
-    args = ["--run-dir", str(run_dir), "--n-train", "3", "--n-eval", "2", "--families", "write_file,fix_bug",
+    args = ["--run-dir", str(run_dir), "--n-train", "3", "--n-eval", "2", "--n-rl", "4", "--families", "write_file,fix_bug",
             "--sft-epochs", "2", "--sft-batch", "3", "--rl-steps", "1", "--rl-tasks-per-step", "1",
             "--group-size", "4", "--max-turns", "4", "--max-tokens", "96", "--agent-timeout-s", "180",
             "--engine-port", str(free_port()), "--base-model", str(MODEL_DIR)]
@@ -109,10 +109,12 @@ def test_every_stage_on_tiny_sizes(tmp_path):
 
     (step,) = report["rl_steps"]
     assert len(step["rows_per_rollout"]) == 4 and all(n >= 1 for n in step["rows_per_rollout"])
+    assert step["tasks"][0].startswith("rl-")  # RL trains on fresh instances, not the SFT data's
     assert step["generated_tokens"] > 0
     assert set(step["time_s"]) >= {"engine_start", "rollouts", "generation_summed", "pi_and_sandbox_summed", "train"}
     if step["trained_rows"]:  # a group with different rewards: a real gradient step on the sampled trace
         assert 0.5 < step["ratio_mean"] < 2.0 and step["old_logprobs_missing"] == 0
+        assert len(step["updates"]) == 2  # --rl-updates' default: the batch is used twice
     # The RL checkpoint is what the last eval served, and it is not the SFT one.
     assert report["stages"]["rl"]["eval"]["model_dir"].endswith("rl/policy")
     sft_weights = (run_dir / "sft" / "policy" / "model.safetensors").read_bytes()

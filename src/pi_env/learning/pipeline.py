@@ -1,6 +1,7 @@
 """The learning run's stages, each resumable from its outputs in one run directory:
 
-    tasks     tasks/train.jsonl, tasks/eval.jsonl (pi_env.workspace.coding, disjoint, checked)
+    tasks     tasks/train.jsonl, tasks/eval.jsonl, tasks/rl.jsonl (pi_env.workspace.coding,
+              pairwise disjoint, checked)
     oracle    oracle/ (pi-env collect of the train split, oracle endpoint) + oracle/exports/sft.jsonl
     eval      eval_<stage>/ (pi-env collect of the eval split against vLLM serving a checkpoint)
     sft       sft/policy (checkpoint) + sft/summary.json
@@ -42,6 +43,9 @@ class LearnConfig:
     seed: int = 0
     n_train: int = 200
     n_eval: int = 50
+    # RL draws from its own split of fresh instances: the SFT data memorised the train split,
+    # so its groups there are mostly all-solved and teach nothing. 0: RL draws from train.
+    n_rl: int = 200
     families: list[str] | None = None
     # rollouts
     concurrency: int = 4
@@ -55,16 +59,17 @@ class LearnConfig:
     engine_port: int = 8031
     engine_timeout_s: int = 1200  # vLLM's start-up, which on a loaded 2-core machine takes minutes
     # SFT
-    sft_epochs: int = 2
+    sft_epochs: int = 1
     sft_batch: int = 8
-    sft_lr: float = 1e-4
+    sft_lr: float = 2e-4
     sft_limit: int | None = None  # use only the first N oracle conversations (default: all)
-    eval_limit: int | None = None  # evaluate only the first N eval tasks (families alternate; default: all)
+    eval_limit: int | None = 20  # evaluate only the first N eval tasks (families alternate; 0: all of them)
     # RL
     rl_steps: int = 8
     rl_tasks_per_step: int = 4
     group_size: int = 4
-    rl_lr: float = 1e-5
+    rl_lr: float = 5e-5
+    rl_updates: int = 2  # optimizer steps per batch of rollouts (PPO epochs; the first is on-policy)
     rl_temperature: float = 1.0
     clip_eps: float = 0.2
     micro_batch: int = 2
@@ -99,20 +104,33 @@ def read_tasks(path: Path) -> list[PiTask]:
 
 
 def stage_tasks(cfg: LearnConfig) -> dict:
-    from pi_env.workspace.coding import make_coding_splits
+    from pi_env.workspace.coding import generate_coding_tasks, make_coding_splits
+    from pi_env.workspace.tasks import check_disjoint
 
-    train_path, eval_path = cfg.path("tasks", "train.jsonl"), cfg.path("tasks", "eval.jsonl")
-    if train_path.is_file() and eval_path.is_file():
-        train, evaluation = read_tasks(train_path), read_tasks(eval_path)
+    paths = {name: cfg.path("tasks", f"{name}.jsonl") for name in ("train", "eval", "rl")}
+    if paths["train"].is_file() and paths["eval"].is_file():
+        train, evaluation = read_tasks(paths["train"]), read_tasks(paths["eval"])
     else:
         train, evaluation = make_coding_splits(cfg.n_train, cfg.n_eval, seed=cfg.seed, families=cfg.families)
-        train_path.parent.mkdir(parents=True, exist_ok=True)
-        for path, tasks in ((train_path, train), (eval_path, evaluation)):
-            path.write_text("".join(task.model_dump_json() + "\n" for task in tasks))
+        _write_tasks(paths["train"], train)
+        _write_tasks(paths["eval"], evaluation)
+    # Made on its own (also for a run directory from before it existed): train and eval stay as they are.
+    if paths["rl"].is_file():
+        fresh = read_tasks(paths["rl"])
+    else:
+        fresh = generate_coding_tasks(cfg.n_rl, split="rl", seed=cfg.seed, families=cfg.families,
+                                      exclude={task.digest() for task in train + evaluation})
+        _write_tasks(paths["rl"], fresh)
+    check_disjoint(train=train, eval=evaluation, rl=fresh)
     families: dict[str, int] = {}
     for task in evaluation:
         families[task.metadata["family"]] = families.get(task.metadata["family"], 0) + 1
-    return {"train": len(train), "eval": len(evaluation), "eval_families": families}
+    return {"train": len(train), "eval": len(evaluation), "rl": len(fresh), "eval_families": families}
+
+
+def _write_tasks(path: Path, tasks: list[PiTask]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(task.model_dump_json() + "\n" for task in tasks))
 
 
 def training_instances(cfg: LearnConfig) -> dict[str, str]:
@@ -296,14 +314,41 @@ def stage_sft(cfg: LearnConfig) -> dict:
     return summary
 
 
-def rl_tasks(cfg: LearnConfig, step: int) -> list[PiTask]:
-    train = read_tasks(cfg.path("tasks", "train.jsonl"))
-    return random.Random(f"pi-env-learn-rl/{cfg.seed}/{step}").sample(train, min(cfg.rl_tasks_per_step, len(train)))
+def rl_tasks(cfg: LearnConfig, step: int, history: list[dict]) -> list[PiTask]:
+    """The step's tasks: drawn without replacement from the RL split (the train split if it is
+    empty), each draw picking a family first, weighted by how often that family failed in the
+    earlier steps' rollouts (`history`: their records), so groups the policy always solves
+    (all rewards equal, no GRPO signal) are drawn less. Deterministic for (seed, step, history)."""
+    pool = read_tasks(cfg.path("tasks", "rl.jsonl")) if cfg.path("tasks", "rl.jsonl").is_file() else []
+    pool = pool or read_tasks(cfg.path("tasks", "train.jsonl"))
+    used = {record["task_id"] for record in history}
+    by_family: dict[str, list[PiTask]] = {}
+    for task in pool:
+        if task.task_id not in used:
+            by_family.setdefault(task.metadata["family"], []).append(task)
+    rewards: dict[str, list[float]] = {}
+    for record in history:
+        if record.get("reward") is not None:
+            rewards.setdefault(record["task_id"].rsplit("-", 1)[-1], []).append(record["reward"])
+    rng = random.Random(f"pi-env-learn-rl/{cfg.seed}/{step}")
+    chosen: list[PiTask] = []
+    while len(chosen) < cfg.rl_tasks_per_step and any(by_family.values()):
+        families = sorted(f for f, tasks in by_family.items() if tasks)
+        # A family never tried weighs 1; one always solved 0.25 (still drawn: it can regress).
+        weights = [1.0 - 0.75 * _mean(rewards.get(f), default=0.0) for f in families]
+        tasks = by_family[rng.choices(families, weights)[0]]
+        chosen.append(tasks.pop(rng.randrange(len(tasks))))
+    return chosen
+
+
+def _mean(values: list[float] | None, default: float) -> float:
+    return sum(values) / len(values) if values else default
 
 
 def stage_rl(cfg: LearnConfig) -> dict:
     import torch
 
+    from pi_env.collect.store import read_records
     from pi_env.learning import trainer
     from pi_env.learning.rows import rl_rows
 
@@ -320,7 +365,7 @@ def stage_rl(cfg: LearnConfig) -> dict:
     optimizer = torch.optim.AdamW(trainer.trainable(model), lr=cfg.rl_lr, betas=(0.9, 0.99), weight_decay=0.0)
     for step in range(len(steps), cfg.rl_steps):
         started = time.monotonic()
-        tasks = rl_tasks(cfg, step)
+        tasks = rl_tasks(cfg, step, [r for k in range(step) for r in read_records(cfg.path("rl", f"step_{k}"))])
         with Engine(source, cfg.engine_port, cfg.path("logs", "vllm-rl.log"), cfg.engine_timeout_s) as engine:
             records, rollouts_s = collect(tasks, cfg.path("rl", f"step_{step}"),
                                           rollout_config(cfg, engine, cfg.rl_temperature),
@@ -328,7 +373,11 @@ def stage_rl(cfg: LearnConfig) -> dict:
             engine_start = engine.start_s
         rows = rl_rows(records)
         train_started = time.monotonic()
-        stats = trainer.grpo_step(model, optimizer, rows, clip_eps=cfg.clip_eps, micro_batch=cfg.micro_batch)
+        # The first update is on-policy: its ratio new/old ~ 1 checks that the engine served
+        # the trainer's weights. Later ones reuse the batch under the clip (PPO epochs).
+        updates = [trainer.grpo_step(model, optimizer, rows, clip_eps=cfg.clip_eps, micro_batch=cfg.micro_batch)
+                   for _ in range(cfg.rl_updates)]
+        stats = {**updates[0], "updates": [{k: u[k] for k in _UPDATE_STATS if k in u} for u in updates]}
         train_s = time.monotonic() - train_started
         save_started = time.monotonic()
         source = trainer.save_policy(model, tokenizer, cfg.base_model, policy_dir)
@@ -355,6 +404,9 @@ def stage_rl(cfg: LearnConfig) -> dict:
     return {"steps": len(steps)}
 
 
+_UPDATE_STATS = ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "clip_fraction", "kl_old_new_k3")
+
+
 def _flat_groups(records: list[dict]) -> int:
     groups: dict[str, set] = {}
     for r in records:
@@ -372,7 +424,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 def stage_status(cfg: LearnConfig) -> dict[str, str]:
     """done / in progress / not started, per stage, from the run directory's outputs."""
-    done = {"tasks": cfg.path("tasks", "eval.jsonl"), "oracle": cfg.path("oracle", "summary.json"),
+    done = {"tasks": cfg.path("tasks", "rl.jsonl"), "oracle": cfg.path("oracle", "summary.json"),
             "eval_base": cfg.path("eval_base", "summary.json"), "sft": cfg.path("sft", "summary.json"),
             "eval_sft": cfg.path("eval_sft", "summary.json"), "eval_rl": cfg.path("eval_rl", "summary.json")}
     started = {"oracle": cfg.path("oracle"), "eval_base": cfg.path("eval_base"), "sft": cfg.path("sft"),
