@@ -9,9 +9,9 @@
     report    report.json + learning_curve.png
 
 Every rollout is the real Pi in the real sandbox; eval and RL generation go through the
-transparent proxy to a vLLM (CPU) engine started on the stage's checkpoint and stopped after,
-so RL's engine always serves the current weights (it is restarted each step: the restart is
-in the step's time breakdown). The trainer (pi_env.learning.trainer) needs torch and
+transparent proxy to a vLLM (CPU) engine started on the stage's checkpoint and stopped after;
+RL's engine serves the current weights: each GRPO step's checkpoint is loaded into it in place
+(`Engine.load`, in the next step's time breakdown). The trainer (pi_env.learning.trainer) needs torch and
 transformers; the other stages only pi-env.
 """
 
@@ -22,6 +22,8 @@ import os
 import random
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -167,7 +169,10 @@ def check_held_out(cfg: LearnConfig, eval_tasks: list[PiTask]) -> int:
 
 
 class Engine:
-    """vLLM serving one checkpoint on 127.0.0.1 (scripts/engines/serve_vllm.sh), stopped by PID."""
+    """vLLM serving one checkpoint on 127.0.0.1 (scripts/engines/serve_vllm.sh), stopped by PID.
+    `load` swaps another checkpoint of the same model in without a restart."""
+
+    WORKER_EXTENSION = "pi_env.learning.engine_reload.WeightReload"
 
     def __init__(self, model_dir: Path, port: int, log_path: Path, timeout_s: int = 1200):
         self.model_dir, self.port, self.log_path, self.timeout_s = Path(model_dir), port, log_path, timeout_s
@@ -181,15 +186,36 @@ class Engine:
     def __enter__(self) -> "Engine":
         started = time.monotonic()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # The dev endpoints (/collective_rpc, /reset_prefix_cache) are what `load` calls; the
+        # engine binds 127.0.0.1, which no sandboxed agent can reach.
+        env = {**os.environ, "ENGINE_MODEL_NAME": "policy", "VLLM_SERVER_DEV_MODE": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
         out = subprocess.run(["bash", str(ROOT / "scripts" / "engines" / "serve_vllm.sh"), "--model-dir",
                               str(self.model_dir), "--port", str(self.port), "--log", str(self.log_path),
-                              "--timeout", str(self.timeout_s)],
-                             stdout=subprocess.PIPE, text=True, env={**os.environ, "ENGINE_MODEL_NAME": "policy"})
+                              "--timeout", str(self.timeout_s), "--", "--worker-extension-cls", self.WORKER_EXTENSION],
+                             stdout=subprocess.PIPE, text=True, env=env)
         if out.returncode != 0:
             raise RuntimeError(f"vLLM did not start on {self.model_dir} (log {self.log_path})")
         self.pid = int(out.stdout.strip().splitlines()[-1])
         self.start_s = time.monotonic() - started
         return self
+
+    def load(self, model_dir: Path) -> float:
+        """Serve `model_dir`'s weights from now on (same architecture and tokenizer): they are
+        loaded in place and the prefix cache, computed with the old ones, is dropped. Seconds taken."""
+        started = time.monotonic()
+        root = f"http://127.0.0.1:{self.port}"
+        for path, body in (("/collective_rpc", {"method": "load_checkpoint", "args": [str(model_dir)]}),
+                           ("/reset_prefix_cache", None)):
+            request = urllib.request.Request(root + path, data=json.dumps(body).encode() if body else b"",
+                                             headers={"Content-Type": "application/json"}, method="POST")
+            try:
+                urllib.request.urlopen(request, timeout=self.timeout_s).read()
+            except urllib.error.HTTPError as error:
+                raise RuntimeError(f"vLLM could not load {model_dir}: {path} answered {error.code} "
+                                   f"{error.read()[:500]!r} (log {self.log_path})") from None
+        self.model_dir = Path(model_dir)
+        return time.monotonic() - started
 
     def __exit__(self, *exc) -> None:
         if self.pid is not None:
@@ -348,14 +374,15 @@ def _mean(values: list[float] | None, default: float) -> float:
 def stage_rl(cfg: LearnConfig) -> dict:
     import torch
 
-    from pi_env.collect.store import read_records
     from pi_env.learning import trainer
-    from pi_env.learning.rows import rl_rows
 
     steps_path = cfg.path("rl", "steps.jsonl")
-    steps = [json.loads(line) for line in steps_path.read_text().splitlines()] if steps_path.is_file() else []
+    steps = _jsonl(steps_path)
     policy_dir = cfg.path("rl", "policy")
-    if len(steps) >= cfg.rl_steps and policy_dir.is_dir():
+    if len(steps) >= cfg.rl_steps:
+        if not policy_dir.is_dir():
+            raise RuntimeError(f"{steps_path} records {len(steps)} finished steps but {policy_dir} is missing: "
+                               "remove the steps file (RL starts again from the SFT checkpoint)")
         return {"steps": len(steps)}
     source = policy_dir if steps else cfg.path("sft", "policy")
     torch.manual_seed(cfg.seed + len(steps))
@@ -363,45 +390,57 @@ def stage_rl(cfg: LearnConfig) -> dict:
     trainer.train_top_layers(model, cfg.train_layers)
     # Resuming starts Adam's moments afresh (the weights are the last finished step's).
     optimizer = torch.optim.AdamW(trainer.trainable(model), lr=cfg.rl_lr, betas=(0.9, 0.99), weight_decay=0.0)
-    for step in range(len(steps), cfg.rl_steps):
-        started = time.monotonic()
-        tasks = rl_tasks(cfg, step, [r for k in range(step) for r in read_records(cfg.path("rl", f"step_{k}"))])
-        with Engine(source, cfg.engine_port, cfg.path("logs", "vllm-rl.log"), cfg.engine_timeout_s) as engine:
-            records, rollouts_s = collect(tasks, cfg.path("rl", f"step_{step}"),
-                                          rollout_config(cfg, engine, cfg.rl_temperature),
-                                          group_size=cfg.group_size, concurrency=cfg.concurrency)
-            engine_start = engine.start_s
-        rows = rl_rows(records)
-        train_started = time.monotonic()
-        # The first update is on-policy: its ratio new/old ~ 1 checks that the engine served
-        # the trainer's weights. Later ones reuse the batch under the clip (PPO epochs).
-        updates = [trainer.grpo_step(model, optimizer, rows, clip_eps=cfg.clip_eps, micro_batch=cfg.micro_batch)
-                   for _ in range(cfg.rl_updates)]
-        stats = {**updates[0], "updates": [{k: u[k] for k in _UPDATE_STATS if k in u} for u in updates]}
-        train_s = time.monotonic() - train_started
-        save_started = time.monotonic()
-        source = trainer.save_policy(model, tokenizer, cfg.base_model, policy_dir)
-        save_s = time.monotonic() - save_started
-        generation = sum(t.get("latency_s") or 0.0 for r in records for t in r.get("turns") or [])
-        rollout_walls = sum(r.get("wall_s") or 0.0 for r in records)
-        scores = score_records(records)
-        entry = {"step": step, "tasks": [t.task_id for t in tasks], "mean_reward": scores["mean_reward"],
-                 "pass_rate": scores["pass_rate"], "unscored": scores["unscored"],
-                 "groups_with_signal": len({r["group_id"] for r in records}) - _flat_groups(records),
-                 "rows_per_rollout": [len((r.get("training") or {}).get("segments") or []) for r in records],
-                 "generated_tokens": sum(t.get("completion_tokens") or 0 for r in records for t in r.get("turns") or []),
-                 **{k: v for k, v in stats.items() if k != "rows"}, "trained_rows": stats["rows"],
-                 "time_s": {"engine_start": round(engine_start, 1), "rollouts": round(rollouts_s, 1),
-                            "generation_summed": round(generation, 1),
-                            "pi_and_sandbox_summed": round(rollout_walls - generation, 1),
-                            "train": round(train_s, 1), "save": round(save_s, 1),
-                            "total": round(time.monotonic() - started, 1)}}
-        with steps_path.open("a") as handle:
-            handle.write(json.dumps(entry) + "\n")
-        steps.append(entry)
-        log(f"rl step {step}: mean reward {entry['mean_reward']}, loss {entry['loss']}, "
-            f"ratio {entry.get('ratio_mean')}, {entry['time_s']}")
+    # One engine for the whole stage: after each GRPO step it swaps the new weights in (Engine.load).
+    with Engine(source, cfg.engine_port, cfg.path("logs", "vllm-rl.log"), cfg.engine_timeout_s) as engine:
+        engine_time = {"engine_start": round(engine.start_s, 1)}
+        for step in range(len(steps), cfg.rl_steps):
+            entry = _rl_step(cfg, step, engine, model, tokenizer, optimizer, engine_time)
+            with steps_path.open("a") as handle:
+                handle.write(json.dumps(entry) + "\n")
+            steps.append(entry)
+            log(f"rl step {step}: mean reward {entry['mean_reward']}, loss {entry['loss']}, "
+                f"ratio {entry.get('ratio_mean')}, {entry['time_s']}")
+            if step + 1 < cfg.rl_steps:
+                engine_time = {"weights_load": round(engine.load(policy_dir), 1)}
     return {"steps": len(steps)}
+
+
+def _rl_step(cfg: LearnConfig, step: int, engine: Engine, model, tokenizer, optimizer, engine_time: dict) -> dict:
+    """One GRPO step: group rollouts of the step's tasks against the engine (serving the current
+    weights), `rl_updates` policy-gradient updates on their exact traces, the checkpoint saved.
+    `engine_time`: the engine's start or weight load before this step, counted in its total."""
+    from pi_env.collect.store import read_records
+    from pi_env.learning import trainer
+    from pi_env.learning.rows import rl_rows
+
+    started = time.monotonic() - sum(engine_time.values())
+    tasks = rl_tasks(cfg, step, [r for k in range(step) for r in read_records(cfg.path("rl", f"step_{k}"))])
+    records, rollouts_s = collect(tasks, cfg.path("rl", f"step_{step}"), rollout_config(cfg, engine, cfg.rl_temperature),
+                                  group_size=cfg.group_size, concurrency=cfg.concurrency)
+    rows = rl_rows(records)
+    train_started = time.monotonic()
+    # The first update is on-policy: its ratio new/old ~ 1 checks that the engine served the
+    # trainer's weights. Later ones reuse the batch under the clip (PPO epochs).
+    updates = [trainer.grpo_step(model, optimizer, rows, clip_eps=cfg.clip_eps, micro_batch=cfg.micro_batch)
+               for _ in range(cfg.rl_updates)]
+    stats = {**updates[0], "updates": [{k: u[k] for k in _UPDATE_STATS if k in u} for u in updates]}
+    train_s = time.monotonic() - train_started
+    save_started = time.monotonic()
+    trainer.save_policy(model, tokenizer, cfg.base_model, cfg.path("rl", "policy"))
+    save_s = time.monotonic() - save_started
+    generation = sum(t.get("latency_s") or 0.0 for r in records for t in r.get("turns") or [])
+    rollout_walls = sum(r.get("wall_s") or 0.0 for r in records)
+    scores = score_records(records)
+    return {"step": step, "tasks": [t.task_id for t in tasks], "mean_reward": scores["mean_reward"],
+            "pass_rate": scores["pass_rate"], "unscored": scores["unscored"],
+            "groups_with_signal": len({r["group_id"] for r in records}) - _flat_groups(records),
+            "rows_per_rollout": [len((r.get("training") or {}).get("segments") or []) for r in records],
+            "generated_tokens": sum(t.get("completion_tokens") or 0 for r in records for t in r.get("turns") or []),
+            **{k: v for k, v in stats.items() if k != "rows"}, "trained_rows": stats["rows"],
+            "time_s": {**engine_time, "rollouts": round(rollouts_s, 1), "generation_summed": round(generation, 1),
+                       "pi_and_sandbox_summed": round(rollout_walls - generation, 1),
+                       "train": round(train_s, 1), "save": round(save_s, 1),
+                       "total": round(time.monotonic() - started, 1)}}
 
 
 _UPDATE_STATS = ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "clip_fraction", "kl_old_new_k3")
