@@ -4,6 +4,7 @@ scripted agents for the other cases)."""
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -233,9 +234,33 @@ def test_a_multi_step_task_runs_each_step_and_combines_the_rewards(server):
     assert oracle.reward == 1.0 and oracle.step_rewards == [1.0, 1.0]  # each step's own solution, then its tests
     assert [v.stdout.split("\n")[0] for v in oracle.verify_results] == ["lines: [True, True, True]",
                                                                        "words: [True, True, True]"]
+    # Each step's own workdir/ (step two's setup.sh runs in it, then its healthcheck) and its
+    # artifacts, collected after that step: step one's module has no count_words yet.
+    assert "NOTES.md" in task.files and "sample.txt" not in task.files  # step two's arrive before its agent
+    assert oracle.artifacts["steps/lines/root/workdir/textstat.py"].count("def ") == 1
+    assert "def count_words" in oracle.artifacts["steps/words/root/workdir/textstat.py"]
+    assert oracle.artifacts["steps/words/root/workdir/sample.txt"] == "the quick brown fox\njumps over\nthe lazy dog\n"
+    assert [r.cmd.split(";")[0] for r in oracle.setup_results[-2:]] == ["bash setup.sh", "sleep 0"]
+    assert all(r.passed for r in oracle.setup_results)
+    assert not unsupported_reasons(task, "local")
     # A wrong first step scores 0 and, below its min_reward, ends the run: step two never starts.
     key = server.add_script([bash("printf 'def count_lines(text):\\n    return -1\\n' > textstat.py"),
                              ScriptedTurn(text="done")])
     wrong = run_rollout(task, scripted_config(server, key))
     assert wrong.error_kind is None and wrong.reward == 0.0 and wrong.step_rewards == [0.0]
     assert "below its min_reward 1.0: later steps skipped" in wrong.agent_log_tail
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_a_step_whose_setup_fails_ends_the_run_there(tmp_path):
+    """As in Harbor: step two's setup.sh fails, so its agent never starts; the reward is step
+    one's (the steps that ran), and the record says why."""
+    task_dir = tmp_path / "text-tool"
+    shutil.copytree(HARBOR / "text-tool", task_dir)
+    (task_dir / "steps" / "words" / "workdir" / "setup.sh").write_text("echo 'no sample today' >&2\nexit 3\n")
+    result = run_rollout(load_harbor_task(task_dir), PiConfig(endpoint="oracle"))
+    assert result.error_kind is None, result.error
+    assert result.step_rewards == [1.0] and result.reward == 1.0
+    assert "step 'words': setup command 'bash setup.sh' exited 3: no sample today" in result.agent_log_tail
+    assert not result.setup_results[-1].passed and "steps/words/root/workdir/textstat.py" not in result.artifacts

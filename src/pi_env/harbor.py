@@ -120,6 +120,7 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
     if steps:  # multi-step: the task itself is the first step, the others run after it (rollout.py)
         verify_files, solution, instruction_file = steps[0]["verify_files"], steps[0]["solution"], \
             task_dir / "steps" / steps[0]["name"] / "instruction.md"
+        env_files = {**env_files, **steps[0]["files"]}
     else:
         verify_files = _tests(task_dir, rewrite, unsupported)
         solution = _solution(task_dir, rewrite, unsupported, solution_env)
@@ -148,7 +149,7 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
         "task_id": str(package.get("name") or task_dir.name),
         "instruction": rewrite(_read_text(instruction_file)),
         "files": {rel: text for rel, text in env_files.items()},
-        "setup": [healthcheck] if healthcheck else [],
+        "setup": ([healthcheck] if healthcheck else []) + (steps[0]["setup"] if steps else []),
         "verify": verify,
         "verify_files": verify_files,
         "solution": solution,
@@ -195,26 +196,47 @@ def _steps(config: dict, task_dir: Path, rewrite, unsupported: list[str], soluti
         min_reward = step.get("min_reward")
         if isinstance(min_reward, dict):
             min_reward = min_reward.get("reward")  # pi-env scores the one "reward" key
+        # Harbor, before the step's agent: steps/<name>/workdir/ uploaded into the work dir, its
+        # setup.sh run there, then the step's healthcheck; after the step: its artifacts.
+        workdir = directory / "workdir"
+        files = {rel: rewrite(text) for rel, text in
+                 _text_files(workdir, f"steps/{name}/workdir", unsupported).items()} if workdir.is_dir() else {}
+        healthcheck = _healthcheck(step.get("healthcheck"), f"[[steps]] {name} healthcheck", task_dir)
         steps.append({"name": name, "instruction": rewrite(_read_text(directory / "instruction.md")),
                       "verify_files": _tests(directory, rewrite, unsupported),
                       "solution": _solution(directory, rewrite, unsupported, solution_env),
                       "agent_s": _seconds(agent, "timeout_sec", task_dir),
                       "verify_s": _seconds(verifier, "timeout_sec", task_dir),
-                      "min_reward": min_reward})
-        if step.get("healthcheck") or step.get("artifacts") or (directory / "workdir").exists():
-            unsupported.append(f"[[steps]] {name}: per-step healthcheck, artifacts or workdir/ are not honoured")
+                      "min_reward": min_reward, "files": files,
+                      "setup": (["bash setup.sh"] if (workdir / "setup.sh").is_file() else [])
+                               + ([rewrite(healthcheck)] if healthcheck else []),
+                      "artifacts": [rewrite(path) for path in
+                                    _artifacts(step.get("artifacts"), f"[[steps]] {name} artifacts", unsupported, task_dir)]})
     return steps
 
 
-def later_steps(task: PiTask) -> list[PiTask]:
-    """The steps after the first of a multi-step Harbor task, each as the task it makes."""
+def step_own(task: PiTask, index: int) -> dict:
+    """Step `index`'s own work-dir files and setup commands (before its agent; see `_steps`)."""
     steps = (task.metadata.get("harbor") or {}).get("steps") or []
-    return [task.model_copy(update={
-        "instruction": step["instruction"], "verify_files": step["verify_files"],
-        "solution": validate_task({"instruction": "x", "solution": step["solution"]}, source=step["name"]).solution,
-        "timeouts": task.timeouts.model_copy(update={"agent_s": step["agent_s"] or task.timeouts.agent_s,
-                                                     "verify_s": step["verify_s"] or task.timeouts.verify_s}),
-    }) for step in steps[1:]]
+    step = steps[index] if index < len(steps) else {}
+    return {"name": step.get("name"), "files": step.get("files") or {}, "setup": step.get("setup") or []}
+
+
+def later_steps(task: PiTask) -> list[PiTask]:
+    """The steps after the first of a multi-step Harbor task, each as the task it makes: its files
+    and setup are everything staged and run before its agent (the task's, then each step's own up
+    to it), which is what a fresh verify sandbox replays."""
+    steps = (task.metadata.get("harbor") or {}).get("steps") or []
+    made, files, setup = [], dict(task.files), list(task.setup)
+    for step in steps[1:]:
+        files, setup = {**files, **(step.get("files") or {})}, [*setup, *(step.get("setup") or [])]
+        made.append(task.model_copy(update={
+            "instruction": step["instruction"], "verify_files": step["verify_files"], "files": files, "setup": setup,
+            "solution": validate_task({"instruction": "x", "solution": step["solution"]}, source=step["name"]).solution,
+            "timeouts": task.timeouts.model_copy(update={"agent_s": step["agent_s"] or task.timeouts.agent_s,
+                                                         "verify_s": step["verify_s"] or task.timeouts.verify_s}),
+        }))
+    return made
 
 
 def step_gate(task: PiTask, index: int, reward: float | None) -> str | None:
@@ -552,17 +574,25 @@ def harbor_environment_record(task: PiTask, sandbox) -> dict | None:
     return {**(built or {}), "base": (env or {}).get("base"), "approximated": (env or {}).get("approximated") or []}
 
 
-def collect_artifacts(task: PiTask, sandbox, result) -> None:
+def collect_artifacts(task: PiTask, sandbox, result, step: int | None = None) -> None:
     """Harbor's `artifacts` (sandbox paths, after the path map) copied into result.artifacts:
-    files as text, a directory's files each under their own path."""
-    for path in (task.metadata.get("harbor") or {}).get("artifacts") or []:
+    files as text, a directory's files each under their own path. With `step`: that step's own
+    artifacts ([[steps]] artifacts), under `steps/<name>` + the path."""
+    harbor = task.metadata.get("harbor") or {}
+    if step is None:
+        paths, prefix = harbor.get("artifacts") or [], ""
+    else:
+        steps = harbor.get("steps") or []
+        paths, prefix = (steps[step].get("artifacts") or [], f"steps/{steps[step]['name']}") \
+            if step < len(steps) else ([], "")
+    for path in paths:
         try:
             if sandbox.exists(path):
                 try:
                     data = sandbox.read_file(path, max_bytes=MAX_ARTIFACT_BYTES)
-                    result.artifacts[path] = data.decode("utf-8", "replace")
+                    result.artifacts[prefix + path] = data.decode("utf-8", "replace")
                 except IsADirectoryError:
                     for rel, data in sandbox.snapshot(path, max_file_bytes=MAX_ARTIFACT_BYTES).items():
-                        result.artifacts[f"{path.rstrip('/')}/{rel}"] = data.decode("utf-8", "replace")
+                        result.artifacts[f"{prefix}{path.rstrip('/')}/{rel}"] = data.decode("utf-8", "replace")
         except (OSError, ValueError) as error:  # outside the home, or gone: say so, never fail the rollout
-            result.artifacts[path] = f"<not collected: {error}>"
+            result.artifacts[prefix + path] = f"<not collected: {error}>"

@@ -36,7 +36,7 @@ from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, Roll
 from .sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, SandboxError, SandboxLimits, \
     SandboxProcess, SandboxSpec, get_backend
 from .harbor import collect_artifacts, combine_step_rewards, environment_spec, harbor_environment_record, \
-    is_harbor, later_steps, step_gate, unsupported_reasons
+    is_harbor, later_steps, step_gate, step_own, unsupported_reasons
 from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported
 from .task import PiTask
 from .training import TrainingTrace, build_training_trace
@@ -153,6 +153,7 @@ class PiSession:
         self._on_event = on_event
         self._read_left = self.config.max_read_bytes  # of what the agent wrote, per rollout
         self._in_later_step = False  # a later step of a multi-step Harbor task is running
+        self._step_index = 0  # which step of a multi-step Harbor task is running (0: the first, or the only)
         self._step_endpoints: list[Endpoint] = []  # oracle scripts of later steps, released on close
         self._spec: SandboxSpec | None = None
         self._verify_env: dict[str, str] = dict(VERIFY_ENV)
@@ -506,6 +507,7 @@ class PiSession:
 
     def _score(self) -> None:
         self._score_reward()
+        collect_artifacts(self.task, self.sandbox, self._result, step=self._step_index)
         if self._in_later_step:
             return  # _run_later_steps combines the steps' rewards
         if later := later_steps(self.task):
@@ -534,11 +536,13 @@ class PiSession:
                 if why := step_gate(first, index, rewards[-1]):
                     result.agent_log_tail += f"\n[pi-env] {why}"
                     break
-                self.task, self._later_steps_left = step, len(later) - index - 1
+                self.task, self._later_steps_left, self._step_index = step, len(later) - index - 1, index + 1
                 self._next_step_endpoint(step)
                 if self._agent_home_aside:  # the agent continues in its home, not in verify's world
                     self.sandbox.put_back_agent_home()
                 self.sandbox.remove(f"{SANDBOX_HOME}/tests")  # the previous step's verifier
+                if not self._prepare_step(step_own(first, index + 1)):
+                    break
                 self._start_agent(self.factory.runtime)
                 self._finish_agent()
                 if result.error_kind not in (None, "invalid_reward"):
@@ -546,11 +550,30 @@ class PiSession:
                 rewards.append(result.reward)
                 result.step_rewards.append(result.reward)
         finally:
-            self.task, self._in_later_step = first, False
+            self.task, self._in_later_step, self._step_index = first, False, 0
         combined = combine_step_rewards(first, rewards)
         if combined is None:
             return self._fail("invalid_reward", "no step of the multi-step task has a reward")
         result.reward, result.reward_source, result.error_kind, result.error = combined, "reward_file", None, None
+
+    def _prepare_step(self, own: dict) -> bool:
+        """What Harbor does before a later step's agent: the step's workdir/ files into the work
+        dir, then its setup.sh and healthcheck. One failing ends the run there, as in Harbor:
+        the reward is combined over the steps that ran (False)."""
+        for path, text in own["files"].items():
+            self.sandbox.write_file(path, text)
+        for command in own["setup"]:
+            self._check_open()
+            outcome = self._run(command, self.task.timeouts.setup_s or self.config.setup_timeout_s,
+                                "full" if self.task.setup_network else "none")
+            self._result.setup_results.append(outcome)
+            if not outcome.passed:
+                self._check_open()  # close() killed it: not the task's failure
+                why = "timed out" if outcome.timed_out else f"exited {outcome.exit_code}"
+                self._result.agent_log_tail += (f"\n[pi-env] step {own['name']!r}: setup command {command!r} {why}: "
+                                                f"{_tail(outcome.stderr or outcome.stdout, 300)}; later steps skipped")
+                return False
+        return True
 
     def _next_step_endpoint(self, step: PiTask) -> None:
         """The oracle replays each step's own solution: a new script, and the session's upstream
