@@ -67,10 +67,10 @@ class LearnConfig:
     sft_limit: int | None = None  # use only the first N oracle conversations (default: all)
     eval_limit: int | None = 20  # evaluate only the first N eval tasks (families alternate; 0: all of them)
     # RL
-    rl_steps: int = 8
+    rl_steps: int = 6
     rl_tasks_per_step: int = 4
     group_size: int = 4
-    rl_lr: float = 5e-5
+    rl_lr: float = 2e-5  # 5e-5 with two updates a batch collapsed the policy in run r4 (docs/learning.md)
     rl_updates: int = 2  # optimizer steps per batch of rollouts (PPO epochs; the first is on-policy)
     rl_temperature: float = 1.0
     clip_eps: float = 0.2
