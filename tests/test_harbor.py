@@ -58,7 +58,7 @@ def test_examples_end_to_end_with_the_oracle(tmp_path):
     records = {r["task_id"]: r for r in read_records(tmp_path)}
     assert records["csv-total"]["reward"] == 1.0 and records["fix-palindrome"]["reward"] == 1.0
     assert "expected 500.50, got '500.50'" in records["csv-total"]["verify"][0]["output_tail"]
-    assert 'reward.json: {"reward": 1.0, "passed": 7, "total": 7}' in records["fix-palindrome"]["verify"][0]["output_tail"]
+    assert 'reward.json: {"reward": 1.0, "passed": 7, "total": 7}' in records["fix-palindrome"]["verify_notes"]
     solve = (HARBOR / "csv-total" / "solution" / "solve.sh").read_text().replace("/app", "/root/workdir")
     call = next(m for m in records["csv-total"]["messages"] if m.get("tool_calls"))["tool_calls"][0]
     assert json.loads(call["function"]["arguments"]) == {"command": solve}  # the oracle ran solve.sh
@@ -87,8 +87,9 @@ def test_the_agent_never_sees_the_tests_and_cannot_forge_reward_json(tmp_path, s
         result = session.wait_for_completion()
     seen = json.dumps(next(m for m in result.messages if m.get("role") == "tool")["content"])
     assert "No such file or directory" in seen and "no reward written" not in seen
-    assert result.reward is None and result.error_kind == "invalid_reward"  # unscored, never 0
-    assert "no reward file" in result.error
+    # No reward file: a 0.0 with the reason (the agent's code, run by test.sh, could cause it), never unscored.
+    assert result.reward == 0.0 and result.error_kind is None and result.reward_source == "reward_file"
+    assert "missing" in result.verify_notes[-1], result.verify_notes
     assert "no reward written" in result.verify_results[0].stdout  # test.sh did run, after the agent
 
 

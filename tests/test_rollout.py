@@ -68,14 +68,6 @@ def test_verify_written_reward_file_overrides_pass_rate():
     assert result.reward == 0.25 and result.reward_source == "reward_file"
 
 
-@pytest.mark.parametrize("content", ["nan", "inf", "lots"])
-def test_non_finite_reward_file_is_rejected(content):
-    task = PiTask(task_id="bad-reward", instruction="x", verify=[f"echo {content} > $HOME/logs/verifier/reward.txt"],
-                  solution=[{"tool": "bash", "command": "true"}])
-    result = run_rollout(task)
-    assert result.reward is None and result.error_kind == "invalid_reward"
-
-
 def test_agent_written_reward_file_is_ignored():
     forged = "mkdir -p $HOME/logs/verifier && echo 1.0 > $HOME/logs/verifier/reward.txt && " \
              "ln -sf $HOME/forged $HOME/logs/verifier/reward.json; echo 1.0 > $HOME/forged"

@@ -184,7 +184,8 @@ def test_remote_verify_runs_in_a_fresh_sandbox_with_only_the_work_dir(name):
 
             (agent_box, agent_rules), (verify_box, verify_rules) = service.networks.items()
             assert all(service.requests[box]["network"]["denyOut"] == [ALL_TRAFFIC] for box in (agent_box, verify_box))
-            assert agent_rules == [{}, {"allowOut": ["127.0.0.1"], "denyOut": [ALL_TRAFFIC]}]
+            # setup open; pi-env's own record of setup's files none; the agent only the gateway
+            assert agent_rules == [{}, {"denyOut": [ALL_TRAFFIC]}, {"allowOut": ["127.0.0.1"], "denyOut": [ALL_TRAFFIC]}]
             assert verify_rules == [{}, {"denyOut": [ALL_TRAFFIC]}]
     finally:
         undo()

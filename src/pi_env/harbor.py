@@ -19,8 +19,9 @@ work dir, binary files) is listed per task in `metadata["harbor"]["unsupported"]
 for `pi-env run`, and `pi-env collect` skips such tasks unless told to run them anyway.
 
 Reward, as Harbor reads it: reward.txt (one number) wins; else reward.json, a JSON object of
-named rewards, whose "reward" entry (or its only entry) is the reward; neither file: the
-rollout is unscored (`invalid_reward`), never scored 0. test.sh's exit code is recorded but
+named rewards, whose "reward" entry (or its only entry) is the reward. Neither file, or a value
+that is not a finite number in [0, 1], is a 0.0 with the reason in `verify_notes` (the agent's
+code, run by test.sh, can cause either; see pi_env.verify). test.sh's exit code is recorded but
 does not decide the reward.
 """
 
@@ -34,7 +35,7 @@ import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .sandbox.base import EnvironmentSpec
+from .sandbox.base import SANDBOX_WORKDIR, EnvironmentSpec
 from .sandbox.layers import parse_dockerfile, unsupported_base
 from .task import PiTask, TaskError, validate_task
 
@@ -46,36 +47,17 @@ SANDBOX_SOLUTION = "/root/solution"
 STAGED_TESTS = ".harbor/tests"  # verify_files are work-dir relative; the verifier moves them to /root/tests
 MAX_FILE_BYTES = 1 << 20
 
-# The verify command: move the tests out of the work dir, run test.sh, then turn Harbor's
-# reward files into pi-env's one reward.txt (reward.txt first, else reward.json's "reward").
+# The verify command: move the tests out of the work dir (pi-env stages them into a dir the
+# agent's files were set aside from, pi_env.verify), run test.sh. pi-env reads the reward file
+# itself, host-side (reward.txt first, else reward.json's "reward"): nothing of pi-env's runs
+# Python in the sandbox.
 _VERIFY = """\
 set -u
-rm -rf {tests} && mkdir -p /root/logs/verifier /root/logs/agent && mv {staged} {tests} && rmdir .harbor 2>/dev/null
+rm -rf {tests} && mkdir -p /root/logs/verifier /root/logs/agent && mv -T {workdir}/{staged} {tests} && \
+rmdir {workdir}/{staged_top} 2>/dev/null
 {env}bash {tests}/test.sh > /root/logs/verifier/test-stdout.txt 2>&1
 status=$?
 cat /root/logs/verifier/test-stdout.txt
-python3 - <<'PI_ENV_HARBOR'
-import json, math, os
-d = "/root/logs/verifier"
-txt, js = os.path.join(d, "reward.txt"), os.path.join(d, "reward.json")
-if os.path.exists(txt):
-    raise SystemExit(0)  # Harbor reads reward.txt first; pi-env scores it as it is
-if not os.path.exists(js):
-    why = "no reward file: test.sh wrote neither reward.txt nor reward.json"
-else:
-    try:
-        rewards = json.load(open(js))
-    except ValueError as error:
-        rewards, why = None, f"reward.json is not JSON: {{error}}"
-    if isinstance(rewards, dict):
-        value = rewards.get("reward", next(iter(rewards.values())) if len(rewards) == 1 else None)
-        why = None if isinstance(value, (int, float)) and not isinstance(value, bool) else \\
-            f"reward.json has no numeric 'reward' entry: {{sorted(rewards)}}"
-        print("reward.json:", json.dumps(rewards))
-    elif rewards is not None:
-        why = "reward.json is not a JSON object"
-open(txt, "w").write(str(value) if why is None else why)
-PI_ENV_HARBOR
 exit $status
 """
 
@@ -113,8 +95,8 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
     rewrite = _rewriter(path_map)
 
     verifier_env = _env_table(verifier, "verifier.env", task_dir, notes)
-    verify = [_VERIFY.format(tests=SANDBOX_TESTS, staged=STAGED_TESTS,
-                             env="".join(f"{k}={shlex.quote(v)} " for k, v in verifier_env.items()))]
+    verify = [_VERIFY.format(tests=SANDBOX_TESTS, staged=STAGED_TESTS, workdir=SANDBOX_WORKDIR,
+                             staged_top=STAGED_TESTS.split("/")[0], env="".join(f"{k}={shlex.quote(v)} " for k, v in verifier_env.items()))]
     solution_env = _env_table(solution_cfg, "solution.env", task_dir, notes)
     steps = _steps(config, task_dir, rewrite, unsupported, solution_env)
     if steps:  # multi-step: the task itself is the first step, the others run after it (rollout.py)
@@ -160,6 +142,7 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
         "limits": {f"{name}_mb": value for name, value in limits.items() if value is not None},
         "setup_network": setup_network,
         "verify_network": verify_network,
+        "reward_file": True,  # Harbor's contract: test.sh writes the reward
     }
     task = validate_task(data, source=str(task_dir))
     for problem in unsupported:

@@ -15,7 +15,7 @@ ErrorKind = Literal[
     "agent_timeout",  # the agent's limit passed while the model had not begun its answer
     "endpoint_error",  # the model endpoint was unreachable or answered 5xx
     "gate_timeout",  # interception_gate: the trainer did not deliver a held call within gate_timeout_s
-    "invalid_reward",  # a verify command wrote a reward file that is not a finite number
+    "invalid_reward",  # results of older pi-env only: a bad reward file is now a 0.0 (see verify_notes)
     "no_verify",  # nothing to score: no verify commands and no reward file
     "environment_unsupported",  # the backend cannot honour the task's environment (Harbor): never a score
     "environment_build_failed",  # building the task's environment (Dockerfile) failed
@@ -127,6 +127,9 @@ class RolloutResult(BaseModel):
     # debugging only; never the record, never training data.
     pi_session_messages: list[dict[str, Any]] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)  # the work dir after the agent (bounded)
+    # What pi-env did so that verify stayed the verifier's: the agent's files set aside, a reward
+    # file ignored (a pass-rate task) or rejected (missing, not a number, out of range: a 0.0).
+    verify_notes: list[str] = Field(default_factory=list)
     step_rewards: list[float | None] | None = None  # multi-step Harbor tasks: each step run, in order
     artifacts: dict[str, str] = Field(default_factory=dict)  # Harbor artifacts (sandbox path -> text), after verify
     environment: dict[str, Any] | None = None  # the task's built environment: layer/image, approximations

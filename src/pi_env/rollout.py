@@ -40,28 +40,17 @@ from .harbor import collect_artifacts, combine_step_rewards, environment_spec, h
 from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported
 from .task import PiTask
 from .training import TrainingTrace, build_training_trace
+from .verify import VERIFY_ENV, put_back, read_reward, record_setup, set_aside, stage, startup_mount, verify_env
 
 if TYPE_CHECKING:
     from .proxy.gate import GateCompletion, GateRequest
 
-REWARD_FILE = f"{SANDBOX_HOME}/logs/verifier/reward.txt"
-VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"
 LOG_TAIL_CHARS = 8000
 # Answers that say the endpoint (or pi-env's config of it) is at fault, not the agent's request.
 ENDPOINT_FAULT_STATUSES = frozenset({401, 403, 404, 408, 429})
 # Verify's world (PiSession._verify_world): the agent's output is the work dir and these home
 # dirs (Harbor's /logs/agent, where Pi's session is too); the rest of the home is setup's.
 AGENT_OUTPUT_DIRS = ("logs/agent",)
-# Verify's environment: no shell start-up file named by the environment.
-VERIFY_ENV = {"BASH_ENV": "", "ENV": ""}
-# Hooks verify turns off unless setup made them (then they are the task's, restored with the
-# home): name -> (value, home paths whose presence after setup means setup made them).
-# GIT_CONFIG_GLOBAL names the home's own file, never /dev/null: a `git config --global` run as
-# root would replace /dev/null with a regular file.
-VERIFY_HOOKS = {
-    "PYTHONNOUSERSITE": ("1", (f"{SANDBOX_HOME}/.local/lib",)),
-    "GIT_CONFIG_GLOBAL": (f"{SANDBOX_HOME}/.gitconfig", (f"{SANDBOX_HOME}/.config/git",)),
-}
 log = logging.getLogger(__name__)
 
 
@@ -157,6 +146,7 @@ class PiSession:
         self._step_endpoints: list[Endpoint] = []  # oracle scripts of later steps, released on close
         self._spec: SandboxSpec | None = None
         self._verify_env: dict[str, str] = dict(VERIFY_ENV)
+        self._step_verified = True  # the last verify had a valid reward file, or none was needed
         self._agent_home_aside = False  # a later step's agent gets its home back (_verify_world)
         self._later_steps_left = 0
         self._launch_pending: Callable[[], None] | None = None  # create(background=True)'s launch
@@ -316,7 +306,7 @@ class PiSession:
         config = self.config
         forwarder = resources.files("pi_env.proxy").joinpath("forward.mjs")
         return SandboxSpec(
-            ro_mounts={SANDBOX_RUNTIME_DIR: runtime.root, FORWARDER_PATH: str(forwarder)},
+            ro_mounts={SANDBOX_RUNTIME_DIR: runtime.root, FORWARDER_PATH: str(forwarder), **startup_mount()},
             gateway_socket=gateway_socket,
             limits=SandboxLimits(max_processes=config.max_processes, max_file_bytes=config.max_file_bytes,
                                  max_memory_bytes=config.max_memory_bytes,
@@ -432,19 +422,14 @@ class PiSession:
         self._verify()
 
     def _keep_setup_world(self) -> None:
-        """Remember the world setup left, for verify (_verify_world): the home but the work dir,
-        where the sandbox can put it back in place; which hooks setup itself made."""
+        """Remember the world setup left, for verify (_verify_world, pi_env.verify): which of the
+        verifier's files setup made, the home but the work dir where the sandbox can put it back
+        in place, which hooks setup itself made."""
         sandbox = self.sandbox
+        setup_env = record_setup(sandbox, self.task)
         if hasattr(sandbox, "checkpoint_home"):
             sandbox.checkpoint_home()
-        env = dict(VERIFY_ENV)
-        for name, (value, made_by_setup) in VERIFY_HOOKS.items():
-            if not any(sandbox.exists(path) for path in made_by_setup):
-                # unsafe-local does not translate sandbox paths in env values: it has host_path()
-                env[name] = sandbox.host_path(value) if value.startswith("/") and hasattr(sandbox, "host_path") \
-                    else value
-        # What the caller set on purpose (PiConfig.extra_env) stands.
-        self._verify_env = {name: value for name, value in env.items() if name not in self.config.extra_env}
+        self._verify_env = verify_env(sandbox, setup_env, self.config.extra_env)
 
     def _verify_world(self) -> Sandbox:
         """The sandbox verify runs in: one the agent did not shape. Everything outside the work
@@ -478,6 +463,7 @@ class PiSession:
             if failed:
                 raise SandboxError(f"setup command {failed.cmd!r} passed before the agent but failed in the "
                                    f"fresh verify sandbox: {_tail(failed.stderr or failed.stdout, 300)}")
+            record_setup(fresh, self.task)
             for path, data in trees.items():
                 fresh.import_tree(path, data)
         except BaseException:
@@ -492,21 +478,21 @@ class PiSession:
         with self._phase("verify"):
             try:
                 sandbox = self._verify_world()
+                moved, notes = set_aside(sandbox, task)
+                result.verify_notes += notes
             except (SandboxError, OSError) as error:
                 return self._fail("infra", f"could not give verify a clean world: {type(error).__name__}: {error}")
-            sandbox.remove(VERIFIER_DIR)  # whatever the agent wrote there is never honoured
-            sandbox.write_file(f"{VERIFIER_DIR}/.keep", "")
-            for path, text in task.verify_files.items():
-                sandbox.write_file(path, text)
             for command in task.verify:
+                stage(sandbox, task)  # afresh for each: agent code an earlier command ran may have changed them
                 result.verify_results.append(self._run(command, task.timeouts.verify_s or self.config.verify_timeout_s,
                                                        "full" if task.verify_network else "none",
                                                        env=self._verify_env))
             sandbox.kill_all()
+            self._score_reward()
+            put_back(sandbox, moved)
             self._score()
 
     def _score(self) -> None:
-        self._score_reward()
         collect_artifacts(self.task, self.sandbox, self._result, step=self._step_index)
         if self._in_later_step:
             return  # _run_later_steps combines the steps' rewards
@@ -521,17 +507,17 @@ class PiSession:
     def _run_later_steps(self, later: list[PiTask]) -> None:
         """A multi-step Harbor task: after the first step was verified, each later step's agent
         (a new Pi run on its instruction, same sandbox) and verifier; one reward by the task's
-        strategy. A step below its min_reward ends the run; a step whose agent fails leaves
-        the rollout unscored with that error."""
+        strategy. A step below its min_reward, or whose verifier left no valid reward (a 0.0),
+        ends the run; a step whose agent fails leaves the rollout unscored with that error."""
         first, result = self.task, self._result
-        if result.error_kind not in (None, "invalid_reward"):
+        if result.error_kind is not None:
             return
         rewards = [result.reward]
         result.step_rewards = [result.reward]
         try:
             self._in_later_step = True
             for index, step in enumerate(later):
-                if result.error_kind == "invalid_reward":
+                if not self._step_verified:
                     break  # the previous step has no verifier result: Harbor ends the run there
                 if why := step_gate(first, index, rewards[-1]):
                     result.agent_log_tail += f"\n[pi-env] {why}"
@@ -545,7 +531,7 @@ class PiSession:
                     break
                 self._start_agent(self.factory.runtime)
                 self._finish_agent()
-                if result.error_kind not in (None, "invalid_reward"):
+                if result.error_kind is not None:
                     return  # the agent or the sandbox failed: unscored, with that error
                 rewards.append(result.reward)
                 result.step_rewards.append(result.reward)
@@ -553,7 +539,7 @@ class PiSession:
             self.task, self._in_later_step, self._step_index = first, False, 0
         combined = combine_step_rewards(first, rewards)
         if combined is None:
-            return self._fail("invalid_reward", "no step of the multi-step task has a reward")
+            return self._fail("internal", "no step of the multi-step task has a reward")
         result.reward, result.reward_source, result.error_kind, result.error = combined, "reward_file", None, None
 
     def _prepare_step(self, own: dict) -> bool:
@@ -585,24 +571,19 @@ class PiSession:
         self.gateway_session.upstream = dataclasses.replace(self.gateway_session.upstream, api_key=endpoint.api_key)
 
     def _score_reward(self) -> None:
+        """The reward: the reward file where the task uses one (pi_env.verify.read_reward), else
+        the verify commands' pass rate."""
         result = self._result
-        try:
-            text = self.sandbox.read_file(REWARD_FILE, max_bytes=4096).decode("utf-8", "replace").strip()
-        except FileNotFoundError:
-            text = None
-        if text is not None:
-            try:
-                reward = float(text)
-            except ValueError:
-                reward = math.nan
-            if not math.isfinite(reward):
-                return self._fail("invalid_reward", f"{REWARD_FILE} holds {text[:80]!r}, not a finite number")
-            result.reward, result.reward_source = reward, "reward_file"
+        reading = read_reward(self.sandbox, self.task)
+        result.verify_notes += reading.notes
+        self._step_verified = reading.valid
+        if reading.reward is not None:
+            result.reward, result.reward_source = reading.reward, "reward_file"
         elif result.verify_results:
             passed = sum(1 for r in result.verify_results if r.passed)
             result.reward, result.reward_source = passed / len(result.verify_results), "pass_rate"
         else:
-            self._fail("no_verify", "the task has no verify commands and no verify command wrote a reward file")
+            self._fail("no_verify", "the task has no verify commands and no reward file")
 
     def _collect(self) -> None:
         result, config = self._result, self.config

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Union
 
@@ -182,6 +183,12 @@ class PiTask(BaseModel):
     limits: TaskLimits = Field(default_factory=TaskLimits)
     setup_network: bool = True  # tasks often install packages during setup
     verify_network: bool = False
+    # Does a reward file (logs/verifier/reward.txt or reward.json) decide the reward? None: yes
+    # when a verify command or verify file names logs/verifier/reward (Harbor tasks: always);
+    # otherwise the reward is the pass rate and a reward file is ignored (pi_env.verify).
+    reward_file: bool | None = None
+    # A reward file's value must lie in this range; outside it (or not a finite number) is 0.0.
+    reward_range: tuple[float, float] = (0.0, 1.0)
 
     @model_validator(mode="before")
     @classmethod
@@ -230,6 +237,14 @@ class PiTask(BaseModel):
         for index, step in enumerate(self.solution or []):
             check_text(step.model_dump(), f"solution[{index}]")
         return self
+
+    @field_validator("reward_range")
+    @classmethod
+    def _ordered_range(cls, bounds: tuple[float, float]) -> tuple[float, float]:
+        low, high = bounds
+        if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+            raise ValueError(f"reward_range must be two finite numbers, low <= high; got {list(bounds)}")
+        return bounds
 
     @model_validator(mode="after")
     def _default_task_id(self) -> "PiTask":

@@ -49,6 +49,7 @@ def to_record(result: RolloutResult, *, task, group_index: int, attempt: int,
         "verify": [{"cmd": r.cmd[:500], "exit_code": r.exit_code, "duration_s": r.duration_s,
                     "timed_out": r.timed_out, "output_tail": (r.stdout + r.stderr)[-VERIFY_OUTPUT_CHARS:]}
                    for r in result.verify_results],
+        "verify_notes": result.verify_notes,  # files set aside for verify, a reward file ignored or rejected
         "timings": result.timings,
         "wall_s": result.wall_s,
         "endpoint": result.endpoint,
