@@ -151,14 +151,23 @@ def test_a_reward_file_that_is_not_a_reward_is_a_zero_with_the_reason(content, w
     assert result.reward_source == "reward_file" and why in result.verify_notes[-1], result.verify_notes
 
 
-def test_only_the_last_verify_commands_reward_file_counts():
-    # Agent code run by a first command writes 1.0; the verifier's last command decides.
-    task = PiTask(task_id="last-counts", instruction="x", reward_file=True, verify=[
-        "python3 solution.py", "python3 -c \"open('/root/logs/verifier/reward.txt','w').write('0.25')\""],
-        solution=[{"tool": "write", "path": "solution.py", "content": FORGE}])
-    assert run_rollout(task).reward == 0.25
-    task = task.model_copy(update={"verify": list(reversed(task.verify))})
-    assert run_rollout(task).reward == 1.0  # agent code in the last command: the residual docs/isolation.md names
+def test_agent_code_one_verify_command_runs_cannot_rewrite_the_next_ones_world():
+    """Before each verify command the verifier's dir is emptied and the hidden files staged again:
+    the agent's program, run by a first command, writes a 1.0 reward file and rewrites the hidden
+    check; only the last command's reward file counts, and the check that runs is the task's."""
+    rewrite = "open('check.py', 'w').write('raise SystemExit(0)')\n"
+    task = PiTask(task_id="next-command", instruction="x", reward_file=True,
+                  verify=["python3 solution.py", "true"],
+                  solution=[{"tool": "write", "path": "solution.py", "content": FORGE + rewrite}])
+    result = run_rollout(task)
+    assert result.reward == 0.0 and "missing" in result.verify_notes[-1], result.verify_notes
+    task = task.model_copy(update={"reward_file": None, "verify": ["python3 solution.py", "python3 check.py"],
+                                   "verify_files": {"check.py": "raise SystemExit(1)\n"}})
+    result = run_rollout(task)
+    assert [r.exit_code for r in result.verify_results] == [0, 1] and result.reward == 0.5
+    # The residual docs/isolation.md names: agent code run by the command that writes the reward.
+    task = task.model_copy(update={"verify": ["true", "python3 solution.py"], "verify_files": {}, "reward_file": True})
+    assert run_rollout(task).reward == 1.0
 
 
 def _harbor(tmp_path: Path, name: str, solve: str) -> PiTask:
@@ -229,3 +238,25 @@ def test_set_aside_moves_only_what_the_agent_planted_and_put_back_restores_it(ba
         check = sandbox.exec(["/bin/bash", "-c", r"cat $'a\nb/conftest.py' $'c\xff/conftest.py' 'd e/conftest.py'"],
                              timeout_s=30)
         assert check.stdout == "odd\n" * 3 and not sandbox.exists("tests/test_hidden.py")
+
+
+@pytest.mark.parametrize("name", ["hf", "e2b"])
+def test_remote_verify_keeps_the_verifiers_tools_first(name):
+    """hf and e2b (their stand-ins): verify runs in a fresh sandbox with the agent's work dir, and
+    gets the same start-up (uploaded like the other read-only mounts) and set-aside."""
+    from test_verify_world import _remote_backend
+
+    backend, service, undo = _remote_backend(name)
+    try:
+        plain = "import sys, solution\nsys.exit(0 if solution.answer() == 42 else 1)\n"
+        checks = {"verify_files": {"check.py": HIDDEN_CHECK, "test_hidden.py": HIDDEN_UNITTEST, "plain.py": plain},
+                  "verify": ["python3 check.py", "python3 -m unittest -q test_hidden", "PYTHONPATH=. python3 plain.py"]}
+        planted = {"fractions.py": EXIT_0, "unittest.py": EXIT_0, "sitecustomize.py": EXIT_0}
+        forged = run_rollout(_task(f"remote-{name}", checks, {"solution.py": WRONG, **planted}), sandbox_backend=backend)
+        assert forged.error_kind is None, (forged.error, forged.agent_log_tail[-1500:])
+        assert forged.reward == 0.0, _scores(forged)
+        honest = run_rollout(_task(f"remote-{name}", checks, {"solution.py": RIGHT}), sandbox_backend=backend)
+        assert honest.reward == 1.0, _scores(honest)
+    finally:
+        undo()
+        service.close()
