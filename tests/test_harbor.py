@@ -265,3 +265,20 @@ def test_a_step_whose_setup_fails_ends_the_run_there(tmp_path):
     assert result.step_rewards == [1.0] and result.reward == 1.0
     assert "step 'words': setup command 'bash setup.sh' exited 3: no sample today" in result.agent_log_tail
     assert not result.setup_results[-1].passed and "steps/words/root/workdir/textstat.py" not in result.artifacts
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_artifacts_are_read_within_the_rollouts_read_budget_and_binary_is_named_not_decoded(tmp_path, server):
+    # 200 x 256 KiB of binary data in an artifact folder once made a 157 MB result (RSS 622 MB).
+    task = load_harbor_task(harbor_task(tmp_path, toml='artifacts = ["/app/out"]\n'))
+    key = server.add_script([
+        bash("mkdir -p out && echo 'text kept' > out/a.txt && for i in $(seq 200); do "
+             "head -c 262144 /dev/urandom > out/b$i.bin; done"), ScriptedTurn(text="done")])
+    result = run_rollout(task, scripted_config(server, key).model_copy(update={"max_read_bytes": 8 << 20}))
+    assert result.error_kind is None and result.reward == 1.0, result.error
+    artifacts = {k.removeprefix("/root/workdir/out/"): v for k, v in result.artifacts.items()}
+    assert artifacts["a.txt"] == "text kept\n"
+    binary = [v for k, v in artifacts.items() if k.endswith(".bin")]
+    assert binary and all(v == "<not collected: binary, 262144 bytes>" for v in binary)
+    assert len(binary) <= 32 and len(result.model_dump_json()) < 1 << 20  # 8 MiB read at most, stored as names

@@ -42,10 +42,14 @@ def test_a_deeply_nested_work_dir_is_scored_and_collected():
                                    "mkdir tests && ln -s /etc/passwd tests/test_a.sh"])
 def test_verify_files_replace_whatever_the_agent_put_in_their_way(plant):
     task = oracle_task("planted", plant, verify=["sh tests/test_a.sh", "test ! -L tests -a -d tests"],
-                       verify_files={"tests/test_a.sh": "test -f done.txt\n"})
+                       verify_files={"tests/test_a.sh": "echo hidden-check-ran; test -f done.txt\n"})
     result = run_rollout(task)
     assert_scored(result)
-    assert result.files["tests/test_a.sh"] == "test -f done.txt\n"
+    assert "hidden-check-ran" in result.verify_results[0].stdout
+    # After verify the work dir is the agent's again (what it planted there, set aside for verify, is back).
+    assert "hidden-check-ran" not in json.dumps(result.files)
+    if plant == "echo file > tests":
+        assert result.files["tests"] == "file\n"
 
 
 def test_lone_surrogates_in_what_the_agent_wrote_become_valid_utf8():

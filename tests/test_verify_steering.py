@@ -232,7 +232,7 @@ def test_set_aside_moves_only_what_the_agent_planted_and_put_back_restores_it(ba
         assert not any(sandbox.exists(path) for path in ("conftest.py", "tests", "node_modules", "pyproject.toml",
                                                          "deep/er/pytest.ini", "d e/conftest.py"))
         sandbox.write_file("tests/test_hidden.py", "staged")  # what verify stages there meanwhile
-        put_back(sandbox, moved)
+        put_back(sandbox, task, moved)
         for path, text in planted.items():
             assert sandbox.read_file(path) == text.encode(), path
         check = sandbox.exec(["/bin/bash", "-c", r"cat $'a\nb/conftest.py' $'c\xff/conftest.py' 'd e/conftest.py'"],
@@ -260,3 +260,16 @@ def test_remote_verify_keeps_the_verifiers_tools_first(name):
     finally:
         undo()
         service.close()
+
+
+def test_after_verify_the_work_dir_is_the_agents_again():
+    """The hidden files are gone and what they replaced is back: the collected files (and a later
+    step's agent) see the agent's work dir, never the hidden checks."""
+    hidden = {"check.py": "print('hidden check')\n", "tests/test_hidden.py": "print('hidden test')\n"}
+    task = PiTask(task_id="agents-again", instruction="x", verify_files=hidden,
+                  verify=["python3 check.py", "python3 tests/test_hidden.py"],
+                  solution=[{"tool": "write", "path": "check.py", "content": "mine\n"},
+                            {"tool": "write", "path": "tests/notes.txt", "content": "also mine\n"}])
+    result = run_rollout(task)
+    assert [r.stdout for r in result.verify_results] == ["hidden check\n", "hidden test\n"]
+    assert result.files == {"check.py": "mine\n", "tests/notes.txt": "also mine\n"}, result.files

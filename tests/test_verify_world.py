@@ -7,6 +7,7 @@ Each attack here made its task score 1.0 before verify's world was reset to what
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -249,10 +250,15 @@ def test_restore_home_puts_back_setups_home_and_keeps_the_agents_output(backend)
         run("mkdir -p ~/.config && echo setup > ~/.config/x && echo 'export A=setup' > ~/.profile")
         sandbox.checkpoint_home()
         run("echo agent > ~/.config/x && echo evil > ~/.bashrc && mkdir -p ~/logs/agent ~/.local/lib "
-            "&& echo log > ~/logs/agent/l && echo out > out.txt && echo tmp > ${TMPDIR:-/tmp}/t")
+            "&& echo log > ~/logs/agent/l && echo out > out.txt && echo tmp > ${TMPDIR:-/tmp}/t "
+            "&& head -c 4M /dev/urandom > ~/big")
         sandbox.restore_home(("logs/agent",), set_aside=True)
         assert run("cat ~/.config/x; ls -A ~; cat out.txt ~/logs/agent/l; cat ${TMPDIR:-/tmp}/t 2>&1 || true") \
-            .split("\n")[:7] == ["setup", ".config", ".profile", "logs", "workdir", "out", "log"]
+            .split("\n")[:8] == ["setup", ".config", ".pi-env-agent-home", ".profile", "logs", "workdir", "out", "log"]
+        # The agent's home was set aside inside the sandbox's home, never copied to the host's disk.
+        outside = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(sandbox.host_dir)
+                      if not d.startswith(sandbox.host_home) for f in files)
+        assert outside < 1 << 20, outside
         run("echo verify > ~/.config/x && rm -r ~/logs/agent && echo verdict > verdict.txt")
         sandbox.put_back_agent_home()
         assert run("cat ~/.config/x ~/.bashrc verdict.txt; test -d ~/.local/lib && ls -A ~/logs/agent && echo ok") \
@@ -313,3 +319,28 @@ def test_an_exported_work_dir_keeps_only_members_that_stay_inside_it():
     assert members["ok-link"].islnk() and members["ok-link"].linkname == "out.txt"
     with tarfile.open(fileobj=io.BytesIO(_safe_tree(b""))) as empty:
         assert empty.getmembers() == []
+
+
+FILL_HOME = ("head -c 256M /dev/zero > fill 2>/dev/null; python3 -c \"\n"
+             "import os\nos.makedirs('many', exist_ok=True)\ni = 0\nwhile True:\n"
+             "    try: open(f'many/{i}', 'w').close()\n    except OSError: break\n    i += 1\nprint('files', i)\"")
+
+
+@pytest.mark.parametrize("solved", [False, True])
+def test_an_agent_that_uses_up_its_homes_blocks_and_inodes_is_still_verified(solved):
+    """A disk total below the memory total: the agent fills its home to the last byte and inode.
+    The hidden verify files (100 KiB) and the verifier's dir still get their room (kept for verify,
+    out of the agent's reach): the rollout is scored as what the agent did, never unscored."""
+    from pi_env.sandbox.totals import host_totals
+
+    if not host_totals().disk:
+        pytest.skip("this host cannot cap a sandbox home (needs root for a tmpfs home)")
+    task = PiTask(task_id="fill-all", instruction="x", limits={"storage_mb": 32},
+                  verify_files={"check.py": "# " + "x" * (100 << 10) + "\nimport os, sys\n"
+                                "sys.exit(0 if os.path.exists('solved.txt') else 1)\n"},
+                  verify=["python3 check.py"],
+                  solution=[{"tool": "bash", "command": ("touch solved.txt; " if solved else "") + FILL_HOME}])
+    result = run_rollout(task)
+    assert "files" in json.dumps(result.messages), "the home was not filled: the test proves nothing"
+    assert result.error_kind is None, (result.error, result.agent_log_tail[-2000:])
+    assert result.reward == (1.0 if solved else 0.0), result.verify_results

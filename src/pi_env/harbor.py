@@ -557,10 +557,12 @@ def harbor_environment_record(task: PiTask, sandbox) -> dict | None:
     return {**(built or {}), "base": (env or {}).get("base"), "approximated": (env or {}).get("approximated") or []}
 
 
-def collect_artifacts(task: PiTask, sandbox, result, step: int | None = None) -> None:
+def collect_artifacts(task: PiTask, sandbox, result, step: int | None = None, *, max_total_bytes: int) -> int:
     """Harbor's `artifacts` (sandbox paths, after the path map) copied into result.artifacts:
-    files as text, a directory's files each under their own path. With `step`: that step's own
-    artifacts ([[steps]] artifacts), under `steps/<name>` + the path."""
+    files as text, a directory's files each under their own path, within `max_total_bytes` (the
+    rollout's read budget; returns what was read). A file that is not UTF-8 text, or past the
+    budget, is named with its size instead. With `step`: that step's own artifacts ([[steps]]
+    artifacts), under `steps/<name>` + the path."""
     harbor = task.metadata.get("harbor") or {}
     if step is None:
         paths, prefix = harbor.get("artifacts") or [], ""
@@ -568,14 +570,30 @@ def collect_artifacts(task: PiTask, sandbox, result, step: int | None = None) ->
         steps = harbor.get("steps") or []
         paths, prefix = (steps[step].get("artifacts") or [], f"steps/{steps[step]['name']}") \
             if step < len(steps) else ([], "")
-    for path in paths:
+    used = 0
+
+    def keep(name: str, data: bytes) -> None:
+        nonlocal used
+        used += len(data)
         try:
-            if sandbox.exists(path):
-                try:
-                    data = sandbox.read_file(path, max_bytes=MAX_ARTIFACT_BYTES)
-                    result.artifacts[prefix + path] = data.decode("utf-8", "replace")
-                except IsADirectoryError:
-                    for rel, data in sandbox.snapshot(path, max_file_bytes=MAX_ARTIFACT_BYTES).items():
-                        result.artifacts[f"{prefix}{path.rstrip('/')}/{rel}"] = data.decode("utf-8", "replace")
+            result.artifacts[name] = data.decode("utf-8")
+        except UnicodeDecodeError:  # binary: as text it would be mostly U+FFFD, several times its size
+            result.artifacts[name] = f"<not collected: binary, {len(data)} bytes>"
+
+    for path in paths:
+        left = max(0, max_total_bytes - used)
+        try:
+            if not sandbox.exists(path):
+                continue
+            if not left:
+                result.artifacts[prefix + path] = "<not collected: past the rollout's read budget>"
+                continue
+            try:  # a file: its first MAX_ARTIFACT_BYTES (what is left of the budget)
+                keep(prefix + path, sandbox.read_file(path, max_bytes=min(MAX_ARTIFACT_BYTES, left)))
+            except IsADirectoryError:
+                files = sandbox.snapshot(path, max_file_bytes=min(MAX_ARTIFACT_BYTES, left), max_total_bytes=left)
+                for rel, data in files.items():
+                    keep(f"{prefix}{path.rstrip('/')}/{rel}", data)
         except (OSError, ValueError) as error:  # outside the home, or gone: say so, never fail the rollout
             result.artifacts[prefix + path] = f"<not collected: {error}>"
+    return used

@@ -40,7 +40,8 @@ from .harbor import collect_artifacts, combine_step_rewards, environment_spec, h
 from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported
 from .task import PiTask
 from .training import TrainingTrace, build_training_trace
-from .verify import VERIFY_ENV, put_back, read_reward, record_setup, set_aside, stage, startup_mount, verify_env
+from .verify import RESERVE_DIR, VERIFY_ENV, put_back, read_reward, record_setup, reserve, set_aside, stage, \
+    startup_mount, verify_env
 
 if TYPE_CHECKING:
     from .proxy.gate import GateCompletion, GateRequest
@@ -314,7 +315,7 @@ class PiSession:
                                  max_disk_bytes=_mb(self.task.limits.storage_mb) or config.max_disk_bytes),
             env=dict(config.extra_env),
             # Old Pi has no -na: hide the task's .pi/ so it cannot change Pi's settings.
-            agent_masked_paths=() if runtime.supports("-na") else (f"{SANDBOX_WORKDIR}/.pi",),
+            agent_masked_paths=(RESERVE_DIR,) if runtime.supports("-na") else (RESERVE_DIR, f"{SANDBOX_WORKDIR}/.pi"),
             archive_dir=runtime.archive_dir,
             environment=environment_spec(self.task, self.factory.backend.name),
             # Harbor's setup and verifier expect root of a container; the agent never gets it.
@@ -429,7 +430,17 @@ class PiSession:
         setup_env = record_setup(sandbox, self.task)
         if hasattr(sandbox, "checkpoint_home"):
             sandbox.checkpoint_home()
+            self._reserve()
         self._verify_env = verify_env(sandbox, setup_env, self.config.extra_env)
+
+    def _reserve(self) -> None:
+        """Room for verify's own files in a capped home, out of the agent's reach (pi_env.verify)."""
+        if not hasattr(self.sandbox, "restore_home"):
+            return  # verify gets a fresh sandbox
+        try:
+            reserve(self.sandbox, self.task, self._spec.limits.max_disk_bytes)
+        except OSError as error:  # a later step's agent filled its home already: verify goes without
+            self._result.agent_log_tail += f"\n[pi-env] no room kept for verify ({error.strerror or error})"
 
     def _verify_world(self) -> Sandbox:
         """The sandbox verify runs in: one the agent did not shape. Everything outside the work
@@ -442,8 +453,12 @@ class PiSession:
             # A later step's agent continues in its own home: keep it aside meanwhile.
             self._agent_home_aside = bool(later_steps(self.task)) if not self._in_later_step \
                 else self._later_steps_left > 0
-            for problem in sandbox.restore_home(AGENT_OUTPUT_DIRS, set_aside=self._agent_home_aside):
+            # The reserve stays through the restore (which may not fit if the agent filled its
+            # home), then makes room for verify's own files.
+            reserved = RESERVE_DIR.removeprefix(f"{SANDBOX_HOME}/")
+            for problem in sandbox.restore_home((*AGENT_OUTPUT_DIRS, reserved), set_aside=self._agent_home_aside):
                 self._result.agent_log_tail += f"\n[pi-env] {problem}"
+            sandbox.remove(RESERVE_DIR)
             return sandbox
         if not hasattr(sandbox, "export_tree"):
             raise SandboxError(f"the {self.factory.backend.name!r} backend can neither restore its home "
@@ -489,17 +504,18 @@ class PiSession:
                                                        env=self._verify_env))
             sandbox.kill_all()
             self._score_reward()
-            put_back(sandbox, moved)
+            put_back(sandbox, task, moved)
             self._score()
 
     def _score(self) -> None:
-        collect_artifacts(self.task, self.sandbox, self._result, step=self._step_index)
+        self._read_left -= collect_artifacts(self.task, self.sandbox, self._result, step=self._step_index,
+                                             max_total_bytes=self._read_left)
         if self._in_later_step:
             return  # _run_later_steps combines the steps' rewards
         if later := later_steps(self.task):
             self._run_later_steps(later)
         result = self._result
-        collect_artifacts(self.task, self.sandbox, result)
+        self._read_left -= collect_artifacts(self.task, self.sandbox, result, max_total_bytes=self._read_left)
         if why := unsupported_reasons(self.task, self.factory.backend.name) if is_harbor(self.task) else []:
             # Run anyway (--include-unsupported), but an environment not honoured scores nothing.
             self._fail("environment_unsupported", "the environment was not honoured: " + "; ".join(why))
@@ -529,6 +545,7 @@ class PiSession:
                 self.sandbox.remove(f"{SANDBOX_HOME}/tests")  # the previous step's verifier
                 if not self._prepare_step(step_own(first, index + 1)):
                     break
+                self._reserve()
                 self._start_agent(self.factory.runtime)
                 self._finish_agent()
                 if result.error_kind is not None:

@@ -58,7 +58,10 @@ UNLOCKED_DIR_AGE_S = 86400.0  # a sandbox dir without a lock file (older pi-env)
 # not look deeper; deletion moves deeper subtrees up first.
 WALK_MAX_DEPTH = 64
 SETUP_HOME = "setup-home"  # <host dir>/setup-home: the home as setup left it (checkpoint_home)
-AGENT_HOME = "agent-home"  # <host dir>/agent-home: the agent's home, set aside while verify runs
+# The agent's home, set aside while verify runs (a multi-step task's next agent gets it back):
+# a dir of the home itself, renamed into (never copied: what the agent wrote stays inside its
+# disk total and off the host's disk), named so no tool looks inside.
+AGENT_HOME = ".pi-env-agent-home"
 WORKDIR_NAME = SANDBOX_WORKDIR[len(SANDBOX_HOME) + 1:]
 
 
@@ -682,37 +685,43 @@ class HostDirSandbox:
         self._kept_paths = keep
         kept = self._take_out((WORKDIR_NAME, *keep))
         problems = []
-        aside = os.path.join(self.host_dir, AGENT_HOME)
-        if os.path.lexists(aside):
-            delete_tree(aside)
+        _remove_entry(self._home_fd, AGENT_HOME)  # the agent's own, in the way
         if set_aside:
-            make_dir(aside, 0o700)
-            try:
-                _copy_entries(self.host_home, [n for n in os.listdir(self._home_fd) if n not in kept], aside)
-            except SandboxError as error:
-                delete_tree(aside)
-                problems.append(f"the agent's home was not set aside for the next step ({error})")
-        self._clear_home(kept)  # first: whatever fails below, nothing of the agent's is left
+            os.mkdir(AGENT_HOME, 0o700, dir_fd=self._home_fd)
+            for name in os.listdir(self._home_fd):
+                if name not in kept and name != AGENT_HOME:
+                    os.rename(name, f"{AGENT_HOME}/{name}", src_dir_fd=self._home_fd, dst_dir_fd=self._home_fd)
+            kept[AGENT_HOME] = AGENT_HOME
+        self._clear_home(kept)  # first: whatever fails below, nothing of the agent's is left in place
         try:
             _copy_entries(saved, os.listdir(saved), self.host_home)
         except SandboxError as error:
             problems.append(f"setup's home was restored only in part for verify ({error})")
         os.fchmod(self._home_fd, self._setup_home_mode)
-        self._put_in(kept)
+        self._put_in({temp: path for temp, path in kept.items() if temp != AGENT_HOME})
         return problems
 
     def put_back_agent_home(self) -> None:
         """Undo restore_home(set_aside=True): the agent's home in place of verify's, but for the
-        work dir and `keep` as they are now. Nothing set aside (it could not be): verify's stays."""
+        work dir and `keep` as they are now. Nothing set aside: verify's stays."""
         self._check_open()
-        aside = os.path.join(self.host_dir, AGENT_HOME)
-        if not os.path.isdir(aside):
+        try:
+            is_dir = stat.S_ISDIR(os.stat(AGENT_HOME, dir_fd=self._home_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            is_dir = False
+        if not is_dir:
             return
         self.kill_all()
         kept = self._take_out((WORKDIR_NAME, *self._kept_paths))
-        self._clear_home(kept)
-        _copy_entries(aside, os.listdir(aside), self.host_home)
-        delete_tree(aside)
+        self._clear_home({**kept, AGENT_HOME: AGENT_HOME})
+        aside_fd = os.open(AGENT_HOME, _DIR_FLAGS, dir_fd=self._home_fd)
+        try:
+            for name in os.listdir(aside_fd):
+                if name not in kept:
+                    os.rename(name, name, src_dir_fd=aside_fd, dst_dir_fd=self._home_fd)
+        finally:
+            os.close(aside_fd)
+        _remove_entry(self._home_fd, AGENT_HOME)
         self._put_in(kept)
 
     def _take_out(self, paths: tuple[str, ...]) -> dict[str, str]:

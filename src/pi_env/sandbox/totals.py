@@ -215,9 +215,21 @@ def _libc():
     return libc
 
 
+# Inodes of a capped home: one per 32 KiB of its size (10 GiB: 327,680), never fewer than
+# 16,384. Each costs host memory that the size does not count (an uncapped tmpfs let an agent
+# make millions of empty files: ~2.5 GB of host memory).
+BYTES_PER_INODE, MIN_INODES = 32 << 10, 16384
+
+
+def home_inodes(size_bytes: int) -> int:
+    return max(MIN_INODES, size_bytes // BYTES_PER_INODE)
+
+
 def mount_capped_home(path: str, size_bytes: int, owner: int | None) -> None:
-    """Mount a tmpfs of `size_bytes` at `path` (mode 0700, owned by `owner`)."""
-    options = f"size={size_bytes},mode=0700" + (f",uid={owner},gid={owner}" if owner is not None else "")
+    """Mount a tmpfs of `size_bytes` and home_inodes(size_bytes) inodes at `path` (mode 0700,
+    owned by `owner`)."""
+    options = f"size={size_bytes},nr_inodes={home_inodes(size_bytes)},mode=0700" + (
+        f",uid={owner},gid={owner}" if owner is not None else "")
     if _libc().mount(b"pi-env-home", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options.encode()) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"mounting a {size_bytes}-byte tmpfs at {path}: {os.strerror(code)}")

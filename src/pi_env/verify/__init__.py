@@ -46,6 +46,10 @@ STARTUP_DIR = "/opt/pi-env-verify"
 STARTUP_HOST_DIR = str(resources.files(__package__).joinpath("startup"))
 # pi-env's own notes in the home (verify's home is setup's, restored; see rollout.py).
 SETUP_PATHS = f"{SANDBOX_HOME}/.pi-env-verify/setup-paths"
+# Room in a capped home (blocks and inodes) kept for verify's own files while the agent runs:
+# hidden from the agent (SandboxSpec.agent_masked_paths), freed when verify's world is restored.
+RESERVE_DIR = f"{SANDBOX_HOME}/.pi-env-reserve"
+RESERVE_MIN_BYTES, RESERVE_INODES = 8 << 20, 256
 ASIDE_DIR = f"{SANDBOX_HOME}/.pi-env-verify/set-aside"
 OWN_PATH = "/usr/bin:/bin"  # what pi-env's own commands in the sandbox find their tools on
 OWN_ENV = {"PATH": OWN_PATH, "BASH_ENV": "", "ENV": "", "LC_ALL": "C"}
@@ -132,6 +136,21 @@ def verify_env(sandbox: Sandbox, setup_env: dict[str, str], caller_env: dict[str
     return env
 
 
+def reserve(sandbox: Sandbox, task: PiTask, disk_bytes: int | None) -> None:
+    """Keep room for verify in a capped home, after setup and before the agent: a file the size
+    of the hidden files twice over plus 8 MiB (for the verifier's logs and reward), at most a
+    tenth of the disk total, and RESERVE_INODES empty files. The agent cannot reach them (the
+    dir is masked in its commands); restoring setup's home for verify deletes them, so however
+    full the agent leaves its home, staging the hidden files and logs/verifier does not fail."""
+    hidden = sum(len(text.encode()) for text in task.verify_files.values())
+    size = max(RESERVE_MIN_BYTES, 2 * hidden + RESERVE_MIN_BYTES)
+    if disk_bytes:
+        size = min(size, disk_bytes // 10)
+    sandbox.write_file(f"{RESERVE_DIR}/room", b"\xff" * size)  # written: tmpfs holds no room for holes
+    for index in range(RESERVE_INODES + len(task.verify_files)):
+        sandbox.write_file(f"{RESERVE_DIR}/{index}", b"")
+
+
 def startup_mount() -> dict[str, str]:
     """The sandbox's read-only mount of pi-env's Python start-up (SandboxSpec.ro_mounts)."""
     return {STARTUP_DIR: STARTUP_HOST_DIR}
@@ -175,7 +194,10 @@ def set_aside(sandbox: Sandbox, task: PiTask) -> tuple[list[str], list[str]]:
     tool loads on its own (see the module docstring), then stage the task's own files of those
     names again. Returns (what to hand to put_back, notes for the result)."""
     workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/") + "/"
-    own = [workdir + path for path in task.files if _is_tool_path(task, path)]  # the agent may have changed them
+    # The task's own files of those names (the agent may have changed them), and whatever the
+    # agent left where hidden files go: set aside whether setup made them or not.
+    own = [workdir + path for path in task.files if _is_tool_path(task, path)] + \
+        [workdir + path for path in task.verify_files]
     outcome = _own(sandbox, ["/bin/bash", "-c", _SET_ASIDE, "pi-env", SETUP_PATHS, ASIDE_DIR, str(len(own)), *own,
                              *_find_args(sandbox, task)])
     if outcome.exit_code != 0:
@@ -184,7 +206,7 @@ def set_aside(sandbox: Sandbox, task: PiTask) -> tuple[list[str], list[str]]:
     for path, text in task.files.items():
         if _is_tool_path(task, path):
             sandbox.write_file(path, text)
-    own_names = set(own)
+    own_names = set(own)  # not news: the task's own, or where the hidden files go
     if not moved:
         return [], []
     names = [name.removeprefix(workdir) for name in (bytes.fromhex(line.split()[1]).decode("utf-8", "replace")
@@ -196,9 +218,12 @@ def set_aside(sandbox: Sandbox, task: PiTask) -> tuple[list[str], list[str]]:
     return moved, [f"set aside for verify (the agent's, and a verifier's tool would load it): {shown}"]
 
 
-def put_back(sandbox: Sandbox, moved: list[str]) -> None:
-    """Undo set_aside(): the agent's files back where it left them (for the collected files and
-    a later step's agent). Call with nothing running."""
+def put_back(sandbox: Sandbox, task: PiTask, moved: list[str]) -> None:
+    """Undo set_aside() and stage(): the hidden files gone, the agent's files back where it left
+    them, so the work dir is the agent's again (the collected files, a later step's agent).
+    Call with nothing running."""
+    for path in task.verify_files:
+        sandbox.remove(path)
     for start in range(0, len(moved), 500):  # well within the longest command line
         outcome = _own(sandbox, ["/bin/bash", "-c", _PUT_BACK, "pi-env", ASIDE_DIR, *moved[start:start + 500]])
         if outcome.exit_code != 0:
