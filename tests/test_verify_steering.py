@@ -273,3 +273,16 @@ def test_after_verify_the_work_dir_is_the_agents_again():
     result = run_rollout(task)
     assert [r.stdout for r in result.verify_results] == ["hidden check\n", "hidden test\n"]
     assert result.files == {"check.py": "mine\n", "tests/notes.txt": "also mine\n"}, result.files
+
+
+def test_hidden_tests_in_a_package_named_like_the_standard_librarys_still_run():
+    """The hidden files' own `test/` package is the verifier's, found where Python finds it, not
+    the standard library's `test`; an agent's `test.py` beside it is set aside."""
+    task = PiTask(task_id="test-package", instruction="make answer() return 42",
+                  verify_files={"test/__init__.py": "", "test/test_hidden.py": HIDDEN_UNITTEST},
+                  verify=["python3 -m unittest -q test.test_hidden"],
+                  solution=[{"tool": "write", "path": "solution.py", "content": RIGHT},
+                            {"tool": "write", "path": "test.py", "content": EXIT_0}])
+    result = run_rollout(task)
+    assert result.reward == 1.0, _scores(result)
+    assert result.files["test.py"] == EXIT_0  # the agent's, back after verify

@@ -431,7 +431,7 @@ class PiSession:
         if hasattr(sandbox, "checkpoint_home"):
             sandbox.checkpoint_home()
             self._reserve()
-        self._verify_env = verify_env(sandbox, setup_env, self.config.extra_env)
+        self._verify_env = verify_env(sandbox, self.task, setup_env, self.config.extra_env)
 
     def _reserve(self) -> None:
         """Room for verify's own files in a capped home, out of the agent's reach (pi_env.verify)."""

@@ -111,7 +111,7 @@ def record_setup(sandbox: Sandbox, task: PiTask) -> dict[str, str]:
     return {"PATH": path, "PYTHONPATH": python_path}
 
 
-def verify_env(sandbox: Sandbox, setup_env: dict[str, str], caller_env: dict[str, str]) -> dict[str, str]:
+def verify_env(sandbox: Sandbox, task: PiTask, setup_env: dict[str, str], caller_env: dict[str, str]) -> dict[str, str]:
     """The environment of every verify command: VERIFY_ENV and the hooks setup did not make
     turned off (unless the caller set them on purpose in PiConfig.extra_env), pi-env's Python
     start-up first on PYTHONPATH (setup's after it), and PATH (setup's, the caller's included) with every entry in
@@ -125,6 +125,9 @@ def verify_env(sandbox: Sandbox, setup_env: dict[str, str], caller_env: dict[str
     startup = STARTUP_HOST_DIR if hasattr(sandbox, "host_path") else STARTUP_DIR
     env["PYTHONPATH"] = ":".join(filter(None, [startup, setup_env.get("PYTHONPATH")]))
     env["PI_ENV_WORKDIR"] = workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/")
+    # Top-level modules of the hidden files (a staged `test/` package, a `helpers.py`): the
+    # verifier's own, so found where Python would find them, as the stdlib's `test` is not.
+    env["PI_ENV_VERIFIER_MODULES"] = ",".join(sorted(_verifier_modules(task)))
     entries = setup_env["PATH"].split(":") if setup_env.get("PATH") else []
 
     def agents(entry: str) -> bool:
@@ -197,7 +200,9 @@ def set_aside(sandbox: Sandbox, task: PiTask) -> tuple[list[str], list[str]]:
     # The task's own files of those names (the agent may have changed them), and whatever the
     # agent left where hidden files go: set aside whether setup made them or not.
     own = [workdir + path for path in task.files if _is_tool_path(task, path)] + \
-        [workdir + path for path in task.verify_files]
+        [workdir + path for path in task.verify_files] + \
+        [workdir + name for module in _verifier_modules(task) for name in (module, f"{module}.py")
+         if name not in task.verify_files and name not in _staging_dirs(task)]
     outcome = _own(sandbox, ["/bin/bash", "-c", _SET_ASIDE, "pi-env", SETUP_PATHS, ASIDE_DIR, str(len(own)), *own,
                              *_find_args(sandbox, task)])
     if outcome.exit_code != 0:
@@ -324,6 +329,15 @@ def _is_tool_path(task: PiTask, path: str) -> bool:
     parts = path.split("/")
     return (parts[-1] in TOOL_FILES or parts[-1] in TOOL_SECTIONS or "node_modules" in parts[:-1]
             or parts[0] in _staging_dirs(task) or path in _init_files(task))
+
+
+def _verifier_modules(task: PiTask) -> set[str]:
+    """Top-level module names the hidden verify files make in the work dir."""
+    names = set()
+    for path in task.verify_files:
+        top = path.split("/")[0]
+        names.add(top.removesuffix(".py") if "/" not in path else top)
+    return {name for name in names if name.isidentifier()}
 
 
 def _staging_dirs(task: PiTask) -> set[str]:

@@ -4,10 +4,11 @@ first on PYTHONPATH while verify runs (pi_env.verify); pi-env itself never impor
 The verifier's modules come before the agent's files: a top-level import is first looked up on
 sys.path without the agent's work dir (PI_ENV_WORKDIR), so a `pytest.py`, `json.py` or
 `unittest.py` the agent left there is imported only when nothing of the verifier's (the
-standard library, installed packages, the verifier's own dirs) has that name. Everything else
-is as Python does it: the script's dir and the cwd stay on sys.path, so a check that imports
-the agent's module still finds it. Then the interpreter's own sitecustomize, which this file
-shadows, runs.
+standard library, installed packages, the verifier's own dirs) has that name. The hidden verify
+files' own top-level modules (PI_ENV_VERIFIER_MODULES: a staged `test/` package) are found as
+Python would find them. Everything else is as Python does it: the script's dir and the cwd stay
+on sys.path, so a check that imports the agent's module still finds it. Then the interpreter's
+own sitecustomize, which this file shadows, runs.
 """
 
 import importlib.machinery
@@ -20,6 +21,7 @@ def _pi_env_verify_startup():
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [entry for entry in sys.path if entry != here]
     workdir = os.path.realpath(os.environ.get("PI_ENV_WORKDIR") or "/nonexistent/pi-env")
+    verifiers = set(filter(None, os.environ.get("PI_ENV_VERIFIER_MODULES", "").split(",")))
     seen = {}
 
     def agents(entry):
@@ -36,7 +38,7 @@ def _pi_env_verify_startup():
 
         @staticmethod
         def find_spec(name, path=None, target=None):
-            if path is not None:  # a submodule: its package's own __path__ decides
+            if path is not None or name in verifiers:  # a submodule, or a hidden file's: as usual
                 return None
             entries = [entry for entry in sys.path if not agents(entry)]
             if len(entries) == len(sys.path):
