@@ -286,3 +286,19 @@ def test_hidden_tests_in_a_package_named_like_the_standard_librarys_still_run():
     result = run_rollout(task)
     assert result.reward == 1.0, _scores(result)
     assert result.files["test.py"] == EXIT_0  # the agent's, back after verify
+
+
+def test_verify_runs_the_source_the_agent_left_never_a_stale_compiled_copy():
+    """Python prefers __pycache__/x.pyc to x.py when the source's mtime and size match: an edit of
+    the same size within the same second (here pinned with touch) was verified as the old code.
+    The agent's __pycache__ is set aside for verify, whichever way it came to disagree with the source."""
+    pin = "touch -d @1700000000 solution.py"
+    task = PiTask(task_id="stale-pyc", instruction="make answer() return 42",
+                  verify_files={"check.py": HIDDEN_CHECK}, verify=["python3 check.py"],
+                  solution=[{"tool": "write", "path": "solution.py", "content": WRONG},
+                            {"tool": "bash", "command": f"{pin} && python3 -c 'import solution'"},
+                            {"tool": "write", "path": "solution.py", "content": RIGHT},
+                            {"tool": "bash", "command": f"{pin} && ls __pycache__"}])
+    result = run_rollout(task)
+    assert "solution.cpython" in json.dumps(result.messages), "no compiled copy was made: the test proves nothing"
+    assert result.reward == 1.0, _scores(result)

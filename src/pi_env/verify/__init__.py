@@ -13,7 +13,7 @@ order `PiSession` (rollout.py) calls it (docs/isolation.md has the guarantees an
   no shell start-up file; no user site unless setup made one.
 - `set_aside` (before verify): what the agent planted that a verifier's tool would load on its
   own (conftest.py, pytest.ini and the pytest sections of pyproject.toml/setup.cfg/tox.ini,
-  sitecustomize.py, .npmrc, node_modules, an `__init__.py` beside a hidden verify file, anything
+  sitecustomize.py, __pycache__, .npmrc, node_modules, an `__init__.py` beside a hidden verify file, anything
   in a directory hidden verify files are staged into) is moved out of the work dir for the
   verify phase and put back after it (`put_back`); the task's own files of those names are
   staged again as the task wrote them.
@@ -56,7 +56,8 @@ OWN_ENV = {"PATH": OWN_PATH, "BASH_ENV": "", "ENV": "", "LC_ALL": "C"}
 
 # Verify's environment: no shell start-up file named by the environment; git runs no fsmonitor
 # and no hook the work dir's .git/config names (`git status` in a verifier would run them).
-VERIFY_ENV = {"BASH_ENV": "", "ENV": "", "GIT_CONFIG_COUNT": "2",
+# Python writes no compiled modules into the agent's work dir (they would outlive verify).
+VERIFY_ENV = {"BASH_ENV": "", "ENV": "", "PYTHONDONTWRITEBYTECODE": "1", "GIT_CONFIG_COUNT": "2",
               "GIT_CONFIG_KEY_0": "core.fsmonitor", "GIT_CONFIG_VALUE_0": "false",
               "GIT_CONFIG_KEY_1": "core.hooksPath", "GIT_CONFIG_VALUE_1": "/dev/null"}
 # Hooks verify turns off unless setup made them (then they are the task's, restored with the
@@ -68,9 +69,11 @@ VERIFY_HOOKS = {
     "GIT_CONFIG_GLOBAL": (f"{SANDBOX_HOME}/.gitconfig", (f"{SANDBOX_HOME}/.config/git",)),
 }
 # Work-dir files a verifier's tool loads on its own, wherever they are (pytest: conftest.py and
-# its ini files; Python: sitecustomize; npm: the project .npmrc; node: node_modules).
+# its ini files; Python: sitecustomize, and compiled modules it prefers to their source when the
+# source's mtime and size match; npm: the project .npmrc; node: node_modules).
+TOOL_DIRS = ("node_modules", "__pycache__")
 TOOL_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "sitecustomize.py", "usercustomize.py", ".npmrc",
-              "node_modules")
+              *TOOL_DIRS)
 # Files that configure pytest only when they have its section.
 TOOL_SECTIONS = {"pyproject.toml": "tool.pytest", "setup.cfg": "tool:pytest", "tox.ini": "pytest"}
 SECTION_PATTERN = r"^[[:space:]]*\[(tool\.pytest|tool:pytest|pytest)"
@@ -327,7 +330,7 @@ def _is_tool_path(task: PiTask, path: str) -> bool:
     """Does `path` (work-dir relative) fall under what set_aside moves? (TOOL_SECTIONS files are
     the task's own: staged again whatever their content.)"""
     parts = path.split("/")
-    return (parts[-1] in TOOL_FILES or parts[-1] in TOOL_SECTIONS or "node_modules" in parts[:-1]
+    return (parts[-1] in TOOL_FILES or parts[-1] in TOOL_SECTIONS or any(d in parts[:-1] for d in TOOL_DIRS)
             or parts[0] in _staging_dirs(task) or path in _init_files(task))
 
 
@@ -355,8 +358,11 @@ def _find_args(sandbox: Sandbox, task: PiTask) -> list[str]:
     workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/")
     names: list[str] = []
     for name in TOOL_FILES:
-        if name != "node_modules":
+        if name not in TOOL_DIRS:
             names += ["-o", "-name", name]
+    pruned: list[str] = []
+    for name in TOOL_DIRS:
+        pruned += ["-o", "-name", name]
     for path in sorted(_init_files(task)):
         names += ["-o", "-path", _glob_escape(f"{workdir}/{path}")]
     for top in sorted(_staging_dirs(task)):
@@ -366,7 +372,7 @@ def _find_args(sandbox: Sandbox, task: PiTask) -> list[str]:
     for name in TOOL_SECTIONS:
         sections += ["-o", "-name", name]
     return [workdir, "-mindepth", "1",
-            "(", "-name", "node_modules", "-prune", "-print0", ")",
+            "(", "(", *pruned[1:], ")", "-prune", "-print0", ")",
             "-o", "(", "(", *names[1:], ")", "-print0", ")",
             "-o", "(", "(", *sections[1:], ")", "-type", "f",
             "-exec", "grep", "-qsE", SECTION_PATTERN, "{}", ";", "-print0", ")"]
