@@ -49,8 +49,8 @@ def test_examples_score_one_through_the_oracle(task):
     assert all(turn.upstream_status == 200 for turn in result.proxy_turns)
     assert [m["role"] for m in result.messages].count("assistant") == len(task.solution) + 1
     assert set(result.timings) >= {"sandbox_create", "setup", "agent", "verify"}
-    for path in task.verify_files:
-        assert path in result.files  # staged after the agent, so present at collection
+    for path in task.verify_files:  # staged for verify only: the collected files are the agent's
+        assert path not in result.files
 
 
 def test_partly_failing_verify_gives_the_exact_fraction():

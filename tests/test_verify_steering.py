@@ -214,7 +214,7 @@ def test_set_aside_moves_only_what_the_agent_planted_and_put_back_restores_it(ba
         for path, text in task.files.items():
             sandbox.write_file(path, text)
         sandbox.write_file("setup/conftest.py", "# setup's\n")
-        record_setup(sandbox, task)
+        record_setup(sandbox, task, setup_ran=True, env={})  # setup made setup/conftest.py
         planted = {"conftest.py": "a", "deep/er/pytest.ini": "b", "pkg/conftest.py": "c", "tests/helper.py": "d",
                    "tests/__init__.py": "e", "node_modules/x/index.js": "f", "keep.py": "g",
                    "pyproject.toml": "[tool.pytest.ini_options]\n", "setup.cfg": "[metadata]\nname = x\n"}

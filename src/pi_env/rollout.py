@@ -427,11 +427,15 @@ class PiSession:
         verifier's files setup made, the home but the work dir where the sandbox can put it back
         in place, which hooks setup itself made."""
         sandbox = self.sandbox
-        setup_env = record_setup(sandbox, self.task)
+        setup_env = record_setup(sandbox, self.task, setup_ran=self._setup_ran(), env=self._spec.env)
         if hasattr(sandbox, "checkpoint_home"):
             sandbox.checkpoint_home()
             self._reserve()
         self._verify_env = verify_env(sandbox, self.task, setup_env, self.config.extra_env)
+
+    def _setup_ran(self) -> bool:
+        """Did anything but pi-env make the work dir (setup commands, a built environment)?"""
+        return bool(self.task.setup or self.config.extra_setup_shell or self._spec.environment)
 
     def _reserve(self) -> None:
         """Room for verify's own files in a capped home, out of the agent's reach (pi_env.verify)."""
@@ -478,7 +482,7 @@ class PiSession:
             if failed:
                 raise SandboxError(f"setup command {failed.cmd!r} passed before the agent but failed in the "
                                    f"fresh verify sandbox: {_tail(failed.stderr or failed.stdout, 300)}")
-            record_setup(fresh, self.task)
+            record_setup(fresh, self.task, setup_ran=self._setup_ran(), env=self._spec.env)
             for path, data in trees.items():
                 fresh.import_tree(path, data)
         except BaseException:

@@ -49,7 +49,7 @@ SETUP_PATHS = f"{SANDBOX_HOME}/.pi-env-verify/setup-paths"
 # Room in a capped home (blocks and inodes) kept for verify's own files while the agent runs:
 # hidden from the agent (SandboxSpec.agent_masked_paths), freed when verify's world is restored.
 RESERVE_DIR = f"{SANDBOX_HOME}/.pi-env-reserve"
-RESERVE_MIN_BYTES, RESERVE_INODES = 8 << 20, 256
+RESERVE_MIN_BYTES, RESERVE_INODES = 8 << 20, 64
 ASIDE_DIR = f"{SANDBOX_HOME}/.pi-env-verify/set-aside"
 OWN_PATH = "/usr/bin:/bin"  # what pi-env's own commands in the sandbox find their tools on
 OWN_ENV = {"PATH": OWN_PATH, "BASH_ENV": "", "ENV": "", "LC_ALL": "C"}
@@ -102,10 +102,15 @@ find "$@" 2>/dev/null | sort -z > "$out"
 """
 
 
-def record_setup(sandbox: Sandbox, task: PiTask) -> dict[str, str]:
+def record_setup(sandbox: Sandbox, task: PiTask, *, setup_ran: bool, env: dict[str, str]) -> dict[str, str]:
     """Remember (in the sandbox's home, restored for verify like the rest of setup's home) which
     of the paths `set_aside` would move setup itself made; returns the PATH and PYTHONPATH that
-    setup's commands had."""
+    setup's commands had. Without setup commands or a built environment (`setup_ran` False)
+    setup made nothing but the task's files, which set_aside handles on its own, and the
+    environment is `env` (SandboxSpec.env): no command needs to run."""
+    if not setup_ran:
+        sandbox.remove(SETUP_PATHS)
+        return {"PATH": env.get("PATH", ""), "PYTHONPATH": env.get("PYTHONPATH", "")}
     outcome = _own(sandbox, ["/bin/bash", "-c", _RECORD, "pi-env", SETUP_PATHS, *_find_args(sandbox, task)],
                    keep_path=True)
     if outcome.exit_code != 0:
@@ -232,7 +237,7 @@ def put_back(sandbox: Sandbox, task: PiTask, moved: list[str]) -> None:
     Call with nothing running."""
     for path in task.verify_files:
         sandbox.remove(path)
-    for start in range(0, len(moved), 500):  # well within the longest command line
+    for start in range(0, len(moved), 500):  # nothing moved: no command  # well within the longest command line
         outcome = _own(sandbox, ["/bin/bash", "-c", _PUT_BACK, "pi-env", ASIDE_DIR, *moved[start:start + 500]])
         if outcome.exit_code != 0:
             raise OSError(f"could not put back the agent's verifier files: {outcome.stderr[-300:]}")
