@@ -43,7 +43,9 @@ from pi_env.proxy.gateway import Call, GatewaySession, RelayedResponse, TurnReco
     not_a_json_object
 from pi_env.proxy.rewrite import SAMPLING_KEYS, CaptureOptions
 from pi_env.proxy.tool_json import CALL_CLOSE, CALL_OPEN, MAX_TOOL_CALL_CHARS, MAX_TOOL_CALL_DEPTH, hermes_blocks, \
-    load_call_json, nests_deeper
+    json_too_deep, load_call_json, nests_deeper
+
+MAX_ARGUMENTS_DEPTH = MAX_TOOL_CALL_DEPTH - 1  # a call's arguments sit one level inside the call
 
 DEFAULT_TIMEOUT_S = 600.0
 ALIVE_POLL_S = 0.02  # how often a waiting next_request asks whether the agent still runs
@@ -195,31 +197,28 @@ def _tool_call(call: Any, position: int) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise CompletionInvalid(f"tool_calls[{position}] has no name")
     where = f"tool_calls[{position}] ({name[:100]})"
+    as_text = "the limit of a tool call; deliver such output as text, where it stays the assistant's content"
     if isinstance(arguments, str):
-        parsed, refused = load_call_json(arguments)
-        if refused == "not JSON":
-            try:
-                json.loads(arguments)
-            except (ValueError, RecursionError) as error:
-                raise CompletionInvalid(f"{where}: arguments are not JSON: {error}") from None
-        if refused is not None:
-            raise CompletionInvalid(f"{where}: arguments are {refused} (the limits of a tool call's JSON: "
-                                    f"at most {MAX_TOOL_CALL_CHARS:,} characters, {MAX_TOOL_CALL_DEPTH} levels); "
-                                    "deliver such output as text, where it stays the assistant's content")
+        if len(arguments) > MAX_TOOL_CALL_CHARS:
+            raise CompletionInvalid(f"{where}: arguments are larger than {MAX_TOOL_CALL_CHARS:,} characters ({as_text})")
+        if json_too_deep(arguments, MAX_ARGUMENTS_DEPTH):
+            raise CompletionInvalid(f"{where}: arguments nest deeper than {MAX_ARGUMENTS_DEPTH} levels ({as_text})")
+        try:
+            parsed = json.loads(arguments)
+        except ValueError as error:
+            raise CompletionInvalid(f"{where}: arguments are not JSON: {error}") from None
         if not isinstance(parsed, dict):
             raise CompletionInvalid(f"{where}: arguments must be a JSON object")
     elif isinstance(arguments, dict):
-        if nests_deeper(arguments, MAX_TOOL_CALL_DEPTH - 1):
-            raise CompletionInvalid(f"{where}: arguments nest deeper than {MAX_TOOL_CALL_DEPTH - 1} levels (the limit "
-                                    "of a tool call's JSON); deliver such output as text, where it stays the "
-                                    "assistant's content")
+        if nests_deeper(arguments, MAX_ARGUMENTS_DEPTH):
+            raise CompletionInvalid(f"{where}: arguments nest deeper than {MAX_ARGUMENTS_DEPTH} levels ({as_text})")
         try:
             arguments = json.dumps(arguments, ensure_ascii=False)
         except (TypeError, ValueError) as error:
             raise CompletionInvalid(f"{where}: arguments must be JSON-serialisable: {error}") from None
         if len(arguments) > MAX_TOOL_CALL_CHARS:
             raise CompletionInvalid(f"{where}: arguments are larger than {MAX_TOOL_CALL_CHARS:,} characters as "
-                                    "JSON (the limit of a tool call); deliver such output as text")
+                                    f"JSON ({as_text})")
     else:
         raise CompletionInvalid(f"{where}: arguments must be a dict or a JSON object string")
     call_id = call.get("id") or f"call_{secrets.token_hex(12)}"
