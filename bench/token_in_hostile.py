@@ -19,7 +19,7 @@ Per class and size:
 The gateway runs here; the upstream (the scripted server's token engine) and the agent + /health
 poller each run in a child process, so neither shares the gateway's GIL. Tokenizer: as in
 token_in_overhead.py. Target: /health within 100 ms while the worst class is processed. Prints a
-table, then ONE JSON line.
+table, then ONE JSON line; exits non-zero when a turn failed or was not recorded whole.
 
     .venv/bin/python bench/token_in_hostile.py [--sizes 1024 2048 4096 8192] [--classes ...]
 """
@@ -234,6 +234,10 @@ def main() -> None:
         "worst_within_target": all(r["health_max_ms"] <= HEALTH_TARGET_MS for r in worst),
         "loadavg": {"before": load_before, "after": load_after},
     }))
+    failed = [f"{r['class']} {r['size']}" for r in rows if r["status"] != 200 or r["error"] or not r["recorded"]
+              or r["parse"] != "ok" or r["gate_text"] != "ok"]
+    if failed:  # a figure made of failures is no figure
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -459,8 +459,9 @@ MAX_PENDING_IDS = 8
 REPARSE_BUDGET = 8
 # An answer longer than this is parsed in a worker thread, off the event loop every rollout shares.
 INLINE_PARSE_IDS = 1024
-# Reading an answer gives the loop back at least this often (seconds of work in one go).
-YIELD_AFTER_S = 0.005
+# Reading an answer gives the loop back at least this often (seconds of work in one go): a request
+# that arrives meanwhile needs a few loop turns, so /health waits a few of these at most.
+YIELD_AFTER_S = 0.002
 
 
 class TokenIn:
