@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("renderers", reason="token-in needs pi-env[token-in] (the dev extra installs it)")
 transformers = pytest.importorskip("transformers")
 
-from helpers import bash, chat, scripted_config  # noqa: E402
+from helpers import bash, chat, scripted_config, wait_for  # noqa: E402
 from pi_env import PiTask, run_rollout  # noqa: E402
 from pi_env.proxy import Upstream  # noqa: E402
 from pi_env.proxy.chatml_hermes import TEMPLATE_SHA256, ChatMLHermesRenderer, parse_hermes_text  # noqa: E402
@@ -285,8 +285,8 @@ def pi_history(answer) -> dict:
     return {"role": "assistant", "content": answer["content"] or None, **({"tool_calls": calls} if calls else {})}
 
 
-def open_token_in(gateway, token_server, tokenizer_dir, turns):
-    spec = load_renderer("chatml-hermes", str(tokenizer_dir))
+def open_token_in(gateway, token_server, tokenizer_dir, turns, spec=None):
+    spec = spec or load_renderer("chatml-hermes", str(tokenizer_dir))
     key = token_server.add_script(turns)
     from pi_env.proxy.rewrite import CaptureOptions
 
@@ -474,6 +474,43 @@ def test_the_gateway_answers_health_while_it_reads_a_worst_case_answer(gateway, 
     assert session.turns[0].capture.completion_token_ids == ids
 
 
+def test_an_agent_that_hangs_up_mid_answer_leaves_a_turn_with_the_ids_so_far(gateway, token_server, tokenizer_dir,
+                                                                            tokenizer):
+    """The handler is cancelled while it reads a long answer: the ids and logprobs read so far
+    and their text are recorded (the parse finishing in a task of its own), and the next call
+    starts a new sequence."""
+    from pi_env.scripted import Fault
+
+    ids = hostile_ids(tokenizer, "lt_then_gt", 2000)
+    turns = [ScriptedTurn(token_ids=ids, fault=Fault(delay_s=0.002)), ScriptedTurn(text="ok")]
+    session = open_token_in(gateway, token_server, tokenizer_dir, turns)
+    body = {"model": "m", "stream": True, "messages": [SYSTEM, USER], "tools": [BASH_TOOL]}
+
+    async def hang_up():
+        async with aiohttp.ClientSession() as client:
+            async with client.post(gateway.tcp_base_url + "/chat/completions", json=body,
+                                   headers={"Authorization": f"Bearer {session.token}"}) as answer:
+                await answer.content.readany()
+                await asyncio.sleep(0.5)  # some hundreds of ids in, then gone
+
+    try:
+        asyncio.run(hang_up())
+        wait_for(lambda: session.turns)
+        retry = ask(gateway, session, [SYSTEM, USER, {"role": "assistant", "content": "..."},
+                                        {"role": "user", "content": "go on"}])
+        assert retry["content"] == "ok" and session.wait_idle(30)
+    finally:
+        gateway.close_session(session)
+    first, second = session.turns
+    record = first.capture
+    assert first.client_disconnected
+    got = record.completion_token_ids
+    assert 0 < len(got) < len(ids) and got == ids[:len(got)]
+    assert len(record.per_token_logps) == len(got) and None not in record.per_token_logps
+    assert record.choices[0].content == tokenizer.decode(got, skip_special_tokens=False)
+    assert second.capture.token_in["outcome"] == "full_render"
+
+
 class _FailingParse(ChatMLHermesRenderer):
     """A custom renderer whose parser fails on its answers (a bug, a recursion, an odd id), and
     that has no incremental call finder (as the `renderers` package's own have none)."""
@@ -642,13 +679,25 @@ def test_session_start_names_what_is_missing(server, token_server, tokenizer_dir
         PiSessionFactory(unknown_model).create(task)
 
 
-def test_each_tool_call_reaches_the_agent_as_soon_as_it_is_complete(gateway, token_server, tokenizer_dir):
+class _Reparsed(ChatMLHermesRenderer):
+    """chatml-hermes without its incremental call finder, as the `renderers` package's renderers
+    are: the gateway re-parses the answer on a closing `>`, within a budget."""
+
+    stream_parser = None
+
+
+@pytest.mark.parametrize("finder", ["incremental", "reparsed"])
+def test_each_tool_call_reaches_the_agent_as_soon_as_it_is_complete(gateway, token_server, tokenizer_dir, tokenizer,
+                                                                    finder):
+    from pi_env.proxy.token_in import TokenInSpec
     from pi_env.scripted import Fault
 
     second = {"command": "echo " + "x" * 40}
     turns = [ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"}),
                                       ScriptedToolCall(name="bash", arguments=second)], fault=Fault(delay_s=0.01))]
-    session = open_token_in(gateway, token_server, tokenizer_dir, turns)
+    spec = None if finder == "incremental" else TokenInSpec(name="reparsed", resolved="reparsed", tokenizer="tiny",
+                                                            renderer=_Reparsed(tokenizer))
+    session = open_token_in(gateway, token_server, tokenizer_dir, turns, spec)
     body = {"model": "m", "stream": True, "messages": [SYSTEM, USER], "tools": [BASH_TOOL]}
 
     async def timed():
