@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from helpers import bash, chat, scripted_config, wait_for  # noqa: E402
 from pi_env import PiTask, run_rollout  # noqa: E402
 from pi_env.proxy import Upstream  # noqa: E402
-from pi_env.proxy.chatml_hermes import TEMPLATE_SHA256, ChatMLHermesRenderer, parse_hermes_text  # noqa: E402
+from pi_env.proxy.chatml_hermes import (  # noqa: E402
+    TEMPLATE_SHA256, ChatMLHermesRenderer, HermesCallStream, parse_hermes_text)
 from pi_env.proxy.token_in import TokenInUnavailable, check_endpoint_sync, load_renderer  # noqa: E402
 from pi_env.scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn  # noqa: E402
 from pi_env.testing.tiny_tokenizer import make_tokenizer_dir  # noqa: E402
@@ -172,7 +173,7 @@ def test_the_stream_parser_finds_the_final_parses_calls_however_the_text_is_cut(
                 break
             final.append(parsed_call.raw)
         for size in (1, 2, 5, 11, 12, 13, len(text)):
-            stream = ChatMLHermesRenderer.stream_parser()
+            stream = HermesCallStream()
             found = [c.raw for k in range(0, len(text), size) for c in stream.feed(text[k:k + size])]
             assert found == final, (text[:80], size)
 
@@ -512,11 +513,8 @@ def test_an_agent_that_hangs_up_mid_answer_leaves_a_turn_with_the_ids_so_far(gat
 
 
 class _FailingParse(ChatMLHermesRenderer):
-    """A custom renderer whose parser fails on its answers (a bug, a recursion, an odd id), and
-    that has no incremental call finder (as the `renderers` package's own have none)."""
-
-    stream_parser = None
-
+    """A custom renderer whose parser fails on its answers (a bug, a recursion, an odd id); a
+    parse_response of its own, so chatml-hermes's incremental call finder is not used for it."""
     def parse_response(self, token_ids, *, tools=None, prompt_ids=None):
         if token_ids:
             raise RecursionError("maximum recursion depth exceeded")

@@ -230,9 +230,11 @@ class ChatMLHermesRenderer:
         text = self._tokenizer.decode(ids, skip_special_tokens=False)
         return parse_hermes_text(text)
 
-    @staticmethod
-    def stream_parser() -> HermesCallStream:
-        """Finds the complete tool calls of an answer as its text streams in (see HermesCallStream)."""
+    def stream_parser(self) -> HermesCallStream | None:
+        """Finds the complete tool calls of an answer as its text streams in (HermesCallStream);
+        None for a subclass with a parse_response of its own, which this finder would not mirror."""
+        if type(self).parse_response is not ChatMLHermesRenderer.parse_response:
+            return None
         return HermesCallStream()
 
     # -- bridging

@@ -435,7 +435,7 @@ class _Stream:
     held: bool = False  # content streaming stopped (markup may follow)
     prompt_ids: list[int] = field(default_factory=list)
     calls_sent: list[dict[str, Any]] = field(default_factory=list)  # tool calls the agent already has
-    call_stream: Any = None  # the renderer's incremental call finder (chatml-hermes), if it has one
+    call_stream: Any = None  # the renderer's incremental call finder (chatml-hermes's stream_parser())
     calls_stopped: bool = False  # no more tool calls are sent before the end (a parse failed)
     parse_cost: int = 0  # ids re-parsed so far looking for complete calls (renderers without call_stream)
     ended: bool = False  # a stop id arrived: nothing more to decode
