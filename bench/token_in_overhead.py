@@ -82,7 +82,7 @@ def render_parse(tok_dir: str, target_tokens: int, turns: int) -> dict:
             "command": f"grep -rn handler_{step} src | head -40"})])
         completion = engine.answer_ids(turn)
         started, cpu_started = time.perf_counter(), time.process_time()
-        answer, _ = ledger.parse(completion, plan.token_ids, TOOLS)
+        answer = ledger.parse(completion, plan.token_ids, TOOLS).message
         ledger.remember(plan, completion, answer)
         messages = [*messages, answer, {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"],
                                         "content": tool_output(step)}]

@@ -227,6 +227,73 @@ def test_deliver_refuses_what_it_cannot_answer_and_the_request_stays_pending(gat
     assert other.turns == []
 
 
+def nested(depth: int) -> dict:
+    """A dict nesting `depth` levels (built without recursion)."""
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+class _Unprintable:
+    def __str__(self) -> str:
+        raise ValueError("no text for this id")
+
+
+def test_deliver_refuses_nested_or_oversized_json_as_completion_invalid(gateway, open_gate, agent):
+    """JSON nested past Python's recursion limit made deliver() raise a bare RecursionError; now
+    every bad completion is CompletionInvalid saying what to fix, and the request stays pending."""
+    from pi_env.proxy.tool_json import MAX_TOOL_CALL_CHARS
+
+    session = open_gate()
+    pending = agent(gateway, session)
+    request = session.strategy.next_request(5)
+    gate = session.strategy
+    deep_text = '{"a": ' * 1200 + "1" + "}" * 1200
+    big_text = '{"a": "' + "x" * MAX_TOOL_CALL_CHARS + '"}'
+
+    def with_call(**call):
+        return {"token_ids": [1], "message": {"tool_calls": [{"name": "bash", **call}]}}
+
+    cases = [
+        (with_call(arguments=nested(1200)), "arguments nest deeper than 63 levels"),
+        (with_call(arguments=deep_text), "arguments nest deeper than 63 levels"),
+        (with_call(arguments=big_text), "arguments are larger than 1,048,576 characters (the limit"),
+        (with_call(arguments={"a": "x" * MAX_TOOL_CALL_CHARS}), "larger than 1,048,576 characters as JSON"),
+        (with_call(arguments={"a": {1, 2}}), "arguments must be JSON-serialisable"),
+        ({"token_ids": [1], "text": "x", "usage": nested(1200)}, "usage nests deeper than 64 levels"),
+        ({"token_ids": [1], "text": "x", "usage": {"total": object()}}, "usage must be JSON-serialisable"),
+        ({"token_ids": [1], "text": "x", "model": 5}, "model must be a string or None"),
+        (with_call(arguments={}, id=_Unprintable()), "cannot be turned into an answer (ValueError: no text for this id)"),
+    ]
+    for completion, why in cases:
+        with pytest.raises(CompletionInvalid, match=re.escape(why)):
+            gate.deliver(request, completion)
+    assert not pending.done()
+    gate.deliver(request, {"token_ids": [7], "text": "fine"})
+    assert assembled(pending.result(5)[2]).choices[0].content == "fine"
+
+
+def test_hostile_text_reaches_the_agent_as_text_with_its_ids(gateway, open_gate, agent):
+    """Delivered text is read in linear time and within the tool-call limits: a `<tool_call>`
+    loop, JSON nested 1,200 deep (a RecursionError out of deliver before), `<` then `>`s, a call
+    over 1 MiB. Each stays the assistant's content; the turn keeps the ids and logprobs."""
+    from pi_env.proxy.tool_json import MAX_TOOL_CALL_CHARS
+
+    deep = '<tool_call>\n{"name": "bash", "arguments": {"a": ' + "[" * 1200 + "]" * 1200 + "}}\n</tool_call>"
+    big = '<tool_call>{"name": "bash", "arguments": {"a": "' + "x" * MAX_TOOL_CALL_CHARS + '"}}</tool_call>'
+    ids = list(range(100, 164))
+    for text in ("<tool_call>" * 4096, deep, "<" + ">" * 4095, big):
+        session = open_gate()
+        pending = agent(gateway, session, chat(stream=False, tools=True))
+        session.strategy.deliver(session.strategy.next_request(5),
+                                 {"token_ids": ids, "logprobs": [-0.5] * len(ids), "text": text})
+        status, _, raw = pending.result(10)
+        assert status == 200 and json.loads(raw)["choices"][0]["message"] == {"role": "assistant", "content": text}
+        capture = only_turn(session).capture
+        assert capture.completion_token_ids == ids and capture.per_token_logps == [-0.5] * len(ids)
+
+
 # ------------------------------------------------------------------------ ending cleanly
 
 

@@ -14,10 +14,11 @@ import pytest
 pytest.importorskip("renderers", reason="token-in needs pi-env[token-in] (the dev extra installs it)")
 transformers = pytest.importorskip("transformers")
 
-from helpers import bash, chat, scripted_config  # noqa: E402
+from helpers import bash, chat, scripted_config, wait_for  # noqa: E402
 from pi_env import PiTask, run_rollout  # noqa: E402
 from pi_env.proxy import Upstream  # noqa: E402
-from pi_env.proxy.chatml_hermes import TEMPLATE_SHA256, ChatMLHermesRenderer, parse_hermes_text  # noqa: E402
+from pi_env.proxy.chatml_hermes import (  # noqa: E402
+    TEMPLATE_SHA256, ChatMLHermesRenderer, HermesCallStream, parse_hermes_text)
 from pi_env.proxy.token_in import TokenInUnavailable, check_endpoint_sync, load_renderer  # noqa: E402
 from pi_env.scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn  # noqa: E402
 from pi_env.testing.tiny_tokenizer import make_tokenizer_dir  # noqa: E402
@@ -135,6 +136,49 @@ def test_unparseable_and_cut_off_calls_are_reported_not_repaired():
     assert parsed.tool_calls[2].raw == '<tool_call>\n{"name": "ba'
 
 
+def nested_call(depth: int, name: str = "bash") -> str:
+    """A <tool_call> block whose JSON nests `depth` levels (the call object is level 1)."""
+    inner = "[" * (depth - 2) + "]" * (depth - 2)
+    return '<tool_call>\n{"name": "' + name + '", "arguments": {"a": ' + inner + "}}\n</tool_call>"
+
+
+def test_tool_calls_over_the_nesting_or_size_limit_stay_text():
+    """Within the limits a block is a call; past them (or JSON nested 1,200 deep, where json.loads
+    raised RecursionError) it is reported malformed and its text reaches the agent as content."""
+    from pi_env.proxy.token_in import answer_message
+    from pi_env.proxy.tool_json import MAX_TOOL_CALL_CHARS, MAX_TOOL_CALL_DEPTH
+
+    assert [c.status for c in parse_hermes_text(nested_call(MAX_TOOL_CALL_DEPTH)).tool_calls] == ["ok"]
+    for text in (nested_call(MAX_TOOL_CALL_DEPTH + 1), nested_call(1200),
+                 '<tool_call>\n{"name": "bash", "arguments": {"a": "' + "x" * MAX_TOOL_CALL_CHARS + '"}}\n</tool_call>'):
+        parsed = parse_hermes_text("Look:\n" + text)
+        assert [c.status for c in parsed.tool_calls] == ["malformed_structure"]
+        message, unparsed = answer_message(parsed)
+        assert message == {"role": "assistant", "content": "Look:\n" + text} and unparsed == [text]
+    # Brackets inside strings are text, not nesting.
+    deep_string = '<tool_call>\n{"name": "bash", "arguments": {"command": "' + "[{" * 2000 + '"}}\n</tool_call>'
+    assert [c.status for c in parse_hermes_text(deep_string).tool_calls] == ["ok"]
+
+
+def test_the_stream_parser_finds_the_final_parses_calls_however_the_text_is_cut():
+    """Calls are found chunk by chunk (a tag may straddle chunks) without re-reading the answer,
+    and they are exactly the leading valid calls of the final parse."""
+    call = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    texts = ["Hi\n" + call + "\n" + call, call + "<tool_call><tool_call>" + call, call + "\n" + nested_call(1200) + call,
+             "<tool_" + "<tool_call>" * 50, "a</tool_call>" + call, call + "\n<tool_call>\n{bad}\n</tool_call>" + call]
+    for text in texts:
+        final = []
+        for parsed_call in parse_hermes_text(text).tool_calls:
+            if parsed_call.status != "ok":
+                break
+            final.append(parsed_call.raw)
+        for size in (1, 2, 5, 11, 12, 13, len(text)):
+            stream = HermesCallStream()
+            found = [c.raw for k in range(0, len(text), size) for c in stream.feed(text[k:k + size])]
+            assert found == final, (text[:80], size)
+
+
+
 def test_bridge_extends_the_sampled_ids_exactly(tokenizer, renderer):
     """From the model's own (non-canonical) ids the bridge appends only the new messages; from
     canonical ids it equals a full render of the whole conversation."""
@@ -242,8 +286,8 @@ def pi_history(answer) -> dict:
     return {"role": "assistant", "content": answer["content"] or None, **({"tool_calls": calls} if calls else {})}
 
 
-def open_token_in(gateway, token_server, tokenizer_dir, turns):
-    spec = load_renderer("chatml-hermes", str(tokenizer_dir))
+def open_token_in(gateway, token_server, tokenizer_dir, turns, spec=None):
+    spec = spec or load_renderer("chatml-hermes", str(tokenizer_dir))
     key = token_server.add_script(turns)
     from pi_env.proxy.rewrite import CaptureOptions
 
@@ -340,6 +384,165 @@ def test_a_cut_off_tool_call_reaches_the_agent_as_text(gateway, token_server, to
     assert session.turns[0].capture.token_in["unparsed_tool_calls"]
 
 
+# ------------------------------------------------------------------ hostile output
+
+
+HOSTILE = ["tool_call_loop", "invalid_utf8", "lt_then_gt", "nested_json"]
+
+
+def hostile_ids(tokenizer, kind: str, size: int = 4096) -> list[int]:
+    """A pathological answer of `size` ids (4,096: the gateway's default max_tokens cap), as the
+    hostile-output review of issue 25 found them; bench/token_in_hostile.py times the same."""
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    if kind == "tool_call_loop":  # a model stuck repeating an opening tag
+        unit = encode("<tool_call>")
+        return (unit * (size // len(unit) + 1))[:size]
+    if kind == "invalid_utf8":  # byte-level BPE's token for the byte 0xFF: no text holds it
+        return [tokenizer.convert_tokens_to_ids("ÿ")] * size
+    if kind == "lt_then_gt":  # every `>` may close a tag
+        return encode("<") + encode(">") * (size - 1)
+    return encode(nested_call(1200)) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_a_hostile_answer_is_recorded_whole_and_reaches_the_agent_as_text(gateway, token_server, tokenizer_dir,
+                                                                          tokenizer, kind):
+    """Each class completes; the agent gets the answer's text (no invented call, no cut stream);
+    the turn holds every id and logprob the engine sent."""
+    ids = hostile_ids(tokenizer, kind)
+    session = open_token_in(gateway, token_server, tokenizer_dir, [ScriptedTurn(token_ids=ids)])
+    try:
+        answer = ask(gateway, session, [SYSTEM, USER])
+        assert session.wait_idle(30)
+    finally:
+        gateway.close_session(session)
+    text = tokenizer.decode([i for i in ids if i != tokenizer.convert_tokens_to_ids("<|im_end|>")],
+                            skip_special_tokens=False)
+    assert answer["calls"] == [] and answer["finish"] == ["stop"]
+    assert answer["content"] == text
+    (turn,) = session.turns
+    record = turn.capture
+    assert turn.upstream_error is None and record.token_ids_source == "token_in"
+    assert record.completion_token_ids == ids
+    assert len(record.per_token_logps) == len(ids) and None not in record.per_token_logps
+    assert record.choices[0].content == text and record.choices[0].tool_calls == []
+    if kind == "nested_json":
+        assert record.token_in["unparsed_tool_calls"] == [text]
+
+
+def test_the_gateway_answers_health_while_it_reads_a_worst_case_answer(gateway, token_server, tokenizer_dir,
+                                                                       tokenizer):
+    """`<tool_call>` to the 4,096-token cap was re-parsed whole at every `>` (11-43 s, during
+    which /health did not answer). The bound is loose enough for a loaded 2-core machine; the
+    precise figure is bench/token_in_hostile.py's."""
+    ids = hostile_ids(tokenizer, "tool_call_loop")
+    session = open_token_in(gateway, token_server, tokenizer_dir, [ScriptedTurn(token_ids=ids)])
+    body = {"model": "m", "stream": True, "messages": [SYSTEM, USER], "tools": [BASH_TOOL]}
+
+    async def turn_with_polls():
+        loop = asyncio.get_running_loop()
+        latencies, during = [], []
+        done = asyncio.Event()
+
+        async def poll(client):
+            while not done.is_set():
+                started = loop.time()
+                async with client.get(gateway.tcp_base_url.removesuffix("/v1") + "/health") as health:
+                    assert health.status == 200
+                latencies.append(loop.time() - started)
+                await asyncio.sleep(0.01)
+
+        async with aiohttp.ClientSession() as health_client, aiohttp.ClientSession() as client:
+            poller = asyncio.ensure_future(poll(health_client))
+            started = loop.time()
+            async with client.post(gateway.tcp_base_url + "/chat/completions", json=body,
+                                   headers={"Authorization": f"Bearer {session.token}"}) as answer:
+                raw = await answer.read()
+            during.append(loop.time() - started)
+            done.set()
+            await poller
+        return raw, latencies, during[0]
+
+    try:
+        raw, latencies, turn_s = asyncio.run(turn_with_polls())
+        assert session.wait_idle(30)
+    finally:
+        gateway.close_session(session)
+    assert raw.endswith(b"data: [DONE]\n\n")
+    assert len(latencies) >= 2 and max(latencies) < 2.0, (max(latencies), len(latencies), turn_s)
+    assert session.turns[0].capture.completion_token_ids == ids
+
+
+def test_an_agent_that_hangs_up_mid_answer_leaves_a_turn_with_the_ids_so_far(gateway, token_server, tokenizer_dir,
+                                                                            tokenizer):
+    """The handler is cancelled while it reads a long answer: the ids and logprobs read so far
+    and their text are recorded (the parse finishing in a task of its own), and the next call
+    starts a new sequence."""
+    from pi_env.scripted import Fault
+
+    ids = hostile_ids(tokenizer, "lt_then_gt", 2000)
+    turns = [ScriptedTurn(token_ids=ids, fault=Fault(delay_s=0.002)), ScriptedTurn(text="ok")]
+    session = open_token_in(gateway, token_server, tokenizer_dir, turns)
+    body = {"model": "m", "stream": True, "messages": [SYSTEM, USER], "tools": [BASH_TOOL]}
+
+    async def hang_up():
+        async with aiohttp.ClientSession() as client:
+            async with client.post(gateway.tcp_base_url + "/chat/completions", json=body,
+                                   headers={"Authorization": f"Bearer {session.token}"}) as answer:
+                await answer.content.readany()
+                await asyncio.sleep(0.5)  # some hundreds of ids in, then gone
+
+    try:
+        asyncio.run(hang_up())
+        wait_for(lambda: session.turns)
+        retry = ask(gateway, session, [SYSTEM, USER, {"role": "assistant", "content": "..."},
+                                        {"role": "user", "content": "go on"}])
+        assert retry["content"] == "ok" and session.wait_idle(30)
+    finally:
+        gateway.close_session(session)
+    first, second = session.turns
+    record = first.capture
+    assert first.client_disconnected
+    got = record.completion_token_ids
+    assert 0 < len(got) < len(ids) and got == ids[:len(got)]
+    assert len(record.per_token_logps) == len(got) and None not in record.per_token_logps
+    assert record.choices[0].content == tokenizer.decode(got, skip_special_tokens=False)
+    assert second.capture.token_in["outcome"] == "full_render"
+
+
+class _FailingParse(ChatMLHermesRenderer):
+    """A custom renderer whose parser fails on its answers (a bug, a recursion, an odd id); a
+    parse_response of its own, so chatml-hermes's incremental call finder is not used for it."""
+    def parse_response(self, token_ids, *, tools=None, prompt_ids=None):
+        if token_ids:
+            raise RecursionError("maximum recursion depth exceeded")
+        return super().parse_response(token_ids, tools=tools, prompt_ids=prompt_ids)
+
+
+def test_a_renderer_that_fails_to_parse_leaves_the_agent_the_text_and_the_turn_its_ids(gateway, token_server,
+                                                                                      tokenizer):
+    from pi_env.proxy.rewrite import CaptureOptions
+    from pi_env.proxy.token_in import TokenInSpec
+
+    spec = TokenInSpec(name="failing", resolved="failing", tokenizer="tiny", renderer=_FailingParse(tokenizer))
+    turn = ScriptedTurn(text="Let me look.", tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"})])
+    key = token_server.add_script([turn])
+    session = gateway.open_session(Upstream(token_server.base_url, key, "scripted-model"), mode="transparent_proxy",
+                                   capture=CaptureOptions(model="scripted-model", top_logprobs=2), token_in=spec)
+    try:
+        answer = ask(gateway, session, [SYSTEM, USER])
+        assert session.wait_idle(30)
+    finally:
+        gateway.close_session(session)
+    assert answer["content"] == TokenEngine.answer_text(turn) and answer["calls"] == []
+    record = session.turns[0].capture
+    assert record.completion_token_ids == token_server.token_engine.answer_ids(turn)
+    assert None not in record.per_token_logps
+    assert "RecursionError" in record.token_in["parse_error"]
+
+
 # ------------------------------------------------------------------ real Pi rollouts
 
 
@@ -421,6 +624,35 @@ def test_gate_requests_carry_bridged_ids_and_delivered_ids_are_parsed(gateway, t
     assert trace.append_only and [t.capture.token_ids_source for t in session.turns] == ["trainer", "trainer"]
 
 
+@pytest.mark.parametrize("kind", ["nested_json", "tool_call_loop"])
+def test_gate_delivered_hostile_ids_reach_the_agent_as_text(gateway, tokenizer_dir, tokenizer, kind):
+    """The renderer parses the trainer's ids inside deliver(): nested JSON (a RecursionError out
+    of deliver before) or a `<tool_call>` loop is delivered, the agent gets the text, the turn
+    the ids."""
+    import concurrent.futures
+
+    spec = load_renderer("chatml-hermes", str(tokenizer_dir))
+    session = gateway.open_session(Upstream("http://interception-gate.invalid/v1", None, "trainer"),
+                                   mode="interception_gate", token_in=spec)
+    ids = hostile_ids(tokenizer, kind)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        pending = pool.submit(ask, gateway, session, [SYSTEM, USER])
+        session.strategy.deliver(session.strategy.next_request(timeout_s=10),
+                                 {"token_ids": ids, "logprobs": [-0.5] * len(ids)})
+        answer = pending.result(timeout=30)
+        assert session.wait_idle()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        gateway.close_session(session)
+    text = tokenizer.decode([i for i in ids if i != tokenizer.convert_tokens_to_ids("<|im_end|>")],
+                            skip_special_tokens=False)
+    assert answer["content"] == text and answer["calls"] == []
+    record = session.turns[0].capture
+    assert record.completion_token_ids == ids and record.per_token_logps == [-0.5] * len(ids)
+    assert record.token_in["unparsed_tool_calls"] == [text]
+
+
 def test_token_in_is_refused_where_the_gateway_does_not_render():
     from pydantic import ValidationError
 
@@ -445,13 +677,25 @@ def test_session_start_names_what_is_missing(server, token_server, tokenizer_dir
         PiSessionFactory(unknown_model).create(task)
 
 
-def test_each_tool_call_reaches_the_agent_as_soon_as_it_is_complete(gateway, token_server, tokenizer_dir):
+class _Reparsed(ChatMLHermesRenderer):
+    """chatml-hermes without its incremental call finder, as the `renderers` package's renderers
+    are: the gateway re-parses the answer on a closing `>`, within a budget."""
+
+    stream_parser = None
+
+
+@pytest.mark.parametrize("finder", ["incremental", "reparsed"])
+def test_each_tool_call_reaches_the_agent_as_soon_as_it_is_complete(gateway, token_server, tokenizer_dir, tokenizer,
+                                                                    finder):
+    from pi_env.proxy.token_in import TokenInSpec
     from pi_env.scripted import Fault
 
     second = {"command": "echo " + "x" * 40}
     turns = [ScriptedTurn(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"}),
                                       ScriptedToolCall(name="bash", arguments=second)], fault=Fault(delay_s=0.01))]
-    session = open_token_in(gateway, token_server, tokenizer_dir, turns)
+    spec = None if finder == "incremental" else TokenInSpec(name="reparsed", resolved="reparsed", tokenizer="tiny",
+                                                            renderer=_Reparsed(tokenizer))
+    session = open_token_in(gateway, token_server, tokenizer_dir, turns, spec)
     body = {"model": "m", "stream": True, "messages": [SYSTEM, USER], "tools": [BASH_TOOL]}
 
     async def timed():

@@ -15,13 +15,16 @@ How it stays exact:
     `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks are calls, every
     other character stays content, and a block that is not a valid call is reported with its
     status and raw text, never repaired.
+
+Linear on any output, never raising: blocks are found with `str.find` (pi_env.proxy.tool_json),
+a block over the size or nesting limit is reported as malformed, and `stream_parser()` finds
+complete calls in a streamed answer chunk by chunk without re-reading what came before.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-import re
 from typing import Any, Literal
 
 from renderers.base import (
@@ -37,6 +40,8 @@ from renderers.base import (
 )
 from renderers.configs import BaseRendererConfig
 
+from pi_env.proxy.tool_json import CALL_CLOSE, CALL_OPEN, MAX_TOOL_CALL_CHARS, hermes_blocks, load_call_json
+
 # sha256 of the template this renderer mirrors (scripts/engines/chatml_tools.jinja). A tokenizer
 # whose chat_template has this hash resolves to this renderer under `auto`; a test checks the
 # file still has it, so an edited template cannot silently drift from this code.
@@ -49,8 +54,6 @@ TOOLS_HEADER = ("\n\n# Tools\n\nYou may call one or more functions to assist wit
 TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
                 "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
                 '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
 class ChatMLHermesConfig(BaseRendererConfig):
@@ -227,6 +230,13 @@ class ChatMLHermesRenderer:
         text = self._tokenizer.decode(ids, skip_special_tokens=False)
         return parse_hermes_text(text)
 
+    def stream_parser(self) -> HermesCallStream | None:
+        """Finds the complete tool calls of an answer as its text streams in (HermesCallStream);
+        None for a subclass with a parse_response of its own, which this finder would not mirror."""
+        if type(self).parse_response is not ChatMLHermesRenderer.parse_response:
+            return None
+        return HermesCallStream()
+
     # -- bridging
 
     def bridge_to_next_turn(self, previous_prompt_ids: list[int], previous_completion_ids: list[int],
@@ -249,22 +259,21 @@ class ChatMLHermesRenderer:
 def parse_hermes_text(text: str) -> ParsedResponse:
     """A completion's text as content + tool calls. Content is every character outside the
     `<tool_call>` blocks, minus the one newline the template puts before each block; a block
-    that is not `{"name": str, "arguments": object}` JSON, or is cut off, is a tool call with a
-    non-OK status and its raw text."""
+    that is not `{"name": str, "arguments": object}` JSON (or is over the limits of
+    pi_env.proxy.tool_json), or is cut off, is a tool call with a non-OK status and its raw text.
+    Linear in the text."""
     calls: list[ParsedToolCall] = []
     kept: list[str] = []
     position = 0
-    for block in _BLOCK.finditer(text):
-        kept.append(_before_block(text[position:block.start()]))
-        calls.append(_parse_block(block.group(0), block.group(1)))
-        position = block.end()
-    tail = text[position:]
-    opened = tail.find(CALL_OPEN)
-    if opened >= 0:  # cut off (max_tokens) inside a call
-        kept.append(_before_block(tail[:opened]))
-        calls.append(ParsedToolCall(raw=tail[opened:], status=ToolCallParseStatus.UNCLOSED_BLOCK))
-    else:
-        kept.append(tail)
+    for start, end in hermes_blocks(text):
+        kept.append(_before_block(text[position:start]))
+        if end < 0:  # cut off (max_tokens) inside a call
+            calls.append(ParsedToolCall(raw=text[start:], status=ToolCallParseStatus.UNCLOSED_BLOCK))
+            position = len(text)
+            break
+        calls.append(_parse_block(text[start:end]))
+        position = end
+    kept.append(text[position:])
     return ParsedResponse(content="".join(kept), reasoning_content=None, tool_calls=calls, reasoning_complete=True)
 
 
@@ -272,13 +281,15 @@ def _before_block(text: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
-def _parse_block(raw: str, inner: str) -> ParsedToolCall:
+def _parse_block(raw: str) -> ParsedToolCall:
+    inner = raw[len(CALL_OPEN):-len(CALL_CLOSE)]
     body = inner[1:] if inner.startswith("\n") else inner
     body = body[:-1] if body.endswith("\n") else body
-    try:
-        call = json.loads(body)
-    except ValueError:
+    call, refused = load_call_json(body)
+    if refused == "not JSON":
         return ParsedToolCall(raw=raw, status=ToolCallParseStatus.INVALID_JSON)
+    if refused is not None:  # over the size or nesting limit: the text stays text
+        return ParsedToolCall(raw=raw, status=ToolCallParseStatus.MALFORMED_STRUCTURE)
     if not isinstance(call, dict):
         return ParsedToolCall(raw=raw, status=ToolCallParseStatus.MALFORMED_STRUCTURE)
     name, arguments = call.get("name"), call.get("arguments", {})
@@ -287,3 +298,54 @@ def _parse_block(raw: str, inner: str) -> ParsedToolCall:
     if not isinstance(arguments, dict):
         return ParsedToolCall(raw=raw, name=name, arguments=arguments, status=ToolCallParseStatus.MALFORMED_STRUCTURE)
     return ParsedToolCall(raw=raw, name=name, arguments=arguments)
+
+
+class HermesCallStream:
+    """The leading run of valid tool calls of an answer whose text arrives in pieces: `feed`
+    returns the calls each piece completes. Blocks pair up exactly as in parse_hermes_text, so
+    these are the first calls of the final parse. Linear in the text: each piece is searched
+    once (with the few characters before it where a tag may have started), and only the block
+    being written is kept. After a block that is not a valid call (or one past the size limit)
+    no later call is returned: the answer's end decides."""
+
+    _BLOCK_LIMIT = MAX_TOOL_CALL_CHARS + len(CALL_OPEN) + len(CALL_CLOSE) + 2
+
+    def __init__(self) -> None:
+        self._carry = ""  # the last characters seen, where the next tag may have begun
+        self._block: list[str] | None = None  # the open block's text so far
+        self._block_chars = 0
+        self.done = False
+
+    def feed(self, text: str) -> list[ParsedToolCall]:
+        if self.done or not text:
+            return []
+        window = self._carry + text
+        calls: list[ParsedToolCall] = []
+        position = 0
+        # In a block already: the carry is its end (a close may straddle it), its new text follows.
+        block_start, block_from, search_from = 0, len(self._carry), 0
+        while True:
+            if self._block is None:
+                start = window.find(CALL_OPEN, position)
+                if start < 0:
+                    self._carry = window[max(position, len(window) - len(CALL_OPEN) + 1):]
+                    return calls
+                self._block, self._block_chars = [], 0
+                block_start = block_from = start
+                search_from = start + len(CALL_OPEN)
+            close = window.find(CALL_CLOSE, search_from)
+            if close < 0:
+                self._block.append(window[block_from:])
+                self._block_chars += len(window) - block_from
+                if self._block_chars > self._BLOCK_LIMIT:  # never a call: stop holding it
+                    self._block, self.done = None, True
+                self._carry = window[max(block_start, len(window) - len(CALL_CLOSE) + 1):]
+                return calls
+            position = close + len(CALL_CLOSE)
+            self._block.append(window[block_from:position])
+            raw, self._block = "".join(self._block), None
+            call = _parse_block(raw)
+            if call.status != ToolCallParseStatus.OK:
+                self.done = True
+                return calls
+            calls.append(call)

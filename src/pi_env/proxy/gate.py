@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import secrets
 import threading
 import time
@@ -43,6 +42,10 @@ from pi_env.proxy.capture import ChoiceCapture, TurnCapture, sse_from_capture
 from pi_env.proxy.gateway import Call, GatewaySession, RelayedResponse, TurnRecord, agent_request, describe, \
     not_a_json_object
 from pi_env.proxy.rewrite import SAMPLING_KEYS, CaptureOptions
+from pi_env.proxy.tool_json import CALL_CLOSE, CALL_OPEN, MAX_TOOL_CALL_CHARS, MAX_TOOL_CALL_DEPTH, hermes_blocks, \
+    json_too_deep, load_call_json, nests_deeper
+
+MAX_ARGUMENTS_DEPTH = MAX_TOOL_CALL_DEPTH - 1  # a call's arguments sit one level inside the call
 
 DEFAULT_TIMEOUT_S = 600.0
 ALIVE_POLL_S = 0.02  # how often a waiting next_request asks whether the agent still runs
@@ -125,32 +128,30 @@ class GateCompletion:
 
 # --------------------------------------------------------------------------- text parsing
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
-
 def parse_hermes(text: str) -> dict[str, Any]:
     """A message from generated text, the way vLLM's `hermes` tool parser (Qwen2.5/3, Hermes)
     reads it: each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block becomes a tool
     call and leaves the content; a leading `<think>...</think>` (or text up to a first
     `</think>`, when the template opened the tag) becomes `reasoning_content`. A block that is not
-    a JSON object with a string `name` stays in the content as text, as the model wrote it."""
+    a JSON object with a string `name`, or is over the limits of pi_env.proxy.tool_json (larger
+    than MAX_TOOL_CALL_CHARS, nested deeper than MAX_TOOL_CALL_DEPTH), stays in the content as
+    text, as the model wrote it. Linear in the text; never raises."""
     message: dict[str, Any] = {}
     head, closed, rest = text.partition("</think>")
     if closed and (head.lstrip().startswith("<think>") or "<think>" not in head):
         message["reasoning_content"] = head.lstrip().removeprefix("<think>").strip()
         text = rest
     calls, kept, position = [], [], 0
-    for block in _TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(block.group(1))
-        except ValueError:
-            continue
+    for start, end in hermes_blocks(text):
+        if end < 0:  # never closed: text
+            break
+        call, _ = load_call_json(text[start + len(CALL_OPEN):end - len(CALL_CLOSE)].strip())
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             continue
         arguments = call.get("arguments", call.get("parameters", {}))
         calls.append({"name": call["name"], "arguments": arguments})
-        kept.append(text[position:block.start()])
-        position = block.end()
+        kept.append(text[position:start])
+        position = end
     kept.append(text[position:])
     content = "".join(kept).strip()
     message["content"] = content or None
@@ -195,19 +196,43 @@ def _tool_call(call: Any, position: int) -> dict[str, Any]:
     name, arguments = function.get("name"), function.get("arguments", {})
     if not isinstance(name, str) or not name:
         raise CompletionInvalid(f"tool_calls[{position}] has no name")
+    where = f"tool_calls[{position}] ({name[:100]})"
+    as_text = "the limit of a tool call; deliver such output as text, where it stays the assistant's content"
     if isinstance(arguments, str):
+        if len(arguments) > MAX_TOOL_CALL_CHARS:
+            raise CompletionInvalid(f"{where}: arguments are larger than {MAX_TOOL_CALL_CHARS:,} characters ({as_text})")
+        if json_too_deep(arguments, MAX_ARGUMENTS_DEPTH):
+            raise CompletionInvalid(f"{where}: arguments nest deeper than {MAX_ARGUMENTS_DEPTH} levels ({as_text})")
         try:
             parsed = json.loads(arguments)
         except ValueError as error:
-            raise CompletionInvalid(f"tool_calls[{position}] ({name}): arguments are not JSON: {error}") from None
+            raise CompletionInvalid(f"{where}: arguments are not JSON: {error}") from None
         if not isinstance(parsed, dict):
-            raise CompletionInvalid(f"tool_calls[{position}] ({name}): arguments must be a JSON object")
+            raise CompletionInvalid(f"{where}: arguments must be a JSON object")
     elif isinstance(arguments, dict):
-        arguments = json.dumps(arguments, ensure_ascii=False)
+        if nests_deeper(arguments, MAX_ARGUMENTS_DEPTH):
+            raise CompletionInvalid(f"{where}: arguments nest deeper than {MAX_ARGUMENTS_DEPTH} levels ({as_text})")
+        try:
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        except (TypeError, ValueError) as error:
+            raise CompletionInvalid(f"{where}: arguments must be JSON-serialisable: {error}") from None
+        if len(arguments) > MAX_TOOL_CALL_CHARS:
+            raise CompletionInvalid(f"{where}: arguments are larger than {MAX_TOOL_CALL_CHARS:,} characters as "
+                                    f"JSON ({as_text})")
     else:
-        raise CompletionInvalid(f"tool_calls[{position}] ({name}): arguments must be a dict or a JSON object string")
+        raise CompletionInvalid(f"{where}: arguments must be a dict or a JSON object string")
     call_id = call.get("id") or f"call_{secrets.token_hex(12)}"
     return {"id": str(call_id), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _check_json(name: str, value: Any) -> None:
+    """`value` goes into the agent's answer and the record as JSON: it must encode, shallowly."""
+    if nests_deeper(value, MAX_TOOL_CALL_DEPTH):
+        raise CompletionInvalid(f"{name} nests deeper than {MAX_TOOL_CALL_DEPTH} levels")
+    try:
+        msgspec.json.encode(value)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise CompletionInvalid(f"{name} must be JSON-serialisable: {error}") from None
 
 
 def _text_field(message: dict, key: str) -> str:
@@ -240,6 +265,10 @@ def build_capture(body: dict[str, Any], completion: GateCompletion) -> TurnCaptu
     usage = completion.usage
     if usage is not None and not isinstance(usage, dict):
         raise CompletionInvalid("usage must be an object")
+    if usage is not None:
+        _check_json("usage", usage)
+    if completion.model is not None and not isinstance(completion.model, str):
+        raise CompletionInvalid("model must be a string or None")
     if usage is None and ids:
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
     choice = ChoiceCapture(index=0, content=_text_field(message, "content"),
@@ -510,16 +539,23 @@ class InterceptionGate:
 
     def deliver(self, request: GateRequest | str | dict, completion: GateCompletion | dict | str) -> None:
         """Answer a held call. Raises RequestNotPending (unknown id, second delivery, expired,
-        agent gone, closed) or CompletionInvalid (naming the field); returns at once, the agent
-        receives the answer from the gateway's loop."""
+        agent gone, closed) or CompletionInvalid (naming the field), and nothing else for any
+        completion; the parse runs on the caller's thread, then the agent receives the answer
+        from the gateway's loop."""
         request_id = _request_id(request)
         with self._lock:
             held = self._check_pending(request, request_id)
-        completion = GateCompletion.coerce(completion)
-        if held.plan is not None:
-            capture = self._token_in_capture(held, completion)
-        else:
-            capture = build_capture(held.record_body, completion)
+        try:
+            completion = GateCompletion.coerce(completion)
+            if held.plan is not None:
+                capture = self._token_in_capture(held, completion)
+            else:
+                capture = build_capture(held.record_body, completion)
+        except GateError:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever the trainer sends, it learns what to fix
+            raise CompletionInvalid(f"the completion cannot be turned into an answer ({type(error).__name__}: "
+                                    f"{str(error)[:300]}); see GateCompletion for what each field takes") from None
         with self._lock:
             self._check_pending(request, request_id)
             held.capture = capture
@@ -529,7 +565,9 @@ class InterceptionGate:
         held.loop.call_soon_threadsafe(_wake, held.future)
 
     async def adeliver(self, request: GateRequest | str | dict, completion: GateCompletion | dict | str) -> None:
-        self.deliver(request, completion)  # never blocks
+        """`deliver` from async code: validation and parsing run in a worker thread, so a long
+        answer never stalls the caller's loop (which may be the gateway's own)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.deliver, request, completion)
 
     def _token_in_capture(self, held: _Held, completion: GateCompletion) -> TurnCapture:
         """With a renderer: the trainer's ids, parsed by the same renderer into the agent's answer."""
@@ -544,7 +582,7 @@ class InterceptionGate:
                                                                  "prompt_token_ids") != plan.token_ids:
             raise CompletionInvalid("prompt_token_ids differ from the request's: generate from "
                                     "GateRequest.prompt_token_ids (or leave prompt_token_ids out)")
-        message, unparsed = self.ledger.parse(ids, plan.token_ids, held.request.tools)
+        message, unparsed, parse_error = self.ledger.parse(ids, plan.token_ids, held.request.tools)
         stops = set(self.ledger.renderer.get_stop_token_ids())
         finish = completion.finish_reason or ("tool_calls" if message.get("tool_calls") else
                                               "stop" if ids[-1] in stops else "length")
@@ -552,6 +590,9 @@ class InterceptionGate:
             token_ids=ids, logprobs=completion.logprobs, message=message, finish_reason=finish,
             prompt_token_ids=plan.token_ids, usage=completion.usage, model=completion.model))
         capture.token_in = {**plan.record(self.session.token_in), **({"unparsed_tool_calls": unparsed} if unparsed else {})}
+        if parse_error:
+            capture.token_in["parse_error"] = f"the renderer could not parse the ids ({parse_error}); the agent got " \
+                                              "their decoded text"
         return capture
 
     def _check_pending(self, request: Any, request_id: str) -> _Held:

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
@@ -224,11 +225,37 @@ class TokenLedger:
             self._previous = None
             self._broken = f"the previous call failed ({why})"
 
-    def parse(self, completion_ids: list[int], prompt_ids: list[int], tools) -> tuple[dict[str, Any], list[str]]:
-        """The assistant message for the agent from completion ids, and the raw text of every
-        tool call that did not parse (already appended to the content)."""
-        parsed = self.renderer.parse_response(list(completion_ids), tools=tools, prompt_ids=prompt_ids)
-        return answer_message(parsed)
+    def parse(self, completion_ids: list[int], prompt_ids: list[int], tools) -> ParsedAnswer:
+        """The assistant message for the agent from completion ids, the raw text of every tool
+        call that did not parse (already appended to the content), and why the renderer failed
+        when it did: then the message is the decoded text, so whatever the ids are the agent
+        gets text and the turn keeps its ids. Never raises. Linear in the ids for chatml-hermes;
+        a long answer costs milliseconds, so the gateway calls it off its loop (see TokenIn)."""
+        try:
+            parsed = self.renderer.parse_response(list(completion_ids), tools=tools, prompt_ids=prompt_ids)
+            message, unparsed = answer_message(parsed)
+            return ParsedAnswer(message, unparsed, None)
+        except Exception as error:  # noqa: BLE001 - a renderer's failure on odd ids must not lose the turn
+            why = f"{type(error).__name__}: {str(error)[:300]}"
+        return ParsedAnswer({"role": "assistant", "content": self.decode(completion_ids) or None}, [], why)
+
+    def decode(self, completion_ids: list[int]) -> str:
+        """The completion's text without its stop ids ("" when it cannot be decoded)."""
+        tokenizer = getattr(self.renderer, "_tokenizer", None)
+        ids = list(completion_ids)
+        try:
+            stops = set(self.renderer.get_stop_token_ids())
+            while ids and ids[-1] in stops:
+                ids.pop()
+            return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
+        except Exception:  # noqa: BLE001 - nothing left to try: the ids are recorded all the same
+            return ""
+
+
+class ParsedAnswer(NamedTuple):
+    message: dict[str, Any]  # the assistant message for the agent
+    unparsed: list[str]  # raw text of the tool calls that did not parse (in the content)
+    error: str | None  # the renderer failed: the message is the decoded text
 
 
 def _divergence(previous: _Previous, messages: list, tools) -> str | None:
@@ -275,7 +302,7 @@ def _arguments(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return arguments
     return arguments
 
@@ -403,19 +430,38 @@ class _Stream:
     usage: dict[str, Any] | None = None
     model: str | None = None
     misaligned: bool = False
-    streamed: str = ""  # content already sent to the agent
+    streamed_parts: list[str] = field(default_factory=list)  # content already sent to the agent
+    pending_space: list[str] = field(default_factory=list)  # trailing whitespace not sent yet
     held: bool = False  # content streaming stopped (markup may follow)
     prompt_ids: list[int] = field(default_factory=list)
     calls_sent: list[dict[str, Any]] = field(default_factory=list)  # tool calls the agent already has
+    call_stream: Any = None  # the renderer's incremental call finder (chatml-hermes's stream_parser())
+    calls_stopped: bool = False  # no more tool calls are sent before the end (a parse failed)
+    parse_cost: int = 0  # ids re-parsed so far looking for complete calls (renderers without call_stream)
     ended: bool = False  # a stop id arrived: nothing more to decode
     prefix_offset: int = 0
     read_offset: int = 0
-    text: str = ""
+
+    @property
+    def streamed(self) -> str:
+        return "".join(self.streamed_parts)
 
 
 # Characters that may open markup (tool calls, reasoning, JSON calls, special tokens): content is
 # streamed only up to the first of them; what follows is sent once the answer is parsed.
 MARKUP_START = "<{["
+_MARKUP = re.compile("[" + re.escape(MARKUP_START) + "]")
+# Ids decoded so far that end inside a character are held back at most this long: an answer of
+# invalid UTF-8 would otherwise grow the decoded window without end (a quadratic decode).
+MAX_PENDING_IDS = 8
+# Renderers without an incremental call finder are re-parsed on a closing `>`; in all, at most
+# this many times the answer's length in ids (past it, the complete calls go out at the end).
+REPARSE_BUDGET = 8
+# An answer longer than this is parsed in a worker thread, off the event loop every rollout shares.
+INLINE_PARSE_IDS = 1024
+# Reading an answer gives the loop back at least this often (seconds of work in one go): a request
+# that arrives meanwhile needs a few loop turns, so /health waits a few of these at most.
+YIELD_AFTER_S = 0.002
 
 
 class TokenIn:
@@ -427,6 +473,7 @@ class TokenIn:
         self.spec = spec
         self.ledger = TokenLedger(spec)
         self.tokenizer = spec.renderer._tokenizer if hasattr(spec.renderer, "_tokenizer") else None
+        self._stops = set(spec.renderer.get_stop_token_ids())
 
     async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse:
         request = agent_request(body)
@@ -481,20 +528,30 @@ class TokenIn:
                     "created": int(time.time()), "model": capture.model or ""}
         response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"} if streaming
                                       else {"Content-Type": "application/json"})
-        state = _Stream(held=self._reasoning_open(plan.token_ids), prompt_ids=plan.token_ids)
+        stream_parser = getattr(self.spec.renderer, "stream_parser", None)
+        state = _Stream(held=self._reasoning_open(plan.token_ids), prompt_ids=plan.token_ids,
+                        call_stream=stream_parser() if callable(stream_parser) else None)
         completed = False
         try:
             if streaming:
                 await response.prepare(call.request)
                 await response.write(_sse(envelope, {"role": "assistant", "content": ""}))
                 turn.ttfb_s = time.perf_counter() - call.started
+            slice_started = time.perf_counter()
             async for line in answer.content:
+                if time.perf_counter() - slice_started > YIELD_AFTER_S:
+                    # Lines already buffered are read without a pause: give the loop back now and
+                    # then, so other rollouts (and /health) are served while a long answer is read.
+                    await asyncio.sleep(0)
+                    slice_started = time.perf_counter()
                 if not line.startswith(b"data:"):
                     continue
                 payload = line[5:].strip()
                 if not payload or payload == b"[DONE]":
                     continue
-                delta, calls = self._take(state, payload)
+                delta, calls, reparse = self._take(state, payload)
+                if reparse:
+                    calls = calls + await self._reparse(state)
                 if streaming and (delta or calls):
                     offset = len(state.calls_sent) - len(calls)
                     await response.write((_sse(envelope, {"content": delta}) if delta else b"") + b"".join(
@@ -502,7 +559,7 @@ class TokenIn:
             completed = True
         except asyncio.CancelledError:
             turn.client_disconnected = True
-            self._finish(capture, turn, state, plan, request, None)
+            self._finish_later(call, capture, turn, state, plan, request)
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             if call.request.transport is None or call.request.transport.is_closing():
@@ -512,7 +569,14 @@ class TokenIn:
         finally:
             answer.release() if completed else answer.close()
             turn.upstream_status = answer.status
-        message = self._finish(capture, turn, state, plan, request, None if completed else turn.upstream_error)
+        try:
+            parsed = await self._parse(state, plan, request)
+        except asyncio.CancelledError:
+            turn.client_disconnected = True
+            self._finish_later(call, capture, turn, state, plan, request)
+            raise
+        message = self._finish(capture, turn, state, plan, request, None if completed else turn.upstream_error,
+                               parsed)
         if not completed:
             if streaming and call.request.transport is not None:
                 call.request.transport.close()  # the agent must see a failed answer, not a short one
@@ -528,8 +592,9 @@ class TokenIn:
             return web.json_response(body)
         rest = (message.get("content") or "")
         events = []
-        if rest.startswith(state.streamed):
-            rest = rest[len(state.streamed):]
+        streamed = state.streamed
+        if rest.startswith(streamed):
+            rest = rest[len(streamed):]
         if rest:
             events.append(_sse(envelope, {"content": rest}))
         if message.get("reasoning_content"):
@@ -557,13 +622,14 @@ class TokenIn:
             return True
         return parsed.reasoning_complete is False
 
-    def _take(self, state: _Stream, payload: bytes) -> str:
-        """Add one engine chunk; the content that can go to the agent now."""
+    def _take(self, state: _Stream, payload: bytes) -> tuple[str, list[dict[str, Any]], bool]:
+        """Add one engine chunk: the content that can go to the agent now, the tool calls it
+        completed, and whether the answer so far should be re-parsed for more (`_reparse`)."""
         try:
             chunk = _chunk.decode(payload)
         except msgspec.DecodeError:
             state.misaligned = True
-            return ""
+            return "", [], False
         if chunk.usage:
             state.usage = chunk.usage
         if chunk.model and not state.model:
@@ -594,13 +660,79 @@ class TokenIn:
                 state.finish_reason = choice.finish_reason
         return self._stream_content(state)
 
-    def _complete_calls(self, state: _Stream) -> list[dict[str, Any]]:
-        """Tool calls that are complete in the ids so far and not yet sent: the leading run of
-        calls that parse (one cut off or malformed may still be growing, or reaches the agent as
-        text at the end)."""
+    def _stream_content(self, state: _Stream) -> tuple[str, list[dict[str, Any]], bool]:
+        """Decode the new ids (incrementally, as engines do) and look at the new text only, so a
+        chunk costs what it carries, never what came before. Returns the content that is
+        certainly content (text before any markup, without trailing whitespace: a separator
+        before a tool call belongs to it), the tool calls this chunk completed, and whether to
+        re-parse for calls (renderers without an incremental call finder, on a closing `>`)."""
+        if state.ended or self.tokenizer is None or state.read_offset >= len(state.ids):
+            return "", [], False
+        ids = state.ids
+        if any(i in self._stops for i in ids[state.read_offset:]):
+            state.ended = True  # the rest is parsed from the whole answer at its end
+            return "", [], False
+        decode = self.tokenizer.decode
+        before = decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=False)
+        after = decode(ids[state.prefix_offset:], skip_special_tokens=False)
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            if len(ids) - state.read_offset <= MAX_PENDING_IDS:
+                return "", [], False  # a character split across tokens: wait for its end
+            # Not a split character: bytes that are no text. Stream no more content (the final
+            # parse is exact); read on, so the decoded window stays short.
+            state.held = True
+        new_text = after[len(before):]
+        state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+        delta = "" if state.held else self._content_delta(state, new_text)
+        calls: list[dict[str, Any]] = []
+        reparse = False
+        if state.calls_stopped:
+            pass
+        elif state.call_stream is not None:
+            try:
+                calls = [openai_tool_call(call) for call in state.call_stream.feed(new_text)]
+            except Exception:  # noqa: BLE001 - a finder's failure: the calls go out with the final parse
+                state.calls_stopped = True
+            state.calls_sent.extend(calls)
+        elif state.held and ">" in new_text and state.parse_cost + len(ids) <= REPARSE_BUDGET * len(ids):
+            state.parse_cost += len(ids)
+            reparse = True
+        return delta, calls, reparse
+
+    @staticmethod
+    def _content_delta(state: _Stream, new_text: str) -> str:
+        """The part of `new_text` that can go out as content: up to the first markup character
+        (then streaming stops), trailing whitespace held back until more text follows it."""
+        markup = _MARKUP.search(new_text)
+        if markup is not None:
+            state.held = True
+            new_text = new_text[:markup.start()]
+        text = new_text.rstrip()
+        if not text:
+            state.pending_space.append(new_text)
+            return ""
+        delta = "".join(state.pending_space) + text
+        state.pending_space = [new_text[len(text):]] if len(text) < len(new_text) else []
+        state.streamed_parts.append(delta)
+        return delta
+
+    async def _reparse(self, state: _Stream) -> list[dict[str, Any]]:
+        """Tool calls complete in the ids so far and not yet sent (renderers without an
+        incremental call finder): the leading run of calls that parse (one cut off or malformed
+        may still be growing, or reaches the agent as text at the end). A long answer is parsed
+        in a worker thread."""
+        ids = list(state.ids)
+        try:
+            if len(ids) <= INLINE_PARSE_IDS:
+                parsed = self.spec.renderer.parse_response(ids, prompt_ids=state.prompt_ids)
+            else:
+                parsed = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: self.spec.renderer.parse_response(ids, prompt_ids=state.prompt_ids))
+        except Exception:  # noqa: BLE001 - the final parse decides (and records the failure)
+            state.calls_stopped = True
+            return []
         from renderers import ToolCallParseStatus
 
-        parsed = self.spec.renderer.parse_response(list(state.ids), prompt_ids=state.prompt_ids)
         new = []
         for position, call in enumerate(parsed.tool_calls):
             if call.status != ToolCallParseStatus.OK:
@@ -610,44 +742,30 @@ class TokenIn:
         state.calls_sent.extend(new)
         return new
 
-    def _stream_content(self, state: _Stream) -> tuple[str, list[dict[str, Any]]]:
-        """Decode the new ids (incrementally, as engines do). Returns the content that is
-        certainly content (text before any markup, without trailing whitespace: a separator
-        before a tool call belongs to it) and the tool calls completed by this chunk (looked for
-        when a tag closes)."""
-        if state.ended or self.tokenizer is None or state.read_offset >= len(state.ids):
-            return "", []
-        stops = set(self.spec.renderer.get_stop_token_ids())
-        ids = state.ids
-        if any(i in stops for i in ids[state.read_offset:]):
-            state.ended = True  # the rest is parsed from the whole answer at its end
-            return "", []
-        decode = self.tokenizer.decode
-        before = decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=False)
-        after = decode(ids[state.prefix_offset:], skip_special_tokens=False)
-        if after.endswith("\ufffd") or len(after) <= len(before):
-            return "", []  # a character split across tokens: wait for its end
-        new_text = after[len(before):]
-        state.text += new_text
-        state.prefix_offset, state.read_offset = state.read_offset, len(ids)
-        calls = self._complete_calls(state) if state.held and ">" in new_text else []
-        if state.held:
-            return "", calls
-        cut = min((state.text.find(c) for c in MARKUP_START if c in state.text), default=-1)
-        if cut >= 0:
-            state.held = True
-            safe = state.text[:cut]
-        else:
-            safe = state.text
-        safe = safe.rstrip()
-        if len(safe) <= len(state.streamed):
-            return "", calls
-        delta, state.streamed = safe[len(state.streamed):], safe
-        return delta, calls
+    async def _parse(self, state: _Stream, plan: PromptPlan, request: dict[str, Any]) -> ParsedAnswer:
+        """The whole answer parsed (`TokenLedger.parse`); in a worker thread when it is long."""
+        tools = request.get("tools")
+        if len(state.ids) <= INLINE_PARSE_IDS:
+            return self.ledger.parse(state.ids, plan.token_ids, tools)
+        ids = list(state.ids)
+        return await asyncio.get_running_loop().run_in_executor(None, self.ledger.parse, ids, plan.token_ids, tools)
+
+    def _finish_later(self, call: Call, capture: TurnCapture, turn: TurnRecord, state: _Stream, plan: PromptPlan,
+                      request: dict[str, Any]) -> None:
+        """The agent hung up: the ledger learns it now (the next call must not bridge from this
+        turn), the record is completed by a task of its own (the parse may take a worker thread)."""
+        self.ledger.forget("the agent hung up")
+
+        async def finish() -> None:
+            parsed = await self._parse(state, plan, request)
+            self._finish(capture, turn, state, plan, request, None, parsed, ledger=False)
+
+        call.finish_record_later(finish())
 
     def _finish(self, capture: TurnCapture, turn: TurnRecord, state: _Stream, plan: PromptPlan,
-                request: dict[str, Any], failure: str | None) -> dict[str, Any]:
-        """Fill the record; parse the completion into the agent's message; tell the ledger."""
+                request: dict[str, Any], failure: str | None, parsed: ParsedAnswer, *,
+                ledger: bool = True) -> dict[str, Any]:
+        """Fill the record with the ids, logprobs and the parsed answer; tell the ledger."""
         choice = ChoiceCapture(index=0, token_ids=state.ids, logprobs=state.logprobs, tokens=state.tokens,
                                top_logprobs=state.top, finish_reason=state.finish_reason,
                                ids_complete=not state.misaligned)
@@ -667,15 +785,19 @@ class TokenIn:
             capture.token_ids_source = "token_in"
         else:
             capture.token_ids_missing_reason = "the engine generated no tokens"
-        message, unparsed = self.ledger.parse(state.ids, plan.token_ids, request.get("tools"))
-        if not message.get("content") and state.streamed:
-            message["content"] = state.streamed
-        elif message.get("content") and not (message["content"]).startswith(state.streamed):
+        message, unparsed, parse_error = parsed
+        streamed = state.streamed
+        if not message.get("content") and streamed:
+            message["content"] = streamed
+        elif message.get("content") and not (message["content"]).startswith(streamed):
             # What the agent got first cannot be taken back: it is part of its answer.
             capture.token_in["stream_note"] = "streamed text was not a prefix of the parsed content"
-            message["content"] = state.streamed + message["content"]
+            message["content"] = streamed + message["content"]
         if unparsed:
             capture.token_in["unparsed_tool_calls"] = unparsed
+        if parse_error:
+            capture.token_in["parse_error"] = f"the renderer could not parse the answer ({parse_error}); the agent " \
+                                              "got its decoded text"
         final_calls = message.get("tool_calls") or []
         for position, sent in enumerate(state.calls_sent):  # the agent has these already: keep their ids
             if position < len(final_calls) and final_calls[position]["function"] == sent["function"]:
@@ -690,7 +812,9 @@ class TokenIn:
         choice.content = message.get("content") or ""
         choice.reasoning_content = message.get("reasoning_content") or ""
         choice.tool_calls = message.get("tool_calls") or []
-        if failure or turn.client_disconnected or state.misaligned:
+        if not ledger:
+            pass
+        elif failure or turn.client_disconnected or state.misaligned:
             self.ledger.forget(failure or ("the agent hung up" if turn.client_disconnected else "unreadable answer"))
         else:
             self.ledger.remember(plan, state.ids, message)

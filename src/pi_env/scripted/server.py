@@ -105,6 +105,10 @@ class ScriptedTurn(BaseModel):
     fault: Fault | None = None
     # Engine-like: the logprob of every k-th generated token (positions k-1, 2k-1, ...) is null.
     null_logprob_every: int | None = Field(default=None, ge=1)
+    # Token engine only (pi_env.scripted.token_engine): the answer's ids exactly as given, the end
+    # id not added, for outputs no text spells (invalid UTF-8 bytes, a loop of one token); `text`
+    # and `tool_calls` are then ignored on /v1/completions.
+    token_ids: list[int] | None = None
 
     def effective_finish_reason(self) -> str:
         return self.finish_reason or ("tool_calls" if self.tool_calls else "stop")

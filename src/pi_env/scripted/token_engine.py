@@ -43,7 +43,10 @@ class TokenEngine:
         return text
 
     def answer_ids(self, turn: ScriptedTurn) -> list[int]:
-        """The answer's ids (non-canonical unless split="canonical"), ending with the end id."""
+        """The answer's ids (non-canonical unless split="canonical"), ending with the end id; a
+        turn's own `token_ids` as they are."""
+        if turn.token_ids is not None:
+            return list(turn.token_ids)
         text = self.answer_text(turn)
         if self.split == "canonical":
             ids = self.tokenizer.encode(text, add_special_tokens=False)
