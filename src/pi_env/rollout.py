@@ -31,6 +31,7 @@ from .endpoints import OPEN_SERVER_COMPAT, ORACLE, Endpoint, resolve_endpoint, s
 from .oracle import oracle_endpoint, release_oracle
 from .proxy.conversation import gateway_conversation
 from .proxy.gateway import GatewaySession, TurnRecord, Upstream, get_gateway
+from .proxy.policy import SessionLimits
 from .proxy.rewrite import CaptureOptions
 from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, RolloutTurn
 from .sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, SandboxError, SandboxLimits, \
@@ -226,7 +227,9 @@ class PiSession:
                      read_timeout_s=config.upstream_read_timeout_s),
             mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
             max_tokens_cap=config.max_tokens, capture=self._capture_options(), trace_path=self._trace_path(),
-            token_in=token_in)
+            token_in=token_in, allow_fields=config.gateway_allow_fields,
+            limits=SessionLimits(max_request_bytes=config.gateway_max_request_bytes,
+                                 max_concurrent_calls=config.gateway_max_concurrent_calls))
         result.trace_path = self.gateway_session.trace_path
         if token_in is not None:
             result.proxy_log_tail += f"\ntoken-in: renderer {token_in.resolved} over tokenizer {token_in.tokenizer}"
