@@ -848,12 +848,21 @@ def test_only_allowed_agent_headers_reach_the_upstream(gateway, server, mode):
 MODES = ["black_box", "transparent_proxy", "interception_gate"]
 
 
+def open_in_mode(gateway, server, mode):
+    """A session in `mode` whose upstream serves "served-model"; in interception_gate nobody plays
+    the trainer, so a call the gate wrongly held ends after 1 s (a stop answer), never hangs."""
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")], model="served-model"), mode=mode)
+    if mode == "interception_gate":
+        session.strategy.timeout_s = 1.0
+    return session
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stream", ["true", 1, 0, "false", {"on": True}])
 def test_stream_must_be_a_json_boolean(gateway, server, mode, stream):
     """A `stream` the upstream may read as a stream but the gateway would record as no answer
     is refused with a 400 that says what to fix, in every mode; the call is a turn, never sent."""
-    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")], model="served-model"), mode=mode)
+    session = open_in_mode(gateway, server, mode)
     try:
         status, _, raw = call(gateway, session, body={**BODY, "stream": stream})
         error = json.loads(raw)["error"]
@@ -867,9 +876,9 @@ def test_stream_must_be_a_json_boolean(gateway, server, mode, stream):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 4000}, {"prompt_logprobs": 20},
                                    {"logit_bias": {"42": 100}}, {"chat_template": "{{ 'pwned' }}"},
-                                   {"lora_path": "/adapters/other"}, {"priority": -100}])
+                                   {"lora_path": "/adapters/other"}, {"priority": -100}], ids=lambda extra: next(iter(extra)))
 def test_engine_extras_are_refused_unless_the_session_allows_them(gateway, server, mode, extra):
-    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")], model="served-model"), mode=mode)
+    session = open_in_mode(gateway, server, mode)
     try:
         status, _, raw = call(gateway, session, body={**BODY, **extra})
         error = json.loads(raw)["error"]
