@@ -216,7 +216,7 @@ class PiSession:
         else:
             self.endpoint = oracle_endpoint(self.task) if config.endpoint == ORACLE else resolve_endpoint(config)
         result.endpoint, result.model, result.synthetic = self.endpoint.name, self.endpoint.model, self.endpoint.synthetic
-        if config.mode != "black_box":  # black_box relays requests untouched: nothing is forced
+        if config.mode != "black_box":  # black_box relays the agent's sampling as sent: nothing is forced
             result.sampling = dict(config.proxy_sampling)
 
     def _open_gateway(self, token_in) -> None:
@@ -791,13 +791,13 @@ def _rollout_turn(record: TurnRecord) -> RolloutTurn:
 
 def _with_forced_sampling(config: PiConfig, sampling: Mapping[str, float | int], *, explicit_mode: bool) -> PiConfig:
     """`sampling=` (what a trainer passes, e.g. openenv's `training_sampling(...)`) over
-    `proxy_sampling`: forced on every model call. black_box relays requests untouched and so
-    cannot force it: a mode nobody chose becomes transparent_proxy, a chosen black_box is refused."""
+    `proxy_sampling`: forced on every model call. black_box relays the agent's sampling as sent
+    and so cannot force it: a mode nobody chose becomes transparent_proxy, a chosen black_box is refused."""
     mode = config.mode
     if mode == "black_box":
         if explicit_mode or "mode" in config.model_fields_set:
             raise ValueError("sampling= is forced on model calls by the gateway in transparent_proxy; black_box "
-                             "relays requests untouched: use mode='transparent_proxy'")
+                             "relays the agent's sampling as sent: use mode='transparent_proxy'")
         mode = "transparent_proxy"
     config = config.model_copy()
     config.mode = mode  # validate_assignment: checked like any PiConfig field
