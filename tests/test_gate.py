@@ -113,7 +113,7 @@ def test_held_call_reaches_the_trainer_and_its_completion_reaches_the_agent_as_s
     assert capture.token_ids_source == "trainer" and capture.token_ids_missing_reason is None
     assert capture.completion_token_ids == [101, 102, 103, 104]
     assert capture.per_token_logps == [-0.5, None, -0.25, -1.0]
-    assert capture.prompt_token_ids == [1, 2, 3] and capture.request == body
+    assert capture.prompt_token_ids == [1, 2, 3] and capture.request == {**body, "model": NOWHERE.model}
     assert capture.choices[0].message() == message
     assert turn.upstream_status == 200 and turn.total_tokens == 7 and turn.response_bytes == len(raw)
     assert 0 < turn.ttfb_s <= turn.latency_s and not turn.client_disconnected

@@ -594,7 +594,7 @@ async def read_body(request: web.Request, session: GatewaySession) -> bytes | we
     try:
         if declared:  # all of it, before reading any
             if not session.hold_body_bytes(declared):
-                return _budget_in_use(session)
+                return _budget_in_use(session, declared)
             held = declared
         async with asyncio.timeout(limits.body_timeout_s):
             while chunk := await request.content.readany():
@@ -603,7 +603,7 @@ async def read_body(request: web.Request, session: GatewaySession) -> bytes | we
                     if received > budget:
                         return _body_too_large(f"holds more than {budget} bytes", budget)
                     if not session.hold_body_bytes(received - held):
-                        return _budget_in_use(session)
+                        return _budget_in_use(session, received)
                     held = received
                 chunks.append(chunk)
         body = b"".join(chunks)
@@ -625,9 +625,9 @@ def _body_too_large(what: str, budget: int) -> web.Response:
                       "request_too_large")
 
 
-def _budget_in_use(session: GatewaySession) -> web.Response:
-    return json_error(429, f"pi-env gateway: this session's other calls in flight hold "
-                           f"{session.body_bytes_held} of its {session.limits.max_request_bytes} bytes of request "
+def _budget_in_use(session: GatewaySession, size: int) -> web.Response:
+    return json_error(429, f"pi-env gateway: this body ({size} bytes so far) does not fit in what the session's "
+                           f"other calls in flight leave of its {session.limits.max_request_bytes} bytes of request "
                            "bodies; retry when one has ended", "request_budget_in_use", headers={"Retry-After": "1"})
 
 
