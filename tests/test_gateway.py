@@ -20,6 +20,7 @@ from helpers import free_port, wait_for
 import pi_env.proxy
 from pi_env._aio import background_loop, run_sync
 from pi_env.proxy import Upstream
+from pi_env.proxy.policy import MAX_REQUEST_BYTES, RESTRICTED_FIELDS, SessionLimits
 from pi_env.scripted import Fault, ScriptedTurn
 
 FORWARDER = Path(pi_env.proxy.__file__).with_name("forward.mjs")
@@ -619,9 +620,6 @@ def test_a_lone_surrogate_escape_is_still_relayed(gateway, server):
 
 
 # ------------------------------------------------------- a gateway bounded per session (issue 25)
-
-from pi_env.proxy.policy import MAX_REQUEST_BYTES, RESTRICTED_FIELDS, SessionLimits  # noqa: E402
-
 
 def rss_mib() -> float:
     with open("/proc/self/status") as status:
