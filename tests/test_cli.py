@@ -99,7 +99,7 @@ def test_every_command_names_every_registered_backend(command):
     (["--sampling", "temperature=-1"], "--sampling: temperature must be at least 0, not -1.0"),
     (["--sampling", "temperature"], "--sampling: 'temperature' is not NAME=VALUE"),
     (["--sampling", "seed=1,seed=2"], "--sampling: seed is given twice"),
-    (["--sampling", "temperature=0", "--mode", "black_box"], "--mode black_box relays requests untouched"),
+    (["--sampling", "temperature=0", "--mode", "black_box"], "--mode black_box relays the agent's sampling as sent"),
     (["--max-tokens", "0"], "argument --max-tokens: must be at least 1, not 0"),
 ])
 @pytest.mark.parametrize("command", ["run", "collect"])

@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from helpers import free_port, wait_for
 import pi_env.proxy
 from pi_env._aio import background_loop, run_sync
 from pi_env.proxy import Upstream
+from pi_env.proxy.policy import MAX_REQUEST_BYTES, RESTRICTED_FIELDS, SessionLimits
 from pi_env.scripted import Fault, ScriptedTurn
 
 FORWARDER = Path(pi_env.proxy.__file__).with_name("forward.mjs")
@@ -615,3 +617,319 @@ def test_a_lone_surrogate_escape_is_still_relayed(gateway, server):
     (received,) = server.requests
     assert received.body["n"] == 1 and received.body["messages"][0]["content"] == "cut \ud83d"
     gateway.close_session(session)
+
+
+# ------------------------------------------------------- a gateway bounded per session (issue 25)
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def send_body(port: int, token: str, *, send: int, announce: int | None, answers: list, hold: threading.Event,
+              deadline: float, pause_s: float = 0.0, piece: bytes = b"x" * (1 << 20)) -> None:
+    """One connection: headers (Content-Length `announce`, or chunked when None), then up to `send`
+    bytes in `piece`s, stopping as soon as the gateway answers; appends the answer's (status,
+    body), or the error that ended the connection, to `answers`, then holds it until `hold`."""
+    framing = "Transfer-Encoding: chunked" if announce is None else f"Content-Length: {announce}"
+    data = piece if announce is not None else b"%x\r\n%s\r\n" % (len(piece), piece)
+    status = None
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {token}\r\n"
+                         f"Content-Type: application/json\r\n{framing}\r\n\r\n".encode())
+            sent = 0
+            while sent < send and time.monotonic() < deadline:
+                if select.select([sock], [], [], pause_s)[0]:  # answered before the body was all sent
+                    break
+                sock.sendall(data)
+                sent += len(piece)
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            head = sock.recv(4096)
+            status = int(head.split()[1]) if head.startswith(b"HTTP/1.1 ") else f"no answer after {sent} bytes"
+            answers.append((status, head.partition(b"\r\n\r\n")[2]))
+            hold.wait(30)
+    except OSError as error:
+        answers.append((status or type(error).__name__, b""))
+
+
+def flood(port: int, token: str, *, connections: int, send: int, announce: int | None, timeout_s: float = 30,
+          **kwargs) -> tuple[list, float]:
+    """`connections` bodies of one session at once, held open; the answers, and the growth in MiB
+    of this process's RSS (the gateway's: it runs in this process) while every connection is held.
+    The senders share one 1 MiB piece, made before the measurement starts."""
+    answers, hold, piece = [], threading.Event(), b"x" * (1 << 20)
+    before = rss_mib()
+    deadline = time.monotonic() + timeout_s
+    threads = [threading.Thread(target=send_body, args=(port, token), daemon=True,
+                                kwargs=dict(send=send, announce=announce, answers=answers, hold=hold,
+                                            deadline=deadline, piece=piece, **kwargs)) for _ in range(connections)]
+    for thread in threads:
+        thread.start()
+    grown = 0.0
+    while len(answers) < connections and time.monotonic() < deadline + 5:
+        grown = max(grown, rss_mib() - before)
+        time.sleep(0.05)
+    grown = max(grown, rss_mib() - before)
+    hold.set()
+    for thread in threads:
+        thread.join(10)
+    return answers, grown
+
+
+@pytest.mark.parametrize("announce", [250 << 20, None], ids=["announced-250MiB", "chunked"])
+def test_a_body_flood_from_one_session_leaves_host_memory_bounded(gateway, server, announce):
+    """Six connections of one session each send 32 MiB of a body (announced as 250 MiB, or chunked
+    with no length) and hold the connection: the gateway refuses each body once it passes what the
+    session's budget (16 MiB, shared by its calls in flight) allows, so the host holds at most the
+    budget, not 6 x 32 MiB (it used to read every body whole, up to 256 MiB each)."""
+    session = gateway.open_session(upstream(server, []))
+    try:
+        answers, grown = flood(gateway.tcp_port, session.token, connections=6, send=32 << 20, announce=announce)
+        wait_for(lambda: session.calls_open == 0, what="every refused call to end")
+        assert session.body_bytes_held == 0
+    finally:
+        gateway.close_session(session)
+    statuses = sorted(status for status, _ in answers)
+    assert grown < (MAX_REQUEST_BYTES >> 20) + 24, f"the gateway grew by {grown:.0f} MiB; answers {statuses}"
+    if announce is not None:  # refused on its Content-Length, before any of it is read
+        assert statuses == [413] * 6
+        error = json.loads(answers[0][1])["error"]
+        assert error["type"] == "request_too_large" and f"announces {250 << 20} bytes" in error["message"]
+    else:  # refused as it arrives: alone past the budget (413), or past what the others leave (429)
+        assert set(statuses) <= {413, 429} and len(statuses) == 6, statuses
+    assert server.requests == [] and session.turns == []
+
+
+def test_the_body_budget_is_shared_by_a_sessions_calls_in_flight(gateway, server):
+    """A body that fits the budget alone waits for none: it is refused with a 429 while the
+    session's other calls hold the rest, and relayed once they have ended; larger than the whole
+    budget, it is a 413."""
+    server.set_default([ScriptedTurn(text="slow", fault=Fault(hang_s=1.0))])
+    session = gateway.open_session(Upstream(server.base_url, None), limits=SessionLimits(max_request_bytes=64 << 10))
+    body = {**BODY, "messages": [{"role": "user", "content": "x" * (40 << 10)}]}
+
+    async def two_at_once():
+        first = asyncio.ensure_future(_call(gateway.tcp_base_url + "/chat/completions", session.token, body))
+        while session.body_bytes_held == 0:
+            await asyncio.sleep(0.005)
+        second = await _call(gateway.tcp_base_url + "/chat/completions", session.token, body)
+        return await first, second
+
+    try:
+        first, second = asyncio.run(two_at_once())
+        assert first[0] == 200 and second[0] == 429, (first[0], second[2])
+        error = json.loads(second[2])["error"]
+        assert error["type"] == "request_budget_in_use" and second[1]["Retry-After"] == "1"
+        assert call(gateway, session, body=body)[0] == 200  # the first has ended: room again
+        huge = {**BODY, "messages": [{"role": "user", "content": "x" * (70 << 10)}]}
+        status, _, raw = call(gateway, session, body=huge)
+        assert status == 413 and json.loads(raw)["error"]["type"] == "request_too_large"
+        assert len(server.requests) == 2 and session.body_bytes_held == 0 and session.calls_open == 0
+    finally:
+        gateway.close_session(session)
+
+
+def test_a_compressed_body_is_counted_as_it_unpacks(gateway, server):
+    """A small gzip body that unpacks past the budget (aiohttp decodes Content-Encoding) is
+    refused as it grows, and the Content-Encoding header never reaches the upstream."""
+    import gzip
+
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")]))
+    bomb = gzip.compress(json.dumps(BODY).encode()[:-1] + b" " * (MAX_REQUEST_BYTES + 1) + b"}")
+    small = gzip.compress(json.dumps(BODY).encode())
+
+    async def send(data):
+        headers = {"Authorization": f"Bearer {session.token}", "Content-Encoding": "gzip",
+                   "Content-Type": "application/json"}
+        async with aiohttp.ClientSession() as client:
+            async with client.post(gateway.tcp_base_url + "/chat/completions", data=data, headers=headers) as r:
+                return r.status, await r.read()
+
+    try:
+        assert len(bomb) < 64 << 10
+        status, raw = asyncio.run(send(bomb))
+        assert status == 413 and json.loads(raw)["error"]["type"] == "request_too_large" and server.requests == []
+        status, _ = asyncio.run(send(small))
+        assert status == 200 and server.requests[0].body == BODY
+        assert "content-encoding" not in server.requests[0].headers
+    finally:
+        gateway.close_session(session)
+
+
+def test_a_body_that_trickles_in_is_refused_at_the_body_time_limit(gateway, server):
+    """A byte every 0.2 s of an announced 1000-byte body: a 408 once the session's body time
+    limit has passed, and the call's slot and bytes are free again."""
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")]), limits=SessionLimits(body_timeout_s=0.5))
+    answers, hold = [], threading.Event()
+    hold.set()
+    started = time.monotonic()
+    try:
+        send_body(gateway.tcp_port, session.token, send=1000, announce=1000, answers=answers, hold=hold,
+                  deadline=started + 5, pause_s=0.2, piece=b"{")
+        elapsed = time.monotonic() - started
+        (status, raw), = answers
+        assert status == 408 and 0.5 <= elapsed < 2.5, (status, elapsed)
+        error = json.loads(raw)["error"]
+        assert error["type"] == "request_body_timeout" and "within 0.5 s" in error["message"]
+        wait_for(lambda: session.calls_open == 0 and session.body_bytes_held == 0)
+        assert server.requests == [] and session.turns == []
+        assert call(gateway, session)[0] == 200  # the session itself is fine
+    finally:
+        gateway.close_session(session)
+
+
+def test_calls_past_the_concurrency_cap_get_a_429_at_once(gateway, server):
+    """Two calls in flight (the upstream is slow) fill a session capped at two: a third call, to
+    either route, is answered 429 at once (never held), and once they end calls go through."""
+    server.set_default([ScriptedTurn(text="slow", fault=Fault(hang_s=1.0))])
+    session = gateway.open_session(Upstream(server.base_url, None), limits=SessionLimits(max_concurrent_calls=2))
+
+    async def three():
+        url = gateway.tcp_base_url + "/chat/completions"
+        held = [asyncio.ensure_future(_call(url, session.token)) for _ in range(2)]
+        while session.calls_open < 2:
+            await asyncio.sleep(0.005)
+        started = time.monotonic()
+        third = await _call(url, session.token)
+        listing = await _call(gateway.tcp_base_url + "/models", session.token, None, method="GET")
+        return third, listing, time.monotonic() - started, await asyncio.gather(*held)
+
+    try:
+        (status, headers, raw), listing, elapsed, held = asyncio.run(three())
+        assert status == 429 and listing[0] == 429 and elapsed < 0.5
+        error = json.loads(raw)["error"]
+        assert error["type"] == "too_many_concurrent_calls" and "2 calls open" in error["message"]
+        assert headers["Retry-After"] == "1" and [s for s, _, _ in held] == [200, 200]
+        assert len(server.requests) == 2 and len(session.turns) == 2  # refused calls are not turns
+        assert call(gateway, session)[0] == 200
+    finally:
+        gateway.close_session(session)
+
+
+# What reaches the upstream of the agent's headers: Pi's own (the OpenAI JS SDK over node's fetch).
+PI_HEADERS = {"Accept": "application/json", "User-Agent": "pi/1.6.0", "Accept-Language": "*", "Sec-Fetch-Mode": "cors",
+              "X-Stainless-Lang": "js", "X-Stainless-Package-Version": "7.59.0", "X-Stainless-OS": "Linux",
+              "X-Stainless-Arch": "x64", "X-Stainless-Runtime": "node", "X-Stainless-Runtime-Version": "v20.20.2",
+              "X-Stainless-Retry-Count": "0"}
+FORBIDDEN_HEADERS = {"OpenAI-Organization": "org-agent", "OpenAI-Project": "proj-agent", "X-Forwarded-For": "1.2.3.4",
+                     "X-Forwarded-Host": "evil.example", "X-Forwarded-Proto": "https", "Forwarded": "for=1.2.3.4",
+                     "X-Real-IP": "1.2.3.4", "Via": "1.1 agent", "api-key": "sk-agent-azure", "X-Api-Key": "sk-agent",
+                     "Cookie": "session=agent", "Proxy-Authorization": "Basic YWdlbnQ6eA==",
+                     "X-Session-Affinity": "replica-3", "OpenAI-Beta": "assistants=v2", "Idempotency-Key": "k",
+                     "X-Request-Id": "agent-chosen", "Referer": "http://agent"}
+
+
+@pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
+def test_only_allowed_agent_headers_reach_the_upstream(gateway, server, mode):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")] * 2), mode=mode)
+
+    async def with_headers(path, method, body):
+        headers = {"Authorization": f"Bearer {session.token}", **PI_HEADERS, **FORBIDDEN_HEADERS}
+        async with aiohttp.ClientSession(skip_auto_headers=("User-Agent",)) as client:
+            async with client.request(method, gateway.tcp_base_url + path, json=body, headers=headers) as r:
+                return r.status
+
+    try:
+        assert asyncio.run(with_headers("/chat/completions", "POST", BODY)) == 200
+        assert asyncio.run(with_headers("/models", "GET", None)) == 200
+    finally:
+        gateway.close_session(session)
+    for received in server.requests:
+        assert not {name.lower() for name in FORBIDDEN_HEADERS} & set(received.headers), received.headers
+        assert {k.lower(): v for k, v in PI_HEADERS.items()}.items() <= received.headers.items()
+        assert received.headers["authorization"] == f"Bearer {REAL_KEY}"
+        assert set(received.headers) - {k.lower() for k in PI_HEADERS} <= {
+            "host", "content-length", "content-type", "accept-encoding", "authorization"}
+
+
+MODES = ["black_box", "transparent_proxy", "interception_gate"]
+
+
+def open_in_mode(gateway, server, mode):
+    """A session in `mode` whose upstream serves "served-model"; in interception_gate nobody plays
+    the trainer, so a call the gate wrongly held ends after 1 s (a stop answer), never hangs."""
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")], model="served-model"), mode=mode)
+    if mode == "interception_gate":
+        session.strategy.timeout_s = 1.0
+    return session
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stream", ["true", 1, 0, "false", {"on": True}])
+def test_stream_must_be_a_json_boolean(gateway, server, mode, stream):
+    """A `stream` the upstream may read as a stream but the gateway would record as no answer
+    is refused with a 400 that says what to fix, in every mode; the call is a turn, never sent."""
+    session = open_in_mode(gateway, server, mode)
+    try:
+        status, _, raw = call(gateway, session, body={**BODY, "stream": stream})
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["type"] == "invalid_request", raw
+        assert "`stream` must be a JSON boolean (true or false), not " + json.dumps(stream) in error["message"]
+        assert server.requests == [] and len(session.turns) == 1 and session.turns[0].upstream_status is None
+    finally:
+        gateway.close_session(session)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 4000}, {"prompt_logprobs": 20},
+                                   {"logit_bias": {"42": 100}}, {"chat_template": "{{ 'pwned' }}"},
+                                   {"lora_path": "/adapters/other"}, {"priority": -100}], ids=lambda extra: next(iter(extra)))
+def test_engine_extras_are_refused_unless_the_session_allows_them(gateway, server, mode, extra):
+    session = open_in_mode(gateway, server, mode)
+    try:
+        status, _, raw = call(gateway, session, body={**BODY, **extra})
+        error = json.loads(raw)["error"]
+        (name,) = extra
+        assert status == 400 and error["type"] == "field_not_allowed", raw
+        assert f"`{name}` ({RESTRICTED_FIELDS[name]})" in error["message"] and "gateway_allow_fields" in error["message"]
+        assert server.requests == []
+    finally:
+        gateway.close_session(session)
+
+
+@pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
+def test_an_allowed_engine_extra_is_relayed(gateway, server, mode):
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")]), mode=mode,
+                                   allow_fields=["ignore_eos", "min_tokens"])
+    try:
+        assert call(gateway, session, body={**BODY, "ignore_eos": True, "min_tokens": 5})[0] == 200
+        assert server.requests[0].body["ignore_eos"] is True and server.requests[0].body["min_tokens"] == 5
+        with pytest.raises(ValueError, match="not restricted fields"):
+            gateway.open_session(upstream(server, []), allow_fields=["temperature"])
+    finally:
+        gateway.close_session(session)
+
+
+@pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
+@pytest.mark.parametrize("named", ["gpt-4o", "served-model-but-not", None, 7])
+def test_the_model_is_the_sessions_whatever_the_agent_names(gateway, server, mode, named):
+    """The config fixes the model: a call naming another (or none) reaches the upstream with the
+    session's, so the real key never pays for another model and an unknown name never fails
+    like a broken endpoint; the record says what was asked."""
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")], model="served-model"), mode=mode)
+    body = {**BODY, "model": named} if named is not None else {k: v for k, v in BODY.items() if k != "model"}
+    try:
+        assert call(gateway, session, body=body)[0] == 200
+        session.wait_idle(5)
+    finally:
+        gateway.close_session(session)
+    (received,) = server.requests
+    assert received.body["model"] == "served-model"
+    assert session.turns[0].capture.request["model"] == "served-model"
+
+
+def test_a_well_formed_black_box_call_is_relayed_byte_for_byte(gateway, server):
+    """Pi's call (the session's model, one choice, no extras, a boolean stream) is relayed as the
+    agent's exact bytes: none of the rules above rewrites it."""
+    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")], model="m"), max_tokens_cap=100)
+    sent = b'{"model":"m","messages":[{"role":"user","content":"hi \\u00e9"}],"stream":true,"max_tokens":50,' \
+           b'"stream_options":{"include_usage":true},"store":false,"tools":[]}'
+    try:
+        status, _ = raw_http(gateway.tcp_port, "/v1/chat/completions", session.token, sent)
+        session.wait_idle(5)
+    finally:
+        gateway.close_session(session)
+    (received,) = server.requests
+    assert status == 200 and received.body == json.loads(sent)
+    assert int(received.headers["content-length"]) == session.turns[0].request_bytes == len(sent)  # "\u00e9" kept

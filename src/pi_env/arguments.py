@@ -62,7 +62,8 @@ def config_from_args(args, **extra) -> PiConfig:
         fields["proxy_sampling"] = parse_sampling(args.sampling)
         if fields.get("mode") == "black_box":
             raise ValueError("--sampling is forced on model calls by the gateway in transparent_proxy; --mode "
-                             "black_box relays requests untouched: drop --mode or use --mode transparent_proxy")
+                             "black_box relays the agent's sampling as sent: drop --mode or use --mode "
+                             "transparent_proxy")
         fields["mode"] = fields.get("mode") or "transparent_proxy"
     return PiConfig(**{k: v for k, v in fields.items() if v is not None})
 

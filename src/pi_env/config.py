@@ -72,6 +72,14 @@ class PiConfig(BaseModel):
     # interception_gate: a held call the trainer has not answered this long ends the rollout
     # (the agent gets a clean stop; the result is unscored, error_kind "gate_timeout").
     gate_timeout_s: float = Field(600, gt=0, le=MAX_TIMEOUT_S)
+    # Per rollout (one gateway session): request body bytes its calls in flight may hold together
+    # (a larger body is refused with a 413 before it is read), and calls open at once (more: 429).
+    # Defaults and why: pi_env.proxy.policy (MAX_REQUEST_BYTES, MAX_CONCURRENT_CALLS).
+    gateway_max_request_bytes: int = Field(16 << 20, ge=1 << 16)
+    gateway_max_concurrent_calls: int = Field(8, gt=0)
+    # Engine extras (policy.RESTRICTED_FIELDS: ignore_eos, min_tokens, prompt_logprobs, ...) the
+    # agent's calls may carry; any other is refused with a 400, in every mode.
+    gateway_allow_fields: list[str] = Field(default_factory=list)
 
     # transparent_proxy knobs (reference names first).
     proxy_max_tokens_cap: int = Field(4096, gt=0)
@@ -93,6 +101,14 @@ class PiConfig(BaseModel):
     # What the result keeps of the work dir.
     result_max_files: int = Field(200, ge=0)
     result_max_file_bytes: int = Field(256 << 10, ge=0)
+
+    @field_validator("gateway_allow_fields")
+    @classmethod
+    def _restricted_fields(cls, names: list[str]) -> list[str]:
+        from .proxy.policy import check_allow_fields
+
+        check_allow_fields(names)
+        return names
 
     @field_validator("proxy_sampling")
     @classmethod

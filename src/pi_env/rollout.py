@@ -31,6 +31,7 @@ from .endpoints import OPEN_SERVER_COMPAT, ORACLE, Endpoint, resolve_endpoint, s
 from .oracle import oracle_endpoint, release_oracle
 from .proxy.conversation import gateway_conversation
 from .proxy.gateway import GatewaySession, TurnRecord, Upstream, get_gateway
+from .proxy.policy import SessionLimits
 from .proxy.rewrite import CaptureOptions
 from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, RolloutTurn
 from .sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, SandboxError, SandboxLimits, \
@@ -216,7 +217,7 @@ class PiSession:
         else:
             self.endpoint = oracle_endpoint(self.task) if config.endpoint == ORACLE else resolve_endpoint(config)
         result.endpoint, result.model, result.synthetic = self.endpoint.name, self.endpoint.model, self.endpoint.synthetic
-        if config.mode != "black_box":  # black_box relays requests untouched: nothing is forced
+        if config.mode != "black_box":  # black_box relays the agent's sampling as sent: nothing is forced
             result.sampling = dict(config.proxy_sampling)
 
     def _open_gateway(self, token_in) -> None:
@@ -227,7 +228,9 @@ class PiSession:
                      read_timeout_s=config.upstream_read_timeout_s),
             mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
             max_tokens_cap=config.max_tokens, capture=self._capture_options(), trace_path=self._trace_path(),
-            token_in=token_in)
+            token_in=token_in, allow_fields=config.gateway_allow_fields,
+            limits=SessionLimits(max_request_bytes=config.gateway_max_request_bytes,
+                                 max_concurrent_calls=config.gateway_max_concurrent_calls))
         result.trace_path = self.gateway_session.trace_path
         if token_in is not None:
             result.proxy_log_tail += f"\ntoken-in: renderer {token_in.resolved} over tokenizer {token_in.tokenizer}"
@@ -809,13 +812,13 @@ def _rollout_turn(record: TurnRecord) -> RolloutTurn:
 
 def _with_forced_sampling(config: PiConfig, sampling: Mapping[str, float | int], *, explicit_mode: bool) -> PiConfig:
     """`sampling=` (what a trainer passes, e.g. openenv's `training_sampling(...)`) over
-    `proxy_sampling`: forced on every model call. black_box relays requests untouched and so
-    cannot force it: a mode nobody chose becomes transparent_proxy, a chosen black_box is refused."""
+    `proxy_sampling`: forced on every model call. black_box relays the agent's sampling as sent
+    and so cannot force it: a mode nobody chose becomes transparent_proxy, a chosen black_box is refused."""
     mode = config.mode
     if mode == "black_box":
         if explicit_mode or "mode" in config.model_fields_set:
             raise ValueError("sampling= is forced on model calls by the gateway in transparent_proxy; black_box "
-                             "relays requests untouched: use mode='transparent_proxy'")
+                             "relays the agent's sampling as sent: use mode='transparent_proxy'")
         mode = "transparent_proxy"
     config = config.model_copy()
     config.mode = mode  # validate_assignment: checked like any PiConfig field

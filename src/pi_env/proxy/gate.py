@@ -81,7 +81,7 @@ class GateRequest:
     messages: list[dict[str, Any]] = field(repr=False)
     tools: list[dict[str, Any]] | None = field(repr=False)
     sampling: dict[str, Any]  # the agent's, max_tokens capped, forced values (proxy_sampling) applied
-    body: dict[str, Any] = field(repr=False)  # the agent's request as sent (tool_choice, stream_options...)
+    body: dict[str, Any] = field(repr=False)  # the agent's request after policy.py's rules (its model: the session's)
     stream: bool
     received_at: float  # unix time
     expires_at: float  # unix time: undelivered by then, the agent is answered with a stop

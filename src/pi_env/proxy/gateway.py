@@ -7,11 +7,18 @@ relays its calls to the session's `Upstream` with the real API key, which never 
 sandbox. Per chat/completions call it records a `TurnRecord`, enforces the `max_turns` budget
 and, if asked, appends the record to a JSONL trace file as soon as the turn ends.
 
-What a session does with a chat/completions call is its mode's `Strategy`. "black_box" relays
-bytes untouched and parses nothing, so it stays cheap; capturing modes (transparent_proxy,
-interception_gate) plug in as further strategies.
+Before any mode sees a call, the gateway applies the rules of policy.py to it, the same in
+every mode: the exact routes, the session's limits (request bodies read incrementally within
+its byte budget and time limit, a cap on its calls in flight), the allow-list of headers
+relayed upstream, and the body rules (the session's model, one choice, capped token limits,
+`stream` a boolean, no engine extra the config did not allow). What a session then does with
+a chat/completions call is its mode's `Strategy`. "black_box" relays the policed body: a
+well-formed call (Pi's) byte for byte, a call that breaks a rule rewritten (the model, `n`,
+token limits) or refused with a 400; it adds no capture parameters and records what was asked
+and answered. Capturing modes (transparent_proxy, interception_gate) plug in as further
+strategies.
 
-Hot path: the body is relayed per upstream read (never per SSE line, never buffered whole),
+Hot path: the answer is relayed per upstream read (never per SSE line, never buffered whole),
 through one pooled aiohttp client session.
 """
 
@@ -27,19 +34,21 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Protocol
 
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
 from pi_env._aio import run_sync
 from pi_env.proxy.capture import TurnCapture
-from pi_env.proxy.policy import PolicyError, police_request, scrub, secrets_of, upstream_path
+from pi_env.proxy.policy import PolicyError, SessionLimits, check_allow_fields, police_request, \
+    relayed_request_headers, scrub, secrets_of, upstream_path
 from pi_env.proxy.rewrite import CaptureOptions
 from pi_env.sandbox.hostdir import discard_host_dir, make_owned_dir, sweep_stale_host_dirs
 
@@ -52,8 +61,12 @@ BASE_URL_PATH = "/v1"
 GATEWAY_DIR_PREFIX = "pi-env-gateway-"  # <tmp>/pi-env-gateway-<id>/: the Unix socket's dir
 ERROR_BODY_LIMIT = 4096  # bytes of an upstream error body kept in the TurnRecord
 ERROR_RELAY_LIMIT = 1 << 20  # bytes of it relayed to the agent (read whole, to mask secrets)
+# A refused call's unread body is drained (read and discarded, never kept) this long so the
+# agent can read its error, then the connection is closed (aiohttp's default: 10 s).
+LINGER_S = 2.0
 
-# RFC 9110 section 7.6.1: meaningful for one connection only, never relayed.
+# RFC 9110 section 7.6.1: meaningful for one connection only, never relayed back to the agent.
+# (What reaches the upstream of the agent's own headers is an allow-list: see policy.py.)
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -67,15 +80,6 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-# Request headers the gateway sets itself. Upstream is always asked for an uncompressed answer
-# (see upstream_request_headers), so the agent's accept-encoding must not reach it.
-REQUEST_HEADERS_REPLACED = HOP_BY_HOP | {
-    "host",
-    "authorization",
-    "content-length",
-    "accept-encoding",
-    "expect",
-}
 
 
 @dataclass
@@ -136,9 +140,10 @@ class Strategy(Protocol):
 
 
 class BlackBox:
-    """Relay untouched (no rewriting, no capture parameters), and record what was asked and
-    answered: the conversation comes from the gateway, never from the agent's own files (see
-    transparent.assemble_after: a small answer is parsed inline, a large one in a worker)."""
+    """Relay the policed body as it is (no capture parameters; a well-formed call is the
+    agent's bytes), and record what was asked and answered: the conversation comes from the
+    gateway, never from the agent's own files (see transparent.assemble_after: a small answer
+    is parsed inline, a large one in a worker)."""
 
     def __init__(self, session: "GatewaySession"):
         self.session = session
@@ -191,7 +196,8 @@ class GatewaySession:
 
     def __init__(self, upstream: Upstream, mode: str, max_turns: int | None, trace_path: str | None,
                  capture: CaptureOptions | None = None, max_total_tokens: int | None = None,
-                 token_in: "TokenInSpec | None" = None, max_tokens_cap: int | None = None):
+                 token_in: "TokenInSpec | None" = None, max_tokens_cap: int | None = None,
+                 limits: SessionLimits | None = None, allow_fields: Iterable[str] = ()):
         if mode not in STRATEGIES:
             raise ValueError(f"unknown gateway mode {mode!r}; supported: {sorted(STRATEGIES)}")
         self.id = secrets.token_hex(8)
@@ -203,6 +209,10 @@ class GatewaySession:
         self.max_total_tokens = max_total_tokens
         self.token_in = token_in  # the renderer, when the gateway renders (transparent_proxy, interception_gate)
         self.max_tokens_cap = max_tokens_cap  # per call (max_tokens / max_completion_tokens)
+        self.limits = limits or SessionLimits()
+        self.allow_fields = check_allow_fields(allow_fields)  # policy.RESTRICTED_FIELDS let through
+        self.calls_open = 0  # requests of any route in the handler now (at most limits.max_concurrent_calls)
+        self.body_bytes_held = 0  # request body bytes those calls hold (at most limits.max_request_bytes)
         self.secrets = secrets_of(upstream.api_key, upstream.headers)  # masked in all it relays
         self.strategy: Strategy = STRATEGIES[mode](self)
         self.trace_path = trace_path
@@ -223,6 +233,25 @@ class GatewaySession:
 
     def __repr__(self) -> str:  # no token
         return f"GatewaySession(id={self.id!r}, mode={self.mode!r}, upstream={self.upstream!r})"
+
+    def open_call(self) -> bool:
+        """A slot for one more request, False when limits.max_concurrent_calls are open (on the
+        gateway's loop, like claim_turn: checking and taking are one step)."""
+        if self.calls_open >= self.limits.max_concurrent_calls:
+            return False
+        self.calls_open += 1
+        return True
+
+    def close_call(self, body_bytes: int) -> None:
+        self.calls_open -= 1
+        self.body_bytes_held -= body_bytes
+
+    def hold_body_bytes(self, count: int) -> bool:
+        """Charge `count` more request body bytes to the session's budget; False if they do not fit."""
+        if self.body_bytes_held + count > self.limits.max_request_bytes:
+            return False
+        self.body_bytes_held += count
+        return True
 
     def tokens_left(self) -> int | None:
         """What max_total_tokens still allows a new call, counting what the calls in flight
@@ -300,8 +329,8 @@ class GatewaySession:
                 self._trace = None
 
 
-def json_error(status: int, message: str, error_type: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": error_type}}, status=status)
+def json_error(status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": error_type}}, status=status, headers=headers)
 
 
 def agent_request(body: bytes) -> dict | None:
@@ -329,8 +358,8 @@ def connection_listed(headers) -> set[str]:
 
 
 def upstream_request_headers(agent_headers, upstream: Upstream) -> CIMultiDict:
-    drop = REQUEST_HEADERS_REPLACED | connection_listed(agent_headers)
-    headers = CIMultiDict((k, v) for k, v in agent_headers.items() if k.lower() not in drop)
+    """The agent's allowed headers (policy.relayed_request_headers), then the gateway's own."""
+    headers = CIMultiDict(relayed_request_headers(agent_headers))
     # Uncompressed answers cost nothing on SSE streams and keep error bodies readable.
     headers["Accept-Encoding"] = "identity"
     if upstream.api_key is not None:
@@ -404,9 +433,14 @@ class Gateway:
         max_total_tokens: int | None = None,
         token_in: "TokenInSpec | None" = None,
         max_tokens_cap: int | None = None,
+        limits: SessionLimits | None = None,
+        allow_fields: Iterable[str] = (),
     ) -> GatewaySession:
+        """`limits`: the session's body budget, calls in flight and body time limit (None: the
+        defaults of policy.SessionLimits); `allow_fields`: policy.RESTRICTED_FIELDS its calls
+        may carry."""
         session = GatewaySession(upstream, mode, max_turns, trace_path, capture, max_total_tokens, token_in,
-                                 max_tokens_cap)
+                                 max_tokens_cap, limits, allow_fields)
         self._sessions[session.token] = session
         return session
 
@@ -437,12 +471,14 @@ class Gateway:
             auto_decompress=False,  # relay bytes exactly as upstream sent them
             skip_auto_headers=("User-Agent",),  # the agent's own User-Agent is relayed
         )
-        app = web.Application(client_max_size=256 << 20)  # long agent conversations are big
+        # Bodies are never read whole by aiohttp (request.read() and its client_max_size), but
+        # incrementally within the session's budget: see read_body.
+        app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_route("*", BASE_URL_PATH + "/{rest:.*}", self._handle)
         # handler_cancellation: an agent that hangs up cancels its upstream request at once.
         runner = web.AppRunner(
-            app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0, lingering_time=LINGER_S
         )
         await runner.setup()
 
@@ -485,27 +521,44 @@ class Gateway:
             # with the real key, nor reach another host or path through an odd request target.
             return json_error(403, "pi-env gateway: only POST /v1/chat/completions and GET /v1/models "
                                    "(exactly, without a query) are relayed", "route_not_allowed")
-        if path == "/models":
-            # Harmless and sometimes probed; relayed, but not a turn: not recorded.
-            untracked = TurnRecord(turn=-1, started_at=time.time())
-            return await Call(self, session, request, time.perf_counter(), path).relay(b"", untracked)
-
-        body = await request.read()
+        if not session.open_call():
+            limit = session.limits.max_concurrent_calls
+            return json_error(429, f"pi-env gateway: this session already has {limit} calls open, its limit; "
+                                   "wait for one to end before making another", "too_many_concurrent_calls",
+                              headers={"Retry-After": "1"})
+        body_bytes = 0
         try:
-            body, allowed = police_request(body, cap=session.max_tokens_cap, budget_left=session.tokens_left())
-        except PolicyError:
-            allowed, body = 0, None
+            if path == "/models":
+                # Harmless and sometimes probed; relayed, but not a turn: not recorded.
+                untracked = TurnRecord(turn=-1, started_at=time.time())
+                return await Call(self, session, request, time.perf_counter(), path).relay(b"", untracked)
+            body = await read_body(request, session)
+            if isinstance(body, web.Response):
+                return body
+            body_bytes = len(body)
+            return await self._chat_completions(session, request, body)
+        finally:
+            session.close_call(body_bytes)
+
+    async def _chat_completions(self, session: GatewaySession, request: web.Request,
+                                body: bytes) -> web.StreamResponse:
+        received, refusal = len(body), None
+        try:
+            body, allowed = police_request(body, cap=session.max_tokens_cap, budget_left=session.tokens_left(),
+                                           model=session.upstream.model, allow_fields=session.allow_fields)
+        except PolicyError as error:
+            allowed, body, refusal = 0, None, error
         index = session.claim_turn(reserve=allowed)  # no await since tokens_left(): one step
         if index is None:
             # End the agent's turn cleanly (an empty final answer), so it stops rather than
             # failing; the rollout reads session.budget_exhausted.
             return budget_answer(body or b"", session.budget_exhausted)
         turn = TurnRecord(turn=index, started_at=time.time())
-        if body is None:  # a call, but not one to relay: recorded, never sent upstream
-            turn.request_bytes = len(await request.read())
+        if refusal is not None:  # a call, but not one to relay: recorded, never sent upstream
+            turn.request_bytes = received
             turn.latency_s = 0.0
             session.record(turn)
-            return not_a_json_object()
+            return json_error(400, f"pi-env gateway: {refusal}", refusal.error_type)
         if session.max_total_tokens is not None:
             turn.reserved_tokens = allowed or 0
         started = time.perf_counter()
@@ -523,6 +576,59 @@ class Gateway:
                 session.record(turn)
             else:  # the strategy finishes the record after the agent has its answer
                 call.finishing.add_done_callback(lambda _: session.record(turn))
+
+
+async def read_body(request: web.Request, session: GatewaySession) -> bytes | web.Response:
+    """The request body, read as it arrives and charged to the session's byte budget (shared by
+    its calls in flight), or the refusal the agent gets instead: 413 when the body (announced
+    or received) is larger than the whole budget, 429 when it would fit but the session's other
+    calls hold the rest, 408 when it is not all in within limits.body_timeout_s, 400 when it is
+    malformed. A body's bytes stay charged until its call ends (the handler's close_call); a
+    refused one's are released here."""
+    limits = session.limits
+    budget = limits.max_request_bytes
+    declared = request.content_length
+    if declared is not None and declared > budget:
+        return _body_too_large(f"announces {declared} bytes (Content-Length)", budget)
+    held, received, chunks, body = 0, 0, [], None
+    try:
+        if declared:  # all of it, before reading any
+            if not session.hold_body_bytes(declared):
+                return _budget_in_use(session, declared)
+            held = declared
+        async with asyncio.timeout(limits.body_timeout_s):
+            while chunk := await request.content.readany():
+                received += len(chunk)
+                if received > held:  # chunked, or decompressed beyond what was announced
+                    if received > budget:
+                        return _body_too_large(f"holds more than {budget} bytes", budget)
+                    if not session.hold_body_bytes(received - held):
+                        return _budget_in_use(session, received)
+                    held = received
+                chunks.append(chunk)
+        body = b"".join(chunks)
+        return body
+    except TimeoutError:
+        return json_error(408, f"pi-env gateway: the request body was not all received within "
+                               f"{limits.body_timeout_s:g} s ({received} bytes arrived); send it at once",
+                          "request_body_timeout")
+    except (HttpProcessingError, OSError) as exc:
+        return json_error(400, f"pi-env gateway: the request body could not be read: {describe(exc)}",
+                          "invalid_request")
+    finally:  # keep the charge for what is returned, no more
+        session.body_bytes_held -= held - (len(body) if body is not None else 0)
+
+
+def _body_too_large(what: str, budget: int) -> web.Response:
+    return json_error(413, f"pi-env gateway: the request body {what}; a session's calls in flight may hold "
+                           f"{budget} bytes of request bodies together (PiConfig.gateway_max_request_bytes)",
+                      "request_too_large")
+
+
+def _budget_in_use(session: GatewaySession, size: int) -> web.Response:
+    return json_error(429, f"pi-env gateway: this body ({size} bytes so far) does not fit in what the session's "
+                           f"other calls in flight leave of its {session.limits.max_request_bytes} bytes of request "
+                           "bodies; retry when one has ended", "request_budget_in_use", headers={"Retry-After": "1"})
 
 
 class Call:
