@@ -37,11 +37,13 @@ def upstream(server, turns, **kwargs):
     return Upstream(server.base_url, server.add_script(turns, api_key=REAL_KEY), **kwargs)
 
 
-async def _call(url, token, body=BODY, *, unix=None, method="POST", read=True):
+async def _call(url, token, body=BODY, *, unix=None, method="POST", read=True, raw: bytes | None = None):
     connector = aiohttp.UnixConnector(path=unix) if unix else aiohttp.TCPConnector()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    content = {"data": raw, "headers": {**headers, "Content-Type": "application/json"}} if raw is not None \
+        else {"json": body, "headers": headers}
     async with aiohttp.ClientSession(connector=connector) as client:
-        async with client.request(method, url, json=body, headers=headers) as r:
+        async with client.request(method, url, **content) as r:
             return r.status, r.headers, await r.read()
 
 
@@ -867,6 +869,21 @@ def test_stream_must_be_a_json_boolean(gateway, server, mode, stream):
         assert status == 400 and error["type"] == "invalid_request", raw
         assert "`stream` must be a JSON boolean (true or false), not " + json.dumps(stream) in error["message"]
         assert server.requests == [] and len(session.turns) == 1 and session.turns[0].upstream_status is None
+    finally:
+        gateway.close_session(session)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_request_nested_past_any_parser_is_a_400_never_a_crash(gateway, server, mode):
+    """JSON nested 5,000 deep raised RecursionError in the request rules (a 500 from the gateway)."""
+    session = open_in_mode(gateway, server, mode)
+    try:
+        nested = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": ' + \
+            b"[" * 5000 + b"]" * 5000 + b"}]}"
+        status, _, raw = call(gateway, session, raw=nested)
+        assert status == 400 and "nests deeper" in json.loads(raw)["error"]["message"], raw
+        assert server.requests == [] and len(session.turns) == 1 and session.turns[0].upstream_status is None
+        assert call(gateway, session)[0] == 200  # the gateway and the session go on
     finally:
         gateway.close_session(session)
 

@@ -417,3 +417,26 @@ def test_the_system_prompt_in_the_result_is_the_text_the_model_saw(tmp_path):
     assert system == sent and system["role"] == "system"
     assert result.pi_session_messages[0]["role"] == "system" and result.pi_session_messages[0]["sections"]
     assert "Answer in French." in system["content"] and "You are" in system["content"]
+
+
+# The agent calls the gateway itself, with Pi's own token, asking for an unstreamed answer (one
+# assistant message in its history: the scripted server answers with the script's second turn).
+OWN_CALL = ("python3 -c \"import json, urllib.request; p = json.load(open('/root/.pi/agent/models.json'))"
+            "['providers']; p = next(iter(p.values())); urllib.request.urlopen(urllib.request.Request("
+            "p['baseUrl'] + '/chat/completions', json.dumps({'model': 'm', 'stream': False, 'messages': "
+            "[{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'content': 'a'}, {'role': 'user', 'content': 'b'}]})"
+            ".encode(), {'Authorization': 'Bearer ' + p['apiKey'], "
+            "'Content-Type': 'application/json'}), timeout=120)\"")
+
+
+@pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
+def test_an_agents_own_slow_unstreamed_call_at_its_time_limit_is_scored(server, mode):
+    """A zero stays a zero: the agent leaves its own slow non-streamed call in flight when its time
+    runs out. Pi streams; an unstreamed call is the agent's choice, so the rollout is verified and
+    scored (it used to be agent_timeout, unscored, and dropped from the group)."""
+    key = server.add_script([bash(OWN_CALL), ScriptedTurn(text="late", fault=Fault(hang_s=60)),
+                             ScriptedTurn(text="done")])
+    config = scripted_config(server, key).model_copy(update={"mode": mode})
+    result = run_rollout(PiTask(instruction="x", verify=["test -f solved.txt"], timeouts={"agent_s": 6}), config)
+    assert result.stop_reason == "timeout" and result.proxy_turns[-1].upstream_status is None
+    assert result.error_kind is None and result.reward == 0.0, (result.error_kind, result.error)

@@ -399,10 +399,14 @@ class PiSession:
             return self._fail("infra", "the session was closed while the agent ran")
         if outcome.timed_out:
             result.stop_reason = "timeout"
-            if not conversation.messages or (last is not None and last.client_disconnected and last.ttfb_s is None):
+            # Unscored only when the endpoint had not begun its answer to a streamed call (Pi's
+            # way): a slow non-streamed call is the agent's choice, which it cannot make a dodge.
+            if not conversation.messages or (last is not None and last.client_disconnected and last.ttfb_s is None
+                                             and last.streamed is not False):
                 return self._fail("agent_timeout", f"the agent's {self._agent_limit():g} s limit passed while the model "
                                                    "endpoint had not begun its answer (or before Pi called it)")
-            # Otherwise the agent spent its own time (a hung tool, a killed or stopped Pi): scored.
+            # Otherwise the agent spent its own time (a hung tool, a killed or stopped Pi, its own
+            # non-streamed call): scored.
         elif getattr(gateway.strategy, "stop_reason", None):  # interception_gate: the trainer never answered
             result.stop_reason = gateway.strategy.stop_reason
             return self._fail("gate_timeout", gateway.strategy.stop_message)

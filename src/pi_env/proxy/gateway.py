@@ -121,6 +121,7 @@ class TurnRecord:
     request_bytes: int = 0
     response_bytes: int = 0
     client_disconnected: bool = False  # the agent hung up before the answer ended
+    streamed: bool | None = None  # the agent asked for a streamed answer (None: the body was refused)
     total_tokens: int | None = None  # usage.total_tokens, when the answer reported it
     reserved_tokens: int = 0  # held against max_total_tokens while the call ran
     capture: TurnCapture | None = None  # transparent_proxy: request, answer, ids, logprobs
@@ -542,10 +543,11 @@ class Gateway:
 
     async def _chat_completions(self, session: GatewaySession, request: web.Request,
                                 body: bytes) -> web.StreamResponse:
-        received, refusal = len(body), None
+        received, refusal, streamed = len(body), None, None
         try:
-            body, allowed = police_request(body, cap=session.max_tokens_cap, budget_left=session.tokens_left(),
-                                           model=session.upstream.model, allow_fields=session.allow_fields)
+            body, allowed, streamed = police_request(body, cap=session.max_tokens_cap,
+                                                     budget_left=session.tokens_left(),
+                                                     model=session.upstream.model, allow_fields=session.allow_fields)
         except PolicyError as error:
             allowed, body, refusal = 0, None, error
         index = session.claim_turn(reserve=allowed)  # no await since tokens_left(): one step
@@ -553,7 +555,7 @@ class Gateway:
             # End the agent's turn cleanly (an empty final answer), so it stops rather than
             # failing; the rollout reads session.budget_exhausted.
             return budget_answer(body or b"", session.budget_exhausted)
-        turn = TurnRecord(turn=index, started_at=time.time())
+        turn = TurnRecord(turn=index, started_at=time.time(), streamed=streamed)
         if refusal is not None:  # a call, but not one to relay: recorded, never sent upstream
             turn.request_bytes = received
             turn.latency_s = 0.0

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote, quote_plus
 
 import msgspec
@@ -144,8 +145,16 @@ def upstream_path(method: str, raw_path: str) -> str | None:
     return ALLOWED_ROUTES.get((method, raw_path))
 
 
+class Policed(NamedTuple):
+    """A chat/completions call as the gateway relays it."""
+
+    body: bytes
+    allowed: int | None  # the completion tokens it may generate (None: unbounded)
+    streamed: bool  # the agent asked for a streamed answer (Pi always does)
+
+
 def police_request(body: bytes, *, cap: int | None, budget_left: int | None, model: str | None = None,
-                   allow_fields: frozenset[str] = frozenset()) -> tuple[bytes, int | None]:
+                   allow_fields: frozenset[str] = frozenset()) -> Policed:
     """The chat/completions body to send upstream, and the completion tokens it may generate
     (None: unbounded). Rewrites only what breaks the rules, so a well-formed call is relayed
     byte for byte:
@@ -165,12 +174,15 @@ def police_request(body: bytes, *, cap: int | None, budget_left: int | None, mod
         fields = msgspec.json.decode(body, type=_Fields)
     except msgspec.ValidationError:  # valid JSON, but not an object
         raise PolicyError("the request body is not a JSON object") from None
+    except RecursionError:
+        raise PolicyError(f"the request body nests deeper than JSON parsers go ({sys.getrecursionlimit()} levels)") \
+            from None
     except msgspec.DecodeError:
         # msgspec refuses a lone surrogate escape ("\ud83d"), which node's JSON.stringify
         # writes for a string cut inside a pair: valid JSON, so the slower parser reads it.
         try:
             request = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise PolicyError("the request body is not a JSON object") from None
         if not isinstance(request, dict):
             raise PolicyError("the request body is not a JSON object") from None
@@ -208,15 +220,21 @@ def police_request(body: bytes, *, cap: int | None, budget_left: int | None, mod
         options = fields.stream_options if isinstance(fields.stream_options, dict) else {}
         if options.get("include_usage") is not True:
             changes["stream_options"] = {**options, "include_usage": True}
+    streamed = fields.stream is True
     if not changes:
-        return body, allowed
-    request = json.loads(body) if lenient else msgspec.json.decode(body)
-    for key, value in changes.items():
-        if value is None:
-            request.pop(key, None)
-        else:
-            request[key] = value
-    return (json.dumps(request).encode() if lenient else msgspec.json.encode(request)), allowed
+        return Policed(body, allowed, streamed)
+    try:
+        request = json.loads(body) if lenient else msgspec.json.decode(body)
+        for key, value in changes.items():
+            if value is None:
+                request.pop(key, None)
+            else:
+                request[key] = value
+        body = json.dumps(request).encode() if lenient else msgspec.json.encode(request)
+    except RecursionError:
+        raise PolicyError(f"the request body nests deeper than JSON parsers go ({sys.getrecursionlimit()} levels)") \
+            from None
+    return Policed(body, allowed, streamed)
 
 
 def _shown(value: Any) -> str:
