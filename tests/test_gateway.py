@@ -285,7 +285,7 @@ def test_trace_file_gets_one_flushed_line_per_turn(gateway, server, tmp_path):
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [r["turn"] for r in records] == [0, 1] and records[1]["upstream_status"] == 500
     assert set(records[0]) == {"turn", "started_at", "latency_s", "ttfb_s", "upstream_status", "upstream_error",
-                               "request_bytes", "response_bytes", "client_disconnected", "total_tokens",
+                               "request_bytes", "response_bytes", "client_disconnected", "streamed", "total_tokens",
                                "reserved_tokens", "capture"}
     gateway.close_session(session)
 
