@@ -163,8 +163,10 @@ def reserve(sandbox: Sandbox, task: PiTask, disk_bytes: int | None) -> None:
 
 
 def startup_mount() -> dict[str, str]:
-    """The sandbox's read-only mount of pi-env's Python start-up (SandboxSpec.ro_mounts)."""
-    return {STARTUP_DIR: STARTUP_HOST_DIR}
+    """The sandbox's read-only mount of pi-env's Python start-up (SandboxSpec.ro_mounts): the
+    file alone, which a backend can bind from a copy where pi-env is installed out of the
+    sandbox uid's reach (a private dir, a package under /root)."""
+    return {f"{STARTUP_DIR}/sitecustomize.py": f"{STARTUP_HOST_DIR}/sitecustomize.py"}
 
 
 # -- before verify --------------------------------------------------------------------------
