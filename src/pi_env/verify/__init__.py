@@ -7,18 +7,18 @@ order `PiSession` (rollout.py) calls it (docs/isolation.md has the guarantees an
 - `record_setup` (after setup, before the agent): which paths of the work dir that configure
   the verifier's tools setup made, and the PATH setup's commands had.
 - `verify_env`: the environment of every verify command. PATH with nothing of the work dir in
-  front; Python started with pi-env's start-up (python_startup.py), which looks up a top-level
+  front; Python started with pi-env's start-up (startup/sitecustomize.py), which looks up a top-level
   module in the verifier's part of sys.path first, so the agent's `pytest.py` or `json.py` is
   imported only where the verifier has nothing of that name; git with no fsmonitor and no hooks;
   no shell start-up file; no user site unless setup made one.
 - `set_aside` (before verify): what the agent planted that a verifier's tool would load on its
   own (conftest.py, pytest.ini and the pytest sections of pyproject.toml/setup.cfg/tox.ini,
-  sitecustomize.py, __pycache__, .npmrc, node_modules, an `__init__.py` beside a hidden verify file, anything
-  in a directory hidden verify files are staged into) is moved out of the work dir for the
-  verify phase and put back after it (`put_back`); the task's own files of those names are
-  staged again as the task wrote them.
-- `stage` (before each verify command): an empty logs/verifier, the start-up file, and the
-  hidden verify files written afresh, so one command's agent code cannot rewrite the next's.
+  sitecustomize.py, __pycache__, .npmrc, node_modules, an `__init__.py` beside a hidden verify
+  file, anything in a directory hidden verify files are staged into) is moved out of the work
+  dir for the verify phase and put back after it (`put_back`); the task's own files of those
+  names are staged again as the task wrote them.
+- `stage` (before each verify command): an empty logs/verifier and the hidden verify files
+  written afresh, so one command's agent code cannot rewrite the next's.
 - `read_reward`: the reward file counts only where the task uses one (`uses_reward_file`),
   only as the last verify command left it, and only as a finite number within the task's
   `reward_range`; anything else there is a 0.0 with the reason, never an unscored rollout.
@@ -74,9 +74,9 @@ VERIFY_HOOKS = {
 TOOL_DIRS = ("node_modules", "__pycache__")
 TOOL_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "sitecustomize.py", "usercustomize.py", ".npmrc",
               *TOOL_DIRS)
-# Files that configure pytest only when they have its section.
+# Files that configure pytest only when they have its section (grep -E finds the section's header).
 TOOL_SECTIONS = {"pyproject.toml": "tool.pytest", "setup.cfg": "tool:pytest", "tox.ini": "pytest"}
-SECTION_PATTERN = r"^[[:space:]]*\[(tool\.pytest|tool:pytest|pytest)"
+SECTION_PATTERN = r"^[[:space:]]*\[(" + "|".join(section.replace(".", r"\.") for section in TOOL_SECTIONS.values()) + ")"
 MAX_REWARD_BYTES = 64 << 10
 MAX_NOTE_NAMES = 20
 # A verify command or verify file naming this uses a reward file (when the task does not say).
@@ -122,8 +122,8 @@ def record_setup(sandbox: Sandbox, task: PiTask, *, setup_ran: bool, env: dict[s
 def verify_env(sandbox: Sandbox, task: PiTask, setup_env: dict[str, str], caller_env: dict[str, str]) -> dict[str, str]:
     """The environment of every verify command: VERIFY_ENV and the hooks setup did not make
     turned off (unless the caller set them on purpose in PiConfig.extra_env), pi-env's Python
-    start-up first on PYTHONPATH (setup's after it), and PATH (setup's, the caller's included) with every entry in
-    the work dir, or relative to the cwd, after the others."""
+    start-up first on PYTHONPATH (setup's after it), and PATH (setup's, the caller's included)
+    with every entry in the work dir, or relative to the cwd, after the others."""
     env = dict(VERIFY_ENV)
     for name, (value, made_by_setup) in VERIFY_HOOKS.items():
         if not any(sandbox.exists(path) for path in made_by_setup):
@@ -154,7 +154,7 @@ def reserve(sandbox: Sandbox, task: PiTask, disk_bytes: int | None) -> None:
     dir is masked in its commands); restoring setup's home for verify deletes them, so however
     full the agent leaves its home, staging the hidden files and logs/verifier does not fail."""
     hidden = sum(len(text.encode()) for text in task.verify_files.values())
-    size = max(RESERVE_MIN_BYTES, 2 * hidden + RESERVE_MIN_BYTES)
+    size = 2 * hidden + RESERVE_MIN_BYTES
     if disk_bytes:
         size = min(size, disk_bytes // 10)
     sandbox.write_file(f"{RESERVE_DIR}/room", b"\xff" * size)  # written: tmpfs holds no room for holes
@@ -221,11 +221,10 @@ def set_aside(sandbox: Sandbox, task: PiTask) -> tuple[list[str], list[str]]:
     for path, text in task.files.items():
         if _is_tool_path(task, path):
             sandbox.write_file(path, text)
-    own_names = set(own)  # not news: the task's own, or where the hidden files go
-    if not moved:
-        return [], []
+    # The notes name only what the agent planted: not the task's own, nor where hidden files go.
+    expected = set(own)
     names = [name.removeprefix(workdir) for name in (bytes.fromhex(line.split()[1]).decode("utf-8", "replace")
-                                                      for line in moved) if name not in own_names]
+                                                      for line in moved) if name not in expected]
     if not names:
         return moved, []
     shown = ", ".join(names[:MAX_NOTE_NAMES]) + (f" and {len(names) - MAX_NOTE_NAMES} more"
@@ -239,7 +238,7 @@ def put_back(sandbox: Sandbox, task: PiTask, moved: list[str]) -> None:
     Call with nothing running."""
     for path in task.verify_files:
         sandbox.remove(path)
-    for start in range(0, len(moved), 500):  # nothing moved: no command  # well within the longest command line
+    for start in range(0, len(moved), 500):  # nothing moved: no command; 500 a command, well within ARG_MAX
         outcome = _own(sandbox, ["/bin/bash", "-c", _PUT_BACK, "pi-env", ASIDE_DIR, *moved[start:start + 500]])
         if outcome.exit_code != 0:
             raise OSError(f"could not put back the agent's verifier files: {outcome.stderr[-300:]}")

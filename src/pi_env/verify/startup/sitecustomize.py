@@ -1,4 +1,4 @@
-"""pi-env's Python start-up for verify commands: its dir is mounted read-only in the sandbox and put
+"""pi-env's Python start-up for verify commands: mounted read-only in the sandbox, in a dir put
 first on PYTHONPATH while verify runs (pi_env.verify); pi-env itself never imports it.
 
 The verifier's modules come before the agent's files: a top-level import is first looked up on
