@@ -4,12 +4,13 @@ of a run directory, and GRPO rows built from collected training traces. The trai
 in the engine tier (tests/engines/test_learning_engine.py)."""
 
 import json
+from collections import Counter
 
 import pytest
 
 from pi_env import PiConfig, PiSessionFactory
-from pi_env.learning.pipeline import LearnConfig, LeakError, check_held_out, read_tasks, rl_tasks, stage_tasks
-from pi_env.learning.rows import group_advantages, rl_rows
+from pi_env.learning.pipeline import LearnConfig, LeakError, check_held_out, read_tasks, stage_tasks
+from pi_env.learning.rows import group_advantages, raft_rows, rl_rows
 from pi_env.task import PiTask
 from pi_env.workspace.coding import CODING_FAMILIES, generate_coding_tasks, make_coding_splits
 from pi_env.workspace.tasks import SplitOverlapError, check_disjoint
@@ -109,12 +110,15 @@ def test_held_out_check_refuses_unknown_training_ids(tmp_path):
 def test_the_rl_split_is_fresh_and_added_to_an_older_run_without_touching_it(tmp_path):
     """RL draws instances SFT never saw, disjoint from train and eval; a run directory made
     before the RL split existed gets one, its train and eval files unchanged."""
-    cfg = LearnConfig(run_dir=tmp_path, n_train=10, n_eval=5, n_rl=8)
+    cfg = LearnConfig(run_dir=tmp_path, n_train=10, n_eval=5, n_rl=8, n_heldout=6)
     stage_tasks(cfg)
-    tasks = {name: read_tasks(tmp_path / "tasks" / f"{name}.jsonl") for name in ("train", "eval", "rl")}
+    tasks = {name: read_tasks(tmp_path / "tasks" / f"{name}.jsonl") for name in ("train", "eval", "rl", "heldout")}
     digests = {name: {t.digest() for t in ts} for name, ts in tasks.items()}
     assert len(tasks["rl"]) == len(digests["rl"]) == 8
     assert not digests["rl"] & (digests["train"] | digests["eval"])
+    # the paired held-out pool: n_heldout of every family, disjoint from every other split
+    assert Counter(t.metadata["family"] for t in tasks["heldout"]) == {f: 6 for f in CODING_FAMILIES}
+    assert not digests["heldout"] & (digests["train"] | digests["eval"] | digests["rl"])
     before = {name: (tmp_path / "tasks" / f"{name}.jsonl").read_text() for name in ("train", "eval")}
     (tmp_path / "tasks" / "rl.jsonl").unlink()
     assert stage_tasks(cfg)["rl"] == 8
@@ -129,33 +133,14 @@ def test_the_rl_split_is_fresh_and_added_to_an_older_run_without_touching_it(tmp
     assert check_held_out(cfg, tasks["eval"]) == 1
 
 
-def test_rl_draws_fresh_tasks_favouring_the_families_that_fail(tmp_path):
-    cfg = LearnConfig(run_dir=tmp_path, n_train=5, n_eval=5, n_rl=100, rl_tasks_per_step=4)
-    stage_tasks(cfg)
-    first = rl_tasks(cfg, 0, [])
-    assert first == rl_tasks(cfg, 0, [])  # deterministic
-    assert {t.task_id for t in first} <= {t.task_id for t in read_tasks(tmp_path / "tasks" / "rl.jsonl")}
-    # history: rename_symbol always solved, data_program always failed
-    history = [{"task_id": t.task_id, "group_id": t.task_id, "reward": 1.0 if t.metadata["family"] == "rename_symbol" else 0.0}
-               for t in first]
-    history += [{"task_id": f"rl-0-{i}-rename_symbol", "group_id": "x", "reward": 1.0} for i in range(8)]
-    history += [{"task_id": f"rl-0-{i}-data_program", "group_id": "y", "reward": 0.0} for i in range(8)]
-    drawn = [t for step in range(1, 40) for t in rl_tasks(cfg, step, history)]
-    assert not {t.task_id for t in drawn} & {t.task_id for t in first}  # never a task used before
-    count = {f: sum(t.metadata["family"] == f for t in drawn) for f in ("rename_symbol", "data_program")}
-    assert count["data_program"] > 2 * count["rename_symbol"] > 0, count
-
-
-def test_rl_falls_back_to_the_train_split_without_an_rl_split(tmp_path):
-    cfg = LearnConfig(run_dir=tmp_path, n_train=6, n_eval=3, n_rl=0, rl_tasks_per_step=3)
-    stage_tasks(cfg)
-    assert {t.task_id for t in rl_tasks(cfg, 0, [])} <= {t.task_id for t in read_tasks(tmp_path / "tasks" / "train.jsonl")}
-
-
 def test_group_advantages():
     assert group_advantages([1.0, 1.0, 1.0, 1.0]) == [0.0] * 4
-    adv = group_advantages([1.0, 0.0, 0.0, 1.0])
-    assert adv[0] > 0 > adv[1] and abs(sum(adv)) < 1e-9 and abs(adv[0] - 1.0) < 1e-3
+    assert group_advantages([1.0, 0.0, 0.0, 1.0]) == [0.5, -0.5, -0.5, 0.5]  # Dr. GRPO: r - mean
+    scaled = group_advantages([1.0, 0.0, 0.0, 1.0], scale=True)  # original GRPO: / std
+    assert scaled[0] > 0 > scaled[1] and abs(sum(scaled)) < 1e-9 and abs(scaled[0] - 1.0) < 1e-3
+    # a one-check partial-credit gap weighs less than a pass/fail split, unless scaled
+    assert max(group_advantages([1.0, 2 / 3])) < max(group_advantages([1.0, 0.0]))
+    assert abs(max(group_advantages([1.0, 2 / 3], scale=True)) - max(group_advantages([1.0, 0.0], scale=True))) < 1e-3
 
 
 def _record(group, reward, segments):
@@ -175,3 +160,11 @@ def test_rl_rows_use_every_segment_of_the_exact_trace():
     assert rows[0].weight == rows[1].weight > 0 > rows[2].weight
     assert rows[1].old_logprobs == split[2] and rows[1].loss_mask == split[1]
     assert [r.weight for r in rows[3:]] == [0.0, 0.0]
+
+
+def test_raft_rows_keep_the_passing_rollouts_of_mixed_groups_only():
+    seg = ([1, 2, 3], [0, 1, 1], [None, -0.5, -0.1])
+    records = [_record("mixed", 1.0, [seg]), _record("mixed", 0.0, [seg]), _record("mixed", None, [seg]),
+               _record("all", 1.0, [seg]), _record("all", 1.0, [seg]), _record("none", 0.0, [seg])]
+    rows = raft_rows(records)
+    assert len(rows) == 1 and rows[0].weight == 1.0 and rows[0].token_ids == seg[0]

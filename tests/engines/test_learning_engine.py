@@ -86,14 +86,20 @@ def test_shared_prefix_scoring_matches_scoring_every_row_whole(train_layers):
 
 def test_every_stage_on_tiny_sizes(tmp_path):
     run_dir = tmp_path / "run"
-    args = ["--run-dir", str(run_dir), "--n-train", "3", "--n-eval", "2", "--n-rl", "4", "--families", "write_file,fix_bug",
-            "--sft-epochs", "2", "--sft-batch", "3", "--rl-steps", "2", "--rl-tasks-per-step", "1",
-            "--group-size", "4", "--max-turns", "4", "--max-tokens", "96", "--agent-timeout-s", "180",
-            "--engine-port", str(free_port()), "--base-model", str(MODEL_DIR)]
-    stages = ["tasks", "oracle", "eval_base", "sft", "eval_sft", "rl", "eval_rl"]
+    args = ["--run-dir", str(run_dir), "--n-train", "3", "--n-eval", "2", "--n-rl", "6", "--n-heldout", "2",
+            "--families", "write_file,fix_bug", "--sft-epochs", "2", "--sft-batch", "3",
+            "--probe-tasks-per-family", "1", "--probe-samples", "2", "--rl-steps", "2", "--rl-tasks-per-step", "1",
+            "--group-size", "4", "--no-skip-flat-revisits", "--max-turns", "4", "--max-tokens", "96",
+            "--agent-timeout-s", "180", "--engine-port", str(free_port()), "--base-model", str(MODEL_DIR)]
+    stages = ["tasks", "oracle", "eval_base", "sft", "probe", "eval_sft", "rl", "eval_rl"]
     out = subprocess.run(["nice", "-n", "10", str(ENGINE_PYTHON), "-m", "pi_env.learning", *stages, *args],
                          env=_engine_env(), capture_output=True, text=True, timeout=3000)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # The RAFT arm on the same run directory: its own rl_raft/ and eval_rl_raft/, one step.
+    raft = subprocess.run(["nice", "-n", "10", str(ENGINE_PYTHON), "-m", "pi_env.learning", "rl", "eval_rl", *args,
+                           "--rl-algorithm", "raft", "--rl-steps", "1"], env=_engine_env(), capture_output=True,
+                          text=True, timeout=3000)
+    assert raft.returncode == 0, raft.stdout[-3000:] + raft.stderr[-3000:]
     report_out = subprocess.run([sys.executable, "-m", "pi_env.learning", "report", *args],
                                 env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
                                 timeout=300)
@@ -101,41 +107,68 @@ def test_every_stage_on_tiny_sizes(tmp_path):
     report = json.loads((run_dir / "report.json").read_text())
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
 
-    evals = [report["stages"]["base"], report["stages"]["sft"]["eval"], report["stages"]["rl"]["eval"]]
-    for summary in evals:
-        assert summary["count"] == 2 and summary["unscored"] == 0, summary
+    stages_ = report["stages"]
+    base, sft_eval, rl_eval, raft_eval = stages_["base"], stages_["sft"]["eval"], stages_["rl"]["eval"], stages_["rl_raft"]["eval"]
+    assert base["greedy"]["max_turns"] == 4 and "heldout" not in base  # the base eval is capped, greedy only
+    for summary in (base, sft_eval, rl_eval, raft_eval):
+        assert summary["greedy"]["count"] == 2 and summary["greedy"]["unscored"] == 0, summary
         assert summary["held_out_checked_against"] >= 3  # every eval checked against what was trained on
+    for summary in (sft_eval, rl_eval, raft_eval):  # the paired eval: sampled, on the same held-out tasks
+        assert summary["heldout"]["count"] == 2 and summary["heldout"]["temperature"] == 1.0
+    probe = stages_["probe"]
+    assert set(probe["table"]) == {"write_file", "fix_bug"} and probe["rl_families"] == ["fix_bug", "write_file"]
+    assert all(row["rollouts"] == 2 for row in probe["table"].values())
     assert report["stages"]["oracle"]["sft_rows"] == 3
     sft = report["stages"]["sft"]["train"]
     assert sft["steps"] == 2 and sft["loss_last"] < sft["loss_first"]
 
-    steps = report["rl_steps"]
+    targets = report["targets"]
+    assert targets["heldout_tasks"] == 2
+    for name in ("rl", "raft"):
+        claim = targets[f"{name}_minus_sft_pass"]
+        assert claim["ci95"][0] <= claim["mean"] <= claim["ci95"][1]
+        assert targets[f"{name}_target_met"] == (claim["ci95"][0] > 0)  # the CI decides, never the point
+    assert 0 <= targets["mcnemar_p"] <= 1
+
+    steps = stages_["rl"]["steps"]
     assert len(steps) == 2
+    assert steps[0]["visit"] == "first" and steps[1]["visit"] == "revisit" and steps[1]["tasks"] == steps[0]["tasks"]
+    assert stages_["rl"]["revisit_gain"]["tasks"] == 1
     for step in steps:
         assert len(step["rows_per_rollout"]) == 4 and all(n >= 1 for n in step["rows_per_rollout"])
         assert step["tasks"][0].startswith("rl-")  # RL trains on fresh instances, not the SFT data's
-        assert step["generated_tokens"] > 0
+        assert step["tasks"][0] not in probe["probed_tasks"]
+        assert step["generated_tokens"] > 0 and step["entropy_sampled"] > 0
         assert set(step["time_s"]) >= {"rollouts", "generation_summed", "pi_and_sandbox_summed", "train"}
+        assert step["lr"] == pytest.approx(1e-5 * (step["step"] + 1) / 3)  # the warm-up
         if step["trained_rows"]:  # a group with different rewards: a real gradient step on the sampled trace
             assert 0.5 < step["ratio_mean"] < 2.0 and step["old_logprobs_missing"] == 0
-            assert len(step["updates"]) == 2  # --rl-updates' default: the batch is used twice
-    # One engine for the stage: started once, then step 0's checkpoint loaded into it in place.
-    assert "engine_start" in steps[0]["time_s"] and "weights_load" in steps[1]["time_s"]
+            assert len(step["updates"]) == 1 and step["kl_after"] >= 0 and step["kl_guard"] == "ok"
+    # One engine from the probe to the last eval: started once, then checkpoints loaded in place.
+    assert "engine_start" in probe["time_s"] and "engine_start" not in sft_eval["time_s"]
+    assert "engine_start" not in steps[0]["time_s"] and "weights_load" in steps[1]["time_s"]
     if steps[0]["trained_rows"] and steps[1]["trained_rows"]:
         # Step 1's first update is on-policy only if the engine sampled from step 0's weights.
         assert 0.99 < steps[1]["ratio_min"] and steps[1]["ratio_max"] < 1.01, steps[1]
     trained = any(step["trained_rows"] for step in steps)
     # The RL checkpoint is what the last eval served, and it is not the SFT one.
-    assert report["stages"]["rl"]["eval"]["model_dir"].endswith("rl/policy")
+    assert rl_eval["model_dir"].endswith("rl/policy") and raft_eval["model_dir"].endswith("rl_raft/policy")
     sft_weights = (run_dir / "sft" / "policy" / "model.safetensors").read_bytes()
     rl_weights = (run_dir / "rl" / "policy" / "model.safetensors").read_bytes()
     assert (sft_weights != rl_weights) == trained
+    raft_step = stages_["rl_raft"]["steps"][0]
+    assert raft_step["algorithm"] == "raft" and raft_step["tasks"] == steps[0]["tasks"]  # same plan, own rollouts
+    assert (raft_step["trained_rows"] > 0) == (not _flat(raft_step))  # the passing rollouts of a mixed group
 
     # Resumable: a second run finds every stage's outputs and redoes nothing.
     again = subprocess.run([str(ENGINE_PYTHON), "-m", "pi_env.learning", *stages, *args], env=_engine_env(),
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "vLLM" not in again.stderr and "sft step" not in again.stdout
+
+
+def _flat(step: dict) -> bool:
+    return all(len({r for r in rewards if r is not None}) <= 1 for rewards in step["group_rewards"].values())
 
 
 PERTURB = textwrap.dedent("""
@@ -179,3 +212,101 @@ def test_the_rl_engine_serves_a_checkpoint_loaded_in_place(tmp_path):
     assert worst < 1e-3, (worst, after, expected)
     assert (after_ids, after) != (before_ids, before)  # the load changed what the engine samples from
     assert again_ids == before_ids and max(abs(a - b) for a, b in zip(again, before)) < 1e-4
+
+
+TEMPERATURE_CHECK = textwrap.dedent("""
+    import json, sys, torch
+    from pi_env.learning import trainer
+    from pi_env.learning.rows import Row
+
+    samples = json.loads(open(sys.argv[2]).read())
+    model, _ = trainer.load_policy(sys.argv[1])
+    optimizer = torch.optim.AdamW(trainer.trainable(model), lr=0.0)  # scores, moves nothing
+    rows = [Row(s["prompt"] + s["completion"], [0] * len(s["prompt"]) + [1] * len(s["completion"]),
+                [None] * len(s["prompt"]) + s["logprobs"], weight=1.0 if i % 2 else -1.0) for i, s in enumerate(samples)]
+    out = {}
+    for temperature in (float(sys.argv[3]), 1.0):  # the sampling temperature, and scoring without dividing by it
+        step = trainer.grpo_step(model, optimizer, rows, temperature=temperature)
+        out[str(temperature)] = {k: step[k] for k in ("ratio_min", "ratio_max", "old_logprobs_missing", "tokens")}
+    print(json.dumps(out))
+""")
+
+
+def test_a_first_update_at_temperature_0_7_has_ratio_one(tmp_path):
+    """The engine returns logprobs of the distribution it sampled from (--logprobs-mode
+    processed_logprobs) and the trainer divides the logits by T: the on-policy ratio is 1. Scored
+    at T=1 instead (the division removed), the same samples are far from 1."""
+    from pi_env.learning.pipeline import Engine
+
+    temperature = 0.7
+    samples = []
+    with Engine(MODEL_DIR, free_port(), tmp_path / "vllm.log", timeout_s=900) as engine:
+        for seed in range(4):
+            body = {"model": "policy", "prompt": "<|im_start|>user\nWrite a Python function that reverses a string."
+                    "<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 24, "temperature": temperature,
+                    "top_p": 1.0, "seed": seed, "logprobs": 0, "return_token_ids": True}
+            choice = post_json(engine.base_url + "/completions", body)["choices"][0]
+            samples.append({"prompt": choice["prompt_token_ids"], "completion": choice["token_ids"],
+                            "logprobs": choice["logprobs"]["token_logprobs"]})
+    (tmp_path / "samples.json").write_text(json.dumps(samples))
+    out = subprocess.run([str(ENGINE_PYTHON), "-c", TEMPERATURE_CHECK, str(MODEL_DIR), str(tmp_path / "samples.json"),
+                          str(temperature)], env=_engine_env(), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    right, undivided = result[str(temperature)], result["1.0"]
+    assert right["tokens"] >= 40 and right["old_logprobs_missing"] == 0
+    assert 1 - 1e-3 < right["ratio_min"] and right["ratio_max"] < 1 + 1e-3, right
+    assert undivided["ratio_min"] < 0.9 or undivided["ratio_max"] > 1.1, undivided
+
+
+KL_GUARD_CHECK = textwrap.dedent("""
+    import json, math, torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from pi_env.learning import trainer
+    from pi_env.learning.rows import Row
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    trainer.train_top_layers(model, 2)
+    prefix = torch.randint(0, 64, (12,)).tolist()
+    rows = [Row(prefix + torch.randint(0, 64, (8,)).tolist(), [0] * 12 + [1] * 8, [None] * 20, weight=w)
+            for w in (1.0, -1.0, 0.5)]  # no engine logprobs: on-policy, ratio 1
+    optimizer = torch.optim.AdamW(trainer.trainable(model), lr=1e-2)
+
+    def step():
+        return trainer.grpo_step(model, optimizer, rows)
+
+    def state():
+        weights = [p.detach().clone() for p in trainer.trainable(model)]
+        moments = [v.clone() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return weights, moments
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1])) and len(a[1]) == len(b[1])
+
+    out = {}
+    first = trainer.guarded_step(model, optimizer, step, kl_soft=math.inf, kl_hard=math.inf)  # Adam's moments exist now
+    out["ok"] = first["kl_guard"]
+    before = state()
+    lowered = trainer.guarded_step(model, optimizer, step, kl_soft=0.0, kl_hard=math.inf)
+    out["lowered"] = [lowered["kl_guard"], lowered["kl_after"] > 0, not same(before, state())]
+    before = state()
+    rolled = trainer.guarded_step(model, optimizer, step, kl_soft=0.0, kl_hard=0.0)
+    out["rolled_back"] = [rolled["kl_guard"], rolled["kl_after"] > 0, same(before, state())]
+    # after a rollback the next step starts from the restored state, and can be rolled back again
+    again = trainer.guarded_step(model, optimizer, step, kl_soft=0.0, kl_hard=0.0)
+    out["again"] = [again["kl_guard"], same(before, state()), again["kl_after"] == rolled["kl_after"]]
+    print(json.dumps(out))
+""")
+
+
+def test_the_kl_guard_lowers_the_lr_or_rolls_the_update_back():
+    out = subprocess.run([str(ENGINE_PYTHON), "-c", KL_GUARD_CHECK], env=_engine_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["ok"] == "ok"
+    assert result["lowered"] == ["lr_lowered", True, True]  # kept: the weights moved
+    assert result["rolled_back"] == ["rolled_back", True, True]  # weights and Adam's moments exactly as before
+    assert result["again"] == ["rolled_back", True, True]  # the same step again: the same KL

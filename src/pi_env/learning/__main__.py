@@ -11,7 +11,7 @@ import sys
 import typing
 from pathlib import Path
 
-from pi_env.learning.pipeline import STAGES, LearnConfig, log, run_stage
+from pi_env.learning.pipeline import STAGES, Engines, LearnConfig, log, run_stage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=dataclasses.MISSING)
-        elif f.name == "families":
-            parser.add_argument(flag, default=None, help="comma-separated coding families (default: all)")
+        elif f.name in ("families", "rl_families"):
+            parser.add_argument(flag, default=None, help="comma-separated coding families (default: all; for RL: the probe's pick)")
         elif kind in (int, float, Path, str) or f.name in ("sft_limit", "eval_limit"):
             convert = int if f.name in ("sft_limit", "eval_limit") else kind
             parser.add_argument(flag, type=convert, required=f.name == "run_dir",
@@ -35,18 +35,21 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so a stage's engine is stopped and its stores closed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     values = {k: v for k, v in vars(args).items() if k != "stages" and v is not dataclasses.MISSING}
-    if values.get("families"):
-        values["families"] = values["families"].split(",")
+    for name in ("families", "rl_families"):
+        if values.get(name):
+            values[name] = values[name].split(",")
     cfg = LearnConfig(**values)
     stages = list(STAGES) if args.stages == ["all"] else args.stages
     for stage in stages:
         if stage not in STAGES:
             parser.error(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
-    for stage in stages:
-        log(f"stage {stage}")
-        result = run_stage(cfg, stage)
-        if stage != "report":
-            log(f"stage {stage} done: {json.dumps(result, default=str)[:400]}")
+    # One engine across consecutive stages that serve checkpoints (probe -> eval -> RL -> eval).
+    with Engines(cfg) as engines:
+        for stage in stages:
+            log(f"stage {stage}")
+            result = run_stage(cfg, stage, engines)
+            if stage != "report":
+                log(f"stage {stage} done: {json.dumps(result, default=str)[:400]}")
     return 0
 
 

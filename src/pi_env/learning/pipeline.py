@@ -17,6 +17,7 @@ transformers; the other stages only pi-env.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -31,7 +32,7 @@ from pi_env.config import PiConfig
 from pi_env.task import PiTask
 
 ROOT = Path(__file__).resolve().parents[3]
-STAGES = ("tasks", "oracle", "eval_base", "sft", "eval_sft", "rl", "eval_rl", "report")
+STAGES = ("tasks", "oracle", "eval_base", "sft", "probe", "eval_sft", "rl", "eval_rl", "report")
 
 
 class LeakError(RuntimeError):
@@ -48,13 +49,17 @@ class LearnConfig:
     # RL draws from its own split of fresh instances: the SFT data memorised the train split,
     # so its groups there are mostly all-solved and teach nothing. 0: RL draws from train.
     n_rl: int = 200
+    # The paired held-out eval: this many tasks of the RL families, one sample each at the RL
+    # temperature, the same tasks for SFT and RL (tasks/heldout.jsonl holds this many per family).
+    n_heldout: int = 90
     families: list[str] | None = None
     # rollouts
     concurrency: int = 4
     max_turns: int = 8
     max_tokens: int = 256  # per model call (the longest oracle call is ~200 tokens)
     agent_timeout_s: float = 600  # generous: on a loaded machine generation is slow; budgets are max_turns and max_tokens
-    eval_temperature: float = 0.0
+    eval_temperature: float = 0.0  # the secondary greedy eval (eval_limit tasks)
+    base_max_turns: int = 4  # the base model runs every turn to its token limit: its eval is capped
     # Token-in (docs/token-in.md): the gateway renders and bridges ids, so a rollout is one
     # training sequence; off: the engine's own ids through plain transparent_proxy capture.
     token_in: bool = True
@@ -65,21 +70,46 @@ class LearnConfig:
     sft_batch: int = 8
     sft_lr: float = 2e-4
     sft_limit: int | None = None  # use only the first N oracle conversations (default: all)
-    eval_limit: int | None = 20  # evaluate only the first N eval tasks (families alternate; 0: all of them)
-    # RL
-    rl_steps: int = 6
+    eval_limit: int | None = 20  # greedy eval on the first N eval tasks (families alternate; 0: all of them)
+    train_layers: int = 0  # SFT trains only the top N decoder layers (0: all); see trainer.train_top_layers
+    # Probe: the SFT policy's sampled pass rate per family, which picks the RL families
+    probe_tasks_per_family: int = 2
+    probe_samples: int = 4
+    rl_families: list[str] | None = None  # given: no probe, RL and the held-out eval use these
+    # RL (docs/learning.md: why these values)
+    rl_algorithm: str = "grpo"  # or "raft": NLL on the passing rollouts of mixed groups (rl_raft/)
+    rl_steps: int = 8  # the first half visits fresh tasks, the second half the same ones again
     rl_tasks_per_step: int = 4
-    group_size: int = 4
-    rl_lr: float = 2e-5  # 5e-5 with two updates a batch collapsed the policy in run r4 (docs/learning.md)
-    rl_updates: int = 2  # optimizer steps per batch of rollouts (PPO epochs; the first is on-policy)
+    group_size: int = 8
+    rl_lr: float = 1e-5
+    rl_warmup_steps: int = 3  # lr ramps linearly over the first steps (a fresh Adam's first step moves every weight by lr)
+    rl_updates: int = 1  # optimizer steps per batch of rollouts (>1: PPO epochs under the clip)
     rl_temperature: float = 1.0
+    rl_train_layers: int = 10  # RL trains only the top N decoder layers (embeddings, LM head frozen; 0: all)
+    scale_rewards: bool = False  # divide advantages by the group's std (original GRPO); off: Dr. GRPO
+    skip_flat_revisits: bool = True  # a task whose first group was flat is not visited again
+    kl_soft: float = 0.01  # KL(before || after) of an update above this halves the lr from then on
+    kl_hard: float = 0.03  # above this the update is rolled back (and the lr halved)
     clip_eps: float = 0.2
     micro_batch: int = 2
-    train_layers: int = 0  # train only the top N decoder layers (0: all); see trainer.train_top_layers
     extra: dict = field(default_factory=dict)
 
     def path(self, *parts: str) -> Path:
         return Path(self.run_dir, *parts)
+
+    @property
+    def rl_name(self) -> str:
+        """The RL arm's directory: rl/ for GRPO, rl_raft/ for RAFT (one run dir can hold both)."""
+        return "rl" if self.rl_algorithm == "grpo" else f"rl_{self.rl_algorithm}"
+
+    def __post_init__(self):
+        if self.rl_algorithm not in RL_ALGORITHMS:
+            raise ValueError(f"rl_algorithm {self.rl_algorithm!r}: use one of {', '.join(RL_ALGORITHMS)}")
+        if self.rl_temperature <= 0:
+            raise ValueError(f"rl_temperature {self.rl_temperature}: RL samples at a temperature > 0")
+
+
+RL_ALGORITHMS = ("grpo", "raft")
 
 
 def log(message: str) -> None:
@@ -106,10 +136,10 @@ def read_tasks(path: Path) -> list[PiTask]:
 
 
 def stage_tasks(cfg: LearnConfig) -> dict:
-    from pi_env.workspace.coding import generate_coding_tasks, make_coding_splits
+    from pi_env.workspace.coding import CODING_FAMILIES, generate_coding_tasks, make_coding_splits
     from pi_env.workspace.tasks import check_disjoint
 
-    paths = {name: cfg.path("tasks", f"{name}.jsonl") for name in ("train", "eval", "rl")}
+    paths = {name: cfg.path("tasks", f"{name}.jsonl") for name in ("train", "eval", "rl", "heldout")}
     if paths["train"].is_file() and paths["eval"].is_file():
         train, evaluation = read_tasks(paths["train"]), read_tasks(paths["eval"])
     else:
@@ -123,11 +153,21 @@ def stage_tasks(cfg: LearnConfig) -> dict:
         fresh = generate_coding_tasks(cfg.n_rl, split="rl", seed=cfg.seed, families=cfg.families,
                                       exclude={task.digest() for task in train + evaluation})
         _write_tasks(paths["rl"], fresh)
-    check_disjoint(train=train, eval=evaluation, rl=fresh)
-    families: dict[str, int] = {}
+    # The paired held-out eval's pool: n_heldout of every family, so whichever families the probe
+    # picks for RL, n_heldout of their tasks are there (families take turns in the file).
+    if paths["heldout"].is_file():
+        heldout = read_tasks(paths["heldout"])
+    else:
+        heldout = generate_coding_tasks(cfg.n_heldout * len(cfg.families or CODING_FAMILIES), split="heldout",
+                                        seed=cfg.seed, families=cfg.families,
+                                        exclude={task.digest() for task in train + evaluation + fresh})
+        _write_tasks(paths["heldout"], heldout)
+    check_disjoint(train=train, eval=evaluation, rl=fresh, heldout=heldout)
+    counts: dict[str, int] = {}
     for task in evaluation:
-        families[task.metadata["family"]] = families.get(task.metadata["family"], 0) + 1
-    return {"train": len(train), "eval": len(evaluation), "rl": len(fresh), "eval_families": families}
+        counts[task.metadata["family"]] = counts.get(task.metadata["family"], 0) + 1
+    return {"train": len(train), "eval": len(evaluation), "rl": len(fresh), "heldout": len(heldout),
+            "eval_families": counts}
 
 
 def _write_tasks(path: Path, tasks: list[PiTask]) -> None:
@@ -145,7 +185,7 @@ def training_instances(cfg: LearnConfig) -> dict[str, str]:
     sft = cfg.path("oracle", "exports", "sft.jsonl")
     if sft.is_file():
         used |= {json.loads(line)["task_id"] for line in sft.read_text().splitlines() if line.strip()}
-    for step_dir in sorted(cfg.path("rl").glob("step_*")):
+    for step_dir in sorted(cfg.path().glob("rl*/step_*")):  # every RL arm's steps
         used |= {r["task_id"] for r in read_records(step_dir)}
     missing = sorted(used - set(known))
     if missing:
@@ -192,7 +232,10 @@ class Engine:
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
         out = subprocess.run(["bash", str(ROOT / "scripts" / "engines" / "serve_vllm.sh"), "--model-dir",
                               str(self.model_dir), "--port", str(self.port), "--log", str(self.log_path),
-                              "--timeout", str(self.timeout_s), "--", "--worker-extension-cls", self.WORKER_EXTENSION],
+                              "--timeout", str(self.timeout_s), "--", "--worker-extension-cls", self.WORKER_EXTENSION,
+                              # logprobs of the distribution sampled from (after temperature), which
+                              # is what the trainer scores; vLLM's default is the raw model's
+                              "--logprobs-mode", "processed_logprobs"],
                              stdout=subprocess.PIPE, text=True, env=env)
         if out.returncode != 0:
             raise RuntimeError(f"vLLM did not start on {self.model_dir} (log {self.log_path})")
@@ -223,11 +266,42 @@ class Engine:
             self.pid = None
 
 
-def rollout_config(cfg: LearnConfig, engine: Engine, temperature: float) -> PiConfig:
+class Engines:
+    """One vLLM for consecutive stages (probe -> eval -> RL -> eval): started on first use, later
+    checkpoints loaded into it in place (`Engine.load`), stopped by `close` (before a stage that
+    trains on the CPU without it) or at the end. Each `serve` says what it cost."""
+
+    def __init__(self, cfg: LearnConfig):
+        self.cfg = cfg
+        self.engine: Engine | None = None
+
+    def serve(self, model_dir: Path, log_name: str) -> tuple[Engine, dict]:
+        if self.engine is None:
+            engine = Engine(model_dir, self.cfg.engine_port, self.cfg.path("logs", f"vllm-{log_name}.log"),
+                            self.cfg.engine_timeout_s)
+            self.engine = engine.__enter__()
+            return self.engine, {"engine_start": round(self.engine.start_s, 1)}
+        if Path(model_dir).resolve() == self.engine.model_dir.resolve():
+            return self.engine, {}
+        return self.engine, {"weights_load": round(self.engine.load(model_dir), 1)}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.__exit__(None, None, None)
+            self.engine = None
+
+    def __enter__(self) -> "Engines":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def rollout_config(cfg: LearnConfig, engine: Engine, temperature: float, max_turns: int | None = None) -> PiConfig:
     token_in = {"proxy_token_in": True, "proxy_renderer": "chatml-hermes",
                 "proxy_tokenizer": str(engine.model_dir)} if cfg.token_in else {}
     return PiConfig(endpoint="vllm", base_url=engine.base_url, model="policy", api_key="none",
-                    mode="transparent_proxy", max_turns=cfg.max_turns, proxy_max_tokens_cap=cfg.max_tokens,
+                    mode="transparent_proxy", max_turns=max_turns or cfg.max_turns, proxy_max_tokens_cap=cfg.max_tokens,
                     agent_timeout_s=cfg.agent_timeout_s, proxy_return_token_ids=True,
                     proxy_sampling={"temperature": temperature, "top_p": 1.0}, **token_in)
 
@@ -281,25 +355,103 @@ def stage_oracle(cfg: LearnConfig) -> dict:
     return summary
 
 
-def stage_eval(cfg: LearnConfig, name: str, model_dir: Path) -> dict:
+def rl_families(cfg: LearnConfig) -> list[str]:
+    """The families RL trains on and the paired held-out eval covers: given, or the probe's pick."""
+    if cfg.rl_families:
+        return list(cfg.rl_families)
+    probe = _read_json(cfg.path("probe", "summary.json"))
+    if not probe:
+        raise RuntimeError(f"no {cfg.path('probe', 'summary.json')}: run the probe stage first (it picks the RL "
+                           "families that RL and the held-out eval use), or give --rl-families")
+    return probe["rl_families"]
+
+
+def heldout_tasks(cfg: LearnConfig) -> list[PiTask]:
+    """The paired eval's tasks: the first n_heldout of the RL families in tasks/heldout.jsonl
+    (families take turns there, so each family gets its share)."""
+    families = set(rl_families(cfg))
+    tasks = [t for t in read_tasks(cfg.path("tasks", "heldout.jsonl")) if t.metadata["family"] in families]
+    if len(tasks) < cfg.n_heldout:
+        raise RuntimeError(f"tasks/heldout.jsonl has {len(tasks)} tasks of {sorted(families)}, fewer than "
+                           f"n_heldout={cfg.n_heldout}: remove it and run the tasks stage again")
+    return tasks[:cfg.n_heldout]
+
+
+def stage_eval(cfg: LearnConfig, name: str, model_dir: Path, engines: Engines) -> dict:
+    """The checkpoint's greedy eval on the first eval_limit eval tasks (secondary, for continuity)
+    and, except for the base model, its sampled pass@1 on the paired held-out tasks at the RL
+    temperature (primary: the report compares these task by task)."""
     done = _read_json(cfg.path(f"eval_{name}", "summary.json"))
     if done:
         return done
-    evaluation = read_tasks(cfg.path("tasks", "eval.jsonl"))[:cfg.eval_limit or None]
-    trained = check_held_out(cfg, evaluation)
     started = time.monotonic()
-    with Engine(model_dir, cfg.engine_port, cfg.path("logs", f"vllm-eval_{name}.log"), cfg.engine_timeout_s) as engine:
-        records, wall = collect(evaluation, cfg.path(f"eval_{name}", "rollouts"),
-                                rollout_config(cfg, engine, cfg.eval_temperature), group_size=1,
-                                concurrency=cfg.concurrency)
-        engine_start = engine.start_s
-    summary = {"stage": name, "model_dir": str(model_dir), **score_records(records),
-               "temperature": cfg.eval_temperature, "held_out_checked_against": trained,
-               "engine_start_s": round(engine_start, 1), "rollouts_s": round(wall, 1),
-               "wall_s": round(time.monotonic() - started, 1)}
+    sets = {"greedy": (read_tasks(cfg.path("tasks", "eval.jsonl"))[:cfg.eval_limit or None], cfg.eval_temperature)}
+    if name != "base":
+        sets["heldout"] = (heldout_tasks(cfg), cfg.rl_temperature)
+    trained = check_held_out(cfg, [task for tasks, _ in sets.values() for task in tasks])
+    engine, engine_time = engines.serve(model_dir, f"eval_{name}")
+    summary = {"stage": name, "model_dir": str(model_dir), "held_out_checked_against": trained,
+               "time_s": dict(engine_time)}
+    for kind, (tasks, temperature) in sets.items():
+        # The base model runs every turn to its token limit: its turns are capped (said in the report).
+        max_turns = cfg.base_max_turns if name == "base" else cfg.max_turns
+        records, wall = collect(tasks, cfg.path(f"eval_{name}", kind), rollout_config(cfg, engine, temperature, max_turns),
+                                group_size=1, concurrency=cfg.concurrency)
+        summary[kind] = {**score_records(records), "temperature": temperature, "max_turns": max_turns}
+        summary["time_s"][kind] = round(wall, 1)
+        log(f"eval {name} {kind}: {summary[kind]['passed']}/{summary[kind]['count']} passed, "
+            f"mean reward {summary[kind]['mean_reward']}")
+    summary["wall_s"] = round(time.monotonic() - started, 1)
     _write_json(cfg.path(f"eval_{name}", "summary.json"), summary)
-    log(f"eval {name}: {summary['passed']}/{summary['count']} passed, mean reward {summary['mean_reward']}")
     return summary
+
+
+def stage_probe(cfg: LearnConfig, engines: Engines) -> dict:
+    """The SFT policy's sampled pass rate per family (probe_tasks_per_family RL-split tasks of
+    each, probe_samples samples each, at the RL temperature): RL's families are those it passes
+    20-80 % of the time (schedule.choose_families), where GRPO's groups are mixed."""
+    from pi_env.learning.schedule import choose_families, flat
+
+    done = _read_json(cfg.path("probe", "summary.json"))
+    if done:
+        return done
+    started = time.monotonic()
+    if cfg.rl_families:
+        summary = {"rl_families": list(cfg.rl_families), "chosen_by": "--rl-families (no probe)"}
+        _write_json(cfg.path("probe", "summary.json"), summary)
+        return summary
+    by_family = _rl_pool(cfg)
+    tasks = [task for family in sorted(by_family) for task in by_family[family][:cfg.probe_tasks_per_family]]
+    engine, engine_time = engines.serve(cfg.path("sft", "policy"), "probe")
+    records, wall = collect(tasks, cfg.path("probe", "rollouts"), rollout_config(cfg, engine, cfg.rl_temperature),
+                            group_size=cfg.probe_samples, concurrency=cfg.concurrency)
+    table = {}
+    for family in sorted(by_family):
+        mine = [r for r in records if r["task_id"] in {t.task_id for t in by_family[family]}]
+        scores = score_records(mine)
+        groups: dict[str, list] = {}
+        for r in mine:
+            groups.setdefault(r["group_id"], []).append(r.get("reward"))
+        table[family] = {"rollouts": scores["count"], "passed": scores["passed"],
+                         "pass_rate": round(scores["passed"] / scores["scored"], 3) if scores["scored"] else 0.0,
+                         "mean_reward": scores["mean_reward"], "unscored": scores["unscored"],
+                         "mixed_groups": f"{sum(not flat(g) for g in groups.values())}/{len(groups)}"}
+    families = choose_families({f: row["pass_rate"] for f, row in table.items()})
+    summary = {"table": table, "rl_families": families, "band": [0.2, 0.8], "temperature": cfg.rl_temperature,
+               "probed_tasks": [t.task_id for t in tasks],
+               "time_s": {**engine_time, "rollouts": round(wall, 1)}, "wall_s": round(time.monotonic() - started, 1)}
+    _write_json(cfg.path("probe", "summary.json"), summary)
+    log(f"probe: {json.dumps({f: row['pass_rate'] for f, row in table.items()})} -> RL families {families}")
+    return summary
+
+
+def _rl_pool(cfg: LearnConfig) -> dict[str, list[PiTask]]:
+    """RL-split tasks by family, in file order (the train split if there is no RL split)."""
+    pool = read_tasks(cfg.path("tasks", "rl.jsonl")) if cfg.path("tasks", "rl.jsonl").is_file() else []
+    by_family: dict[str, list[PiTask]] = {}
+    for task in pool or read_tasks(cfg.path("tasks", "train.jsonl")):
+        by_family.setdefault(task.metadata["family"], []).append(task)
+    return by_family
 
 
 def stage_sft(cfg: LearnConfig) -> dict:
@@ -340,117 +492,144 @@ def stage_sft(cfg: LearnConfig) -> dict:
     return summary
 
 
-def rl_tasks(cfg: LearnConfig, step: int, history: list[dict]) -> list[PiTask]:
-    """The step's tasks: drawn without replacement from the RL split (the train split if it is
-    empty), each draw picking a family first, weighted by how often that family failed in the
-    earlier steps' rollouts (`history`: their records), so groups the policy always solves
-    (all rewards equal, no GRPO signal) are drawn less. Deterministic for (seed, step, history)."""
-    pool = read_tasks(cfg.path("tasks", "rl.jsonl")) if cfg.path("tasks", "rl.jsonl").is_file() else []
-    pool = pool or read_tasks(cfg.path("tasks", "train.jsonl"))
-    used = {record["task_id"] for record in history}
-    by_family: dict[str, list[PiTask]] = {}
-    for task in pool:
-        if task.task_id not in used:
-            by_family.setdefault(task.metadata["family"], []).append(task)
-    rewards: dict[str, list[float]] = {}
-    for record in history:
-        if record.get("reward") is not None:
-            rewards.setdefault(record["task_id"].rsplit("-", 1)[-1], []).append(record["reward"])
-    rng = random.Random(f"pi-env-learn-rl/{cfg.seed}/{step}")
-    chosen: list[PiTask] = []
-    while len(chosen) < cfg.rl_tasks_per_step and any(by_family.values()):
-        families = sorted(f for f, tasks in by_family.items() if tasks)
-        # A family never tried weighs 1; one always solved 0.25 (still drawn: it can regress).
-        weights = [1.0 - 0.75 * _mean(rewards.get(f), default=0.0) for f in families]
-        tasks = by_family[rng.choices(families, weights)[0]]
-        chosen.append(tasks.pop(rng.randrange(len(tasks))))
-    return chosen
+def rl_plan(cfg: LearnConfig) -> list[list[str]]:
+    """The RL stage's task ids per step (schedule.rl_schedule over the RL families' fresh tasks:
+    the RL split minus what the probe ran)."""
+    from pi_env.learning.schedule import rl_schedule
+
+    probed = set((_read_json(cfg.path("probe", "summary.json")) or {}).get("probed_tasks") or [])
+    pool = {f: [t.task_id for t in tasks if t.task_id not in probed] for f, tasks in _rl_pool(cfg).items()}
+    return rl_schedule(pool, rl_families(cfg), steps=cfg.rl_steps, per_step=cfg.rl_tasks_per_step)
 
 
-def _mean(values: list[float] | None, default: float) -> float:
-    return sum(values) / len(values) if values else default
-
-
-def stage_rl(cfg: LearnConfig) -> dict:
+def stage_rl(cfg: LearnConfig, engines: Engines) -> dict:
     import torch
 
     from pi_env.learning import trainer
 
-    steps_path = cfg.path("rl", "steps.jsonl")
+    steps_path = cfg.path(cfg.rl_name, "steps.jsonl")
     steps = _jsonl(steps_path)
-    policy_dir = cfg.path("rl", "policy")
+    policy_dir = cfg.path(cfg.rl_name, "policy")
     if len(steps) >= cfg.rl_steps:
         if not policy_dir.is_dir():
             raise RuntimeError(f"{steps_path} records {len(steps)} finished steps but {policy_dir} is missing: "
                                "remove the steps file (RL starts again from the SFT checkpoint)")
         return {"steps": len(steps)}
+    plan = rl_plan(cfg)
     source = policy_dir if steps else cfg.path("sft", "policy")
     torch.manual_seed(cfg.seed + len(steps))
     model, tokenizer = trainer.load_policy(source)
-    trainer.train_top_layers(model, cfg.train_layers)
+    trainer.train_top_layers(model, cfg.rl_train_layers)
     # Resuming starts Adam's moments afresh (the weights are the last finished step's).
     optimizer = torch.optim.AdamW(trainer.trainable(model), lr=cfg.rl_lr, betas=(0.9, 0.99), weight_decay=0.0)
-    # One engine for the whole stage: after each GRPO step it swaps the new weights in (Engine.load).
-    with Engine(source, cfg.engine_port, cfg.path("logs", "vllm-rl.log"), cfg.engine_timeout_s) as engine:
-        engine_time = {"engine_start": round(engine.start_s, 1)}
-        for step in range(len(steps), cfg.rl_steps):
-            entry = _rl_step(cfg, step, engine, model, tokenizer, optimizer, engine_time)
-            with steps_path.open("a") as handle:
-                handle.write(json.dumps(entry) + "\n")
-            steps.append(entry)
-            log(f"rl step {step}: mean reward {entry['mean_reward']}, loss {entry['loss']}, "
-                f"ratio {entry.get('ratio_mean')}, {entry['time_s']}")
-            if step + 1 < cfg.rl_steps:
-                engine_time = {"weights_load": round(engine.load(policy_dir), 1)}
+    # One engine across the stages: each step's checkpoint is swapped into it in place.
+    engine, engine_time = engines.serve(source, cfg.rl_name)
+    for step in range(len(steps), cfg.rl_steps):
+        entry = _rl_step(cfg, plan, step, steps, engine, model, tokenizer, optimizer, engine_time)
+        with steps_path.open("a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+        steps.append(entry)
+        log(f"{cfg.rl_name} step {step}: mean reward {entry['mean_reward']}, pass {entry['pass_rate']}, "
+            f"kl {entry.get('kl_after')} ({entry['kl_guard']}), {entry['time_s']}")
+        _, engine_time = engines.serve(policy_dir, cfg.rl_name)
     return {"steps": len(steps)}
 
 
-def _rl_step(cfg: LearnConfig, step: int, engine: Engine, model, tokenizer, optimizer, engine_time: dict) -> dict:
-    """One GRPO step: group rollouts of the step's tasks against the engine (serving the current
-    weights), `rl_updates` policy-gradient updates on their exact traces, the checkpoint saved.
+def _lr(cfg: LearnConfig, step: int, steps: list[dict]) -> tuple[float, float]:
+    """This step's lr (linear warm-up times what the KL guard left) and the guard's scale."""
+    scale = steps[-1]["lr_scale_next"] if steps else 1.0
+    return cfg.rl_lr * min(1.0, (step + 1) / max(1, cfg.rl_warmup_steps)) * scale, scale
+
+
+def _rl_step(cfg: LearnConfig, plan: list[list[str]], step: int, steps: list[dict], engine: Engine, model, tokenizer,
+             optimizer, engine_time: dict) -> dict:
+    """One step: group rollouts of the step's planned tasks against the engine (serving the
+    current weights; a revisit of a task whose first group was flat is skipped), `rl_updates`
+    updates (GRPO or RAFT) on their exact traces under the KL guard, the checkpoint saved.
     `engine_time`: the engine's start or weight load before this step, counted in its total."""
     from pi_env.collect.store import read_records
     from pi_env.learning import trainer
-    from pi_env.learning.rows import rl_rows
+    from pi_env.learning.rows import raft_rows, rl_rows
+    from pi_env.learning.schedule import first_visit, flat
 
     started = time.monotonic() - sum(engine_time.values())
-    tasks = rl_tasks(cfg, step, [r for k in range(step) for r in read_records(cfg.path("rl", f"step_{k}"))])
-    records, rollouts_s = collect(tasks, cfg.path("rl", f"step_{step}"), rollout_config(cfg, engine, cfg.rl_temperature),
-                                  group_size=cfg.group_size, concurrency=cfg.concurrency)
-    rows = rl_rows(records)
+    tasks_by_id = {t.task_id: t for tasks in _rl_pool(cfg).values() for t in tasks}
+    planned = plan[step]
+    skipped = []
+    if cfg.skip_flat_revisits:
+        for task_id in planned:
+            earlier = first_visit(plan, step, task_id)
+            if earlier is not None and flat([r.get("reward") for r in read_records(cfg.path(cfg.rl_name, f"step_{earlier}"))
+                                             if r["task_id"] == task_id]):
+                skipped.append(task_id)
+    tasks = [tasks_by_id[t] for t in planned if t not in skipped]
+    records, rollouts_s = [], 0.0
+    if tasks:
+        records, rollouts_s = collect(tasks, cfg.path(cfg.rl_name, f"step_{step}"),
+                                      rollout_config(cfg, engine, cfg.rl_temperature),
+                                      group_size=cfg.group_size, concurrency=cfg.concurrency)
+    lr, scale = _lr(cfg, step, steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    rows = raft_rows(records) if cfg.rl_algorithm == "raft" else rl_rows(records, scale_rewards=cfg.scale_rewards)
     train_started = time.monotonic()
-    # The first update is on-policy: its ratio new/old ~ 1 checks that the engine served the
-    # trainer's weights. Later ones reuse the batch under the clip (PPO epochs).
-    updates = [trainer.grpo_step(model, optimizer, rows, clip_eps=cfg.clip_eps, micro_batch=cfg.micro_batch)
-               for _ in range(cfg.rl_updates)]
-    stats = {**updates[0], "updates": [{k: u[k] for k in _UPDATE_STATS if k in u} for u in updates]}
+    updates = []
+    if cfg.rl_algorithm == "raft":
+        step_fn = functools.partial(trainer.nll_step, model, optimizer, rows, micro_batch=cfg.micro_batch,
+                                    temperature=cfg.rl_temperature)
+    else:
+        step_fn = functools.partial(trainer.grpo_step, model, optimizer, rows, clip_eps=cfg.clip_eps,
+                                    micro_batch=cfg.micro_batch, temperature=cfg.rl_temperature)
+    for _ in range(cfg.rl_updates):
+        update = trainer.guarded_step(model, optimizer, step_fn, kl_soft=cfg.kl_soft, kl_hard=cfg.kl_hard,
+                                      micro_batch=cfg.micro_batch, temperature=cfg.rl_temperature)
+        updates.append(update)
+        if update["kl_guard"] != "ok" or not update["rows"]:
+            break
+    # The guard halves the lr from the next step on when it acted (and it already undid a rollback).
+    guard = next((u["kl_guard"] for u in updates if u["kl_guard"] != "ok"), "ok")
+    scale = scale / 2 if guard != "ok" else scale
+    kl = updates[-1]["kl_after"] if updates else None
     train_s = time.monotonic() - train_started
     save_started = time.monotonic()
-    trainer.save_policy(model, tokenizer, cfg.base_model, cfg.path("rl", "policy"))
+    trainer.save_policy(model, tokenizer, cfg.base_model, cfg.path(cfg.rl_name, "policy"))
     save_s = time.monotonic() - save_started
     generation = sum(t.get("latency_s") or 0.0 for r in records for t in r.get("turns") or [])
     rollout_walls = sum(r.get("wall_s") or 0.0 for r in records)
     scores = score_records(records)
-    return {"step": step, "tasks": [t.task_id for t in tasks], "mean_reward": scores["mean_reward"],
-            "pass_rate": scores["pass_rate"], "unscored": scores["unscored"],
-            "groups_with_signal": len({r["group_id"] for r in records}) - _flat_groups(records),
+    groups: dict[str, list] = {}
+    for r in records:
+        groups.setdefault(r["task_id"], []).append(r.get("reward"))
+    first = updates[0] if updates else {}
+    return {"step": step, "algorithm": cfg.rl_algorithm,
+            "visit": "revisit" if first_visit(plan, step, planned[0]) is not None else "first",
+            "tasks": [t.task_id for t in tasks], "skipped_flat_revisits": skipped,
+            "mean_reward": scores["mean_reward"], "pass_rate": scores["pass_rate"], "unscored": scores["unscored"],
+            "group_rewards": groups, "groups_with_signal": sum(not flat(g) for g in groups.values()),
+            "entropy_sampled": sampled_entropy(records),
             "rows_per_rollout": [len((r.get("training") or {}).get("segments") or []) for r in records],
             "generated_tokens": sum(t.get("completion_tokens") or 0 for r in records for t in r.get("turns") or []),
-            **{k: v for k, v in stats.items() if k != "rows"}, "trained_rows": stats["rows"],
+            "lr": lr, "kl_guard": guard, "kl_after": kl, "lr_scale_next": scale,
+            **{k: first[k] for k in _UPDATE_STATS if k in first}, "trained_rows": first.get("rows", 0),
+            "skipped_update": first.get("skipped"), "updates": updates,
             "time_s": {**engine_time, "rollouts": round(rollouts_s, 1), "generation_summed": round(generation, 1),
                        "pi_and_sandbox_summed": round(rollout_walls - generation, 1),
-                       "train": round(train_s, 1), "save": round(save_s, 1),
+                       "train": round(train_s, 1), "kl_guard": round(sum(u.get("guard_s") or 0 for u in updates), 1),
+                       "save": round(save_s, 1),
                        "total": round(time.monotonic() - started, 1)}}
 
 
-_UPDATE_STATS = ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "clip_fraction", "kl_old_new_k3")
+_UPDATE_STATS = ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "clip_fraction", "kl_old_new_k3",
+                 "old_logprobs_missing", "tokens")
 
 
-def _flat_groups(records: list[dict]) -> int:
-    groups: dict[str, set] = {}
-    for r in records:
-        groups.setdefault(r["group_id"], set()).add(r.get("reward"))
-    return sum(1 for rewards in groups.values() if len(rewards) == 1)
+def sampled_entropy(records: list[dict]) -> float | None:
+    """Mean -logprob of the tokens the policy sampled (the engine's logprobs, of the distribution
+    it sampled from): a Monte-Carlo estimate of the policy's per-token entropy on its own
+    rollouts. A collapse shows as a fall towards 0."""
+    values = [-lp for r in records for s in (r.get("training") or {}).get("segments") or []
+              for lp, m in zip(s["logprobs"], s["loss_mask"]) if m and lp is not None]
+    return round(sum(values) / len(values), 4) if values else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,52 +640,119 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
+def _arms(cfg: LearnConfig) -> list[str]:
+    """The RL arms this run directory holds (rl/ = GRPO, rl_raft/ = RAFT), the configured one first."""
+    names = [cfg.rl_name] + [("rl" if a == "grpo" else f"rl_{a}") for a in RL_ALGORITHMS]
+    return [n for n in dict.fromkeys(names) if n == cfg.rl_name or cfg.path(n).exists()]
+
+
 def stage_status(cfg: LearnConfig) -> dict[str, str]:
-    """done / in progress / not started, per stage, from the run directory's outputs."""
-    done = {"tasks": cfg.path("tasks", "rl.jsonl"), "oracle": cfg.path("oracle", "summary.json"),
-            "eval_base": cfg.path("eval_base", "summary.json"), "sft": cfg.path("sft", "summary.json"),
-            "eval_sft": cfg.path("eval_sft", "summary.json"), "eval_rl": cfg.path("eval_rl", "summary.json")}
-    started = {"oracle": cfg.path("oracle"), "eval_base": cfg.path("eval_base"), "sft": cfg.path("sft"),
-               "eval_sft": cfg.path("eval_sft"), "rl": cfg.path("rl"), "eval_rl": cfg.path("eval_rl")}
+    """done / in progress / not started, per stage (and RL arm), from the run directory's outputs."""
+    done = {"tasks": cfg.path("tasks", "heldout.jsonl"), "oracle": cfg.path("oracle", "summary.json"),
+            "sft": cfg.path("sft", "summary.json"), "probe": cfg.path("probe", "summary.json")}
     status = {}
-    for stage in STAGES[:-1]:
-        if stage == "rl":
-            finished = len(_jsonl(cfg.path("rl", "steps.jsonl")))
-            status[stage] = ("done" if finished >= cfg.rl_steps else f"{finished}/{cfg.rl_steps} steps") \
-                if started["rl"].exists() else "not started"
-        elif done[stage].exists():
-            status[stage] = "done"
-        else:
-            status[stage] = "in progress or stopped" if started.get(stage, done[stage]).exists() else "not started"
+    for stage in ("tasks", "oracle", "eval_base", "sft", "probe", "eval_sft"):
+        marker = done.get(stage, cfg.path(stage, "summary.json"))
+        status[stage] = "done" if marker.exists() else \
+            "in progress or stopped" if marker.parent.exists() and stage != "tasks" else "not started"
+    for arm in _arms(cfg):
+        finished = len(_jsonl(cfg.path(arm, "steps.jsonl")))
+        status[arm] = ("done" if finished >= cfg.rl_steps else f"{finished}/{cfg.rl_steps} steps") \
+            if cfg.path(arm).exists() else "not started"
+        eval_dir = cfg.path(f"eval_{arm}")
+        status[f"eval_{arm}"] = "done" if (eval_dir / "summary.json").exists() else \
+            "in progress or stopped" if eval_dir.exists() else "not started"
     return status
+
+
+def _eval_summary(cfg: LearnConfig, name: str) -> dict | None:
+    """eval_<name>/summary.json, or what its stores hold if it stopped part-way (marked partial,
+    never used for the targets)."""
+    done = _read_json(cfg.path(f"eval_{name}", "summary.json"))
+    if done:
+        return done
+    partial = {kind: {"partial": True, **score_records(_jsonl(cfg.path(f"eval_{name}", kind, "results.jsonl"))),
+                      "error_kinds": _error_kinds(cfg.path(f"eval_{name}", kind, "results.jsonl"))}
+               for kind in ("greedy", "heldout") if cfg.path(f"eval_{name}", kind, "results.jsonl").is_file()}
+    return {"partial": True, **partial} if partial else None
+
+
+def heldout_rewards(cfg: LearnConfig, name: str) -> dict[str, float]:
+    """Task id -> reward of a finished eval's held-out rollouts (unscored ones left out)."""
+    if not cfg.path(f"eval_{name}", "summary.json").is_file():
+        return {}
+    return {r["task_id"]: r["reward"] for r in _jsonl(cfg.path(f"eval_{name}", "heldout", "results.jsonl"))
+            if r.get("reward") is not None}
+
+
+def revisit_gain(steps: list[dict]) -> dict | None:
+    """Per RL task visited twice: its group's pass fraction and mean reward at the first visit and
+    at the revisit, compared paired (in-distribution: the steps in between trained on these tasks)."""
+    from pi_env.learning.stats import paired_bootstrap
+
+    first: dict[str, list] = {}
+    pairs = []
+    for step in steps:
+        for task_id, rewards in (step.get("group_rewards") or {}).items():
+            scored = [r for r in rewards if r is not None]
+            if not scored:
+                continue
+            if task_id in first:
+                pairs.append((first[task_id], scored))
+            else:
+                first[task_id] = scored
+    if not pairs:
+        return None
+
+    def rate(rewards):
+        return sum(r >= 1.0 for r in rewards) / len(rewards)
+
+    def points(result):
+        return {"mean": round(100 * result["mean"], 1), "ci95": [round(100 * v, 1) for v in result["ci95"]]}
+
+    return {"tasks": len(pairs),
+            "pass_points": points(paired_bootstrap([rate(a) for a, _ in pairs], [rate(b) for _, b in pairs])),
+            "reward_points": points(paired_bootstrap([sum(a) / len(a) for a, _ in pairs], [sum(b) / len(b) for _, b in pairs])),
+            "note": "in-distribution: the same RL tasks before and after the steps between two visits, which trained "
+                    "on them; only tasks whose first group was mixed are revisited (skip_flat_revisits), a selection "
+                    "on the first visit's outcome, so read it as a trend, not a held-out gain"}
 
 
 def stage_report(cfg: LearnConfig) -> dict:
     """report.json and learning_curve.png from whatever the run directory holds: a run stopped
     part-way is reported as far as it got (`status` says which stages finished)."""
-    steps = _jsonl(cfg.path("rl", "steps.jsonl"))
-    evals = {name: _read_json(cfg.path(f"eval_{name}", "summary.json")) for name in ("base", "sft", "rl")}
-    # An eval stopped part-way: what its store holds, marked partial (never used for the targets).
-    partial = {name: {"partial": True, **score_records(_jsonl(cfg.path(f"eval_{name}", "rollouts", "results.jsonl"))),
-                      "error_kinds": _error_kinds(cfg.path(f"eval_{name}", "rollouts", "results.jsonl"))}
-               for name, summary in evals.items()
-               if summary is None and cfg.path(f"eval_{name}", "rollouts", "results.jsonl").is_file()}
+    from pi_env.learning.stats import compare_paired
+
+    arms = _arms(cfg)
+    sft_rewards = heldout_rewards(cfg, "sft")
+    comparisons = {arm: compare_paired(sft_rewards, heldout_rewards(cfg, arm), seed=cfg.seed)
+                   for arm in arms if sft_rewards and heldout_rewards(cfg, arm)}
     stage_times = _read_json(cfg.path("stage_times.json")) or {}
+    rl = {}
+    for arm in arms:
+        steps = _jsonl(cfg.path(arm, "steps.jsonl"))
+        rl[arm] = {"algorithm": steps[0]["algorithm"] if steps else cfg.rl_algorithm, "steps": steps,
+                   "eval": _eval_summary(cfg, arm), "vs_sft_heldout": comparisons.get(arm),
+                   "revisit_gain": revisit_gain(steps),
+                   "kl_guard_acted": [{"step": s["step"], "action": s["kl_guard"], "kl_after": s["kl_after"]}
+                                      for s in steps if s.get("kl_guard") not in (None, "ok")]}
+    paired_stages = ["eval_sft", *[name for arm in arms for name in (arm, f"eval_{arm}")]]
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "status": stage_status(cfg),
         "tasks": _read_json(cfg.path("tasks", "summary.json")),
         "stages": {
-            "base": evals["base"] or partial.get("base"),
+            "base": _eval_summary(cfg, "base"),
             "oracle": _read_json(cfg.path("oracle", "summary.json")),
-            "sft": {"train": _read_json(cfg.path("sft", "summary.json")), "eval": evals["sft"] or partial.get("sft"),
+            "sft": {"train": _read_json(cfg.path("sft", "summary.json")), "eval": _eval_summary(cfg, "sft"),
                     "history": _jsonl(cfg.path("sft", "history.jsonl"))},
-            "rl": {"steps": len(steps), "eval": evals["rl"] or partial.get("rl")},
+            "probe": _read_json(cfg.path("probe", "summary.json")),
+            **rl,
         },
-        "rl_steps": steps,
         "stage_wall_s": stage_times,
+        "rl_and_paired_evals_wall_s": round(sum(stage_times.get(s, 0) for s in paired_stages), 1) if stage_times else None,
         "total_wall_s": round(sum(stage_times.values()), 1) if stage_times else None,
-        "targets": _targets(evals),
+        "targets": _targets(cfg, comparisons),
     }
     _write_json(cfg.path("report.json"), report)
     try:
@@ -524,15 +770,26 @@ def _error_kinds(path: Path) -> dict[str, int]:
     return kinds
 
 
-def _targets(evals: dict) -> dict:
-    def rate(name):
-        return evals[name]["pass_rate"] if evals.get(name) else None
+def _targets(cfg: LearnConfig, comparisons: dict) -> dict:
+    """The claims in a form a script can check. RL > SFT is claimed only when the paired 95 % CI
+    of the held-out pass-rate difference lies above 0 (`rl_target_met`), never on a point estimate."""
+    def greedy(name):
+        summary = _read_json(cfg.path(f"eval_{name}", "summary.json"))
+        return summary["greedy"]["pass_rate"] if summary else None
 
-    base, sft, rl = rate("base"), rate("sft"), rate("rl")
-    return {"sft_minus_base_points": round(100 * (sft - base), 1) if None not in (sft, base) else None,
-            "rl_minus_sft_points": round(100 * (rl - sft), 1) if None not in (rl, sft) else None,
-            "sft_target_met": (sft - base) >= 0.20 if None not in (sft, base) else None,
-            "rl_target_met": (rl - sft) >= 0.05 if None not in (rl, sft) else None}
+    base, sft = greedy("base"), greedy("sft")
+    targets = {"sft_minus_base_greedy_points": round(100 * (sft - base), 1) if None not in (sft, base) else None,
+               "sft_target_met": (sft - base) >= 0.20 if None not in (sft, base) else None}
+    for arm, name in (("rl", "rl"), ("rl_raft", "raft")):
+        comparison = comparisons.get(arm)
+        if arm == "rl" or comparison:
+            targets[f"{name}_minus_sft_pass"] = {k: comparison["pass_points"][k] for k in ("mean", "ci95")} if comparison else None
+            targets[f"{name}_minus_sft_reward"] = {k: comparison["reward_points"][k] for k in ("mean", "ci95")} if comparison else None
+            targets[f"{name}_mcnemar_p" if name != "rl" else "mcnemar_p"] = comparison["mcnemar"]["p"] if comparison else None
+            targets[f"{name}_target_met"] = comparison["pass_points"]["ci95"][0] > 0 if comparison else None
+            if arm == "rl":
+                targets["heldout_tasks"] = comparison["tasks"] if comparison else 0
+    return targets
 
 
 def plot(report: dict, path: Path) -> None:
@@ -541,22 +798,31 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    stages = report["stages"]
+    arms = [(name, stages[name]) for name in ("rl", "rl_raft") if name in stages]
+    bars = [("SFT", stages["sft"]["eval"])] + [({"rl": "SFT+GRPO", "rl_raft": "SFT+RAFT"}[n], a["eval"]) for n, a in arms]
     names, rates, labels = [], [], []
-    for name, summary in (("base", report["stages"]["base"]), ("SFT", report["stages"]["sft"]["eval"]),
-                          ("SFT+RL", report["stages"]["rl"]["eval"])):
-        if summary and summary.get("count"):
-            names.append(name + (" (partial)" if summary.get("partial") else ""))
-            rates.append(100 * (summary["pass_rate"] or 0))
-            labels.append(f"{summary['passed']}/{summary['count']}" + (f"\n{summary['unscored']} unscored" if summary["unscored"] else ""))
-    bars = left.bar(names, rates, color=["#999999", "#4c72b0", "#dd8452"][:len(names)])
-    for bar, label in zip(bars, labels):
+    for name, summary in bars:
+        held = (summary or {}).get("heldout")
+        if held and held.get("count"):
+            names.append(name + (" (partial)" if held.get("partial") else ""))
+            rates.append(100 * (held["pass_rate"] or 0))
+            labels.append(f"{held['passed']}/{held['count']}" + (f"\n{held['unscored']} unscored" if held["unscored"] else ""))
+    drawn = left.bar(names, rates, color=["#4c72b0", "#dd8452", "#55a868"][:len(names)])
+    for bar, label in zip(drawn, labels):
         left.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    targets = report["targets"]
+    lines = []
+    for key, label in (("rl_minus_sft_pass", "GRPO - SFT"), ("raft_minus_sft_pass", "RAFT - SFT")):
+        if targets.get(key):
+            low, high = targets[key]["ci95"]
+            lines.append(f"{label}: {targets[key]['mean']:+.1f} pts, 95% CI [{low:+.1f}, {high:+.1f}]")
+    left.set_title("held-out sampled pass@1, paired" + ("\n" + "\n".join(lines) if lines else ""), fontsize=9)
     left.set_ylim(0, 100)
-    left.set_ylabel("held-out pass rate (%)")
-    left.set_title("SmolLM2-135M through real Pi: held-out eval")
-    steps = report["rl_steps"]
-    sft_history = report["stages"]["sft"]["history"]
+    left.set_ylabel("pass rate (%)")
+    steps = arms[0][1]["steps"] if arms else []
+    sft_history = stages["sft"]["history"]
     if not steps and sft_history:  # no RL yet: the SFT loss is the curve there is
         right.plot([h["step"] for h in sft_history], [h["loss"] for h in sft_history], marker="o")
         right.set_xlabel("SFT step (batch of %d)" % sft_history[0]["rows"])
@@ -564,12 +830,16 @@ def plot(report: dict, path: Path) -> None:
         right.set_title("SFT warm-up")
     if steps:
         xs = [s["step"] for s in steps]
-        right.plot(xs, [s["mean_reward"] or 0 for s in steps], marker="o", label="mean reward (train groups)")
-        right.plot(xs, [s["pass_rate"] or 0 for s in steps], marker="s", label="pass rate (train groups)")
-        right.set_xlabel("GRPO step")
-        right.set_ylim(0, 1)
-        right.legend()
-        right.set_title("on-policy RL (sampled, T=1)")
+        right.plot(xs, [s["mean_reward"] or 0 for s in steps], marker="o", label="mean reward (RL groups)")
+        right.plot(xs, [s["pass_rate"] or 0 for s in steps], marker="s", label="pass rate (RL groups)")
+        right.plot(xs, [s.get("entropy_sampled") or 0 for s in steps], marker="^", label="entropy (nats/token)")
+        for s in steps:
+            if s.get("kl_guard") not in (None, "ok"):
+                right.axvline(s["step"], color="red", alpha=0.3)
+        right.set_xlabel(f"{arms[0][1]['algorithm'].upper()} step (second half: revisits; red: KL guard acted)")
+        right.set_ylim(0, max(1.0, max(s.get("entropy_sampled") or 0 for s in steps) * 1.1))
+        right.legend(fontsize=8)
+        right.set_title(f"on-policy RL (sampled, T={report['config']['rl_temperature']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -579,23 +849,27 @@ def plot(report: dict, path: Path) -> None:
 # Command line: python -m pi_env.learning STAGE [--options]
 
 
-def run_stage(cfg: LearnConfig, stage: str) -> dict:
+def run_stage(cfg: LearnConfig, stage: str, engines: Engines) -> dict:
     started = time.monotonic()
+    if stage in ("tasks", "oracle", "sft"):
+        engines.close()  # CPU work that needs no engine: an idle vLLM would only hold memory
     if stage == "tasks":
         result = stage_tasks(cfg)
         _write_json(cfg.path("tasks", "summary.json"), result)
     elif stage == "oracle":
         result = stage_oracle(cfg)
     elif stage == "eval_base":
-        result = stage_eval(cfg, "base", cfg.base_model)
+        result = stage_eval(cfg, "base", cfg.base_model, engines)
     elif stage == "sft":
         result = stage_sft(cfg)
+    elif stage == "probe":
+        result = stage_probe(cfg, engines)
     elif stage == "eval_sft":
-        result = stage_eval(cfg, "sft", cfg.path("sft", "policy"))
+        result = stage_eval(cfg, "sft", cfg.path("sft", "policy"), engines)
     elif stage == "rl":
-        result = stage_rl(cfg)
+        result = stage_rl(cfg, engines)
     elif stage == "eval_rl":
-        result = stage_eval(cfg, "rl", cfg.path("rl", "policy"))
+        result = stage_eval(cfg, cfg.rl_name, cfg.path(cfg.rl_name, "policy"), engines)
     elif stage == "report":
         return stage_report(cfg)
     else:
@@ -603,8 +877,9 @@ def run_stage(cfg: LearnConfig, stage: str) -> dict:
     times_path = cfg.path("stage_times.json")
     times = _read_json(times_path) or {}
     # A stage resumed from its outputs takes ~0 s now: keep the time of the run that did the work.
+    key = {"rl": cfg.rl_name, "eval_rl": f"eval_{cfg.rl_name}"}.get(stage, stage)
     elapsed = round(time.monotonic() - started, 1)
-    if elapsed > times.get(stage, 0):
-        times[stage] = elapsed
+    if elapsed > times.get(key, 0):
+        times[key] = elapsed
     _write_json(times_path, times)
     return result

@@ -13,6 +13,7 @@ Needs torch and transformers (`pi-env[learn]`, or the engine venv).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -150,10 +151,13 @@ def _shared_prefix(rows: Sequence[Row]) -> int:
 
 
 def backward_rows(model, rows: Sequence[Row], loss_fn: Callable, *, micro_batch: int = 2,
-                  normaliser: float = 1.0) -> dict:
+                  normaliser: float = 1.0, temperature: float = 1.0) -> dict:
     """Score `rows` with gradients (shared prefix once), call `loss_fn(row, logprobs)` per row
     (logprobs of the row's trained tokens, in order) for a scalar, back-propagate
-    sum(loss) / normaliser. Returns {"loss": ..., "prefix_tokens": ..., "tokens": ...}."""
+    sum(loss) / normaliser. Returns {"loss": ..., "prefix_tokens": ..., "tokens": ...}.
+    `temperature`: the logits are divided by it, so the logprobs are those of the distribution
+    the engine sampled from at that temperature (what its processed logprobs report). Under
+    torch.no_grad() it only scores (nothing to back-propagate)."""
     prefix_len = _shared_prefix(rows)
     lm_head, body = model.get_output_embeddings(), model.get_decoder()
     total, tokens = 0.0, 0
@@ -191,7 +195,7 @@ def backward_rows(model, rows: Sequence[Row], loss_fn: Callable, *, micro_batch:
             if not targets:
                 continue
             states = hidden[b, [t - 1 - prefix_len for t in targets]]
-            logprobs = torch.log_softmax(lm_head(states).float(), -1)
+            logprobs = torch.log_softmax(lm_head(states).float() / temperature, -1)
             picked = logprobs.gather(1, torch.tensor([[row.token_ids[t]] for t in targets]))[:, 0]
             loss = loss + loss_fn(row, picked, targets)
             tokens += len(targets)
@@ -254,16 +258,28 @@ def sft_train(model, rows: list[Row], *, epochs: int, batch_size: int, learning_
 # GRPO
 
 
-def grpo_step(model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro_batch: int = 2) -> dict:
+def _checked_temperature(temperature: float) -> float:
+    if not temperature > 0:
+        raise ValueError(f"temperature {temperature}: RL samples and scores at a temperature > 0 "
+                         "(greedy decoding has no sampling distribution to train)")
+    return temperature
+
+
+def grpo_step(model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro_batch: int = 2,
+              temperature: float = 1.0) -> dict:
     """One policy-gradient step on rows carrying advantages (`weight`) and the engine's sampled
     logprobs: PPO-clipped ratio objective, token-level mean (DAPO/TRL's `loss_type="dapo"`
     normalisation), no reference-model KL term (beta = 0, TRL's default); the statistics of
-    the ratio new/old and the k3 estimate of KL(old || new) on the sampled tokens are returned."""
+    the ratio new/old and the k3 estimate of KL(old || new) on the sampled tokens are returned.
+    `temperature`: the one the rollouts were sampled at (the engine's logprobs are of that
+    distribution: vLLM's `--logprobs-mode processed_logprobs`). The result's `_before` holds the
+    trainer's own logprobs before the step (for `kl_after`)."""
     rows = [r for r in rows if r.weight != 0.0 and sum(r.loss_mask)]
     if not rows:
         return {"rows": 0, "loss": 0.0, "tokens": 0, "skipped": "every group had equal rewards"}
     trained = sum(sum(r.loss_mask) for r in rows)
     ratios: list[torch.Tensor] = []
+    before: list[torch.Tensor] = []
     missing = 0
 
     def loss_fn(row: Row, logprobs: torch.Tensor, targets: list[int]) -> torch.Tensor:
@@ -276,11 +292,13 @@ def grpo_step(model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro
         old_t = torch.where(known, old_t, logprobs.detach())
         ratio = torch.exp(logprobs - old_t)
         ratios.append(ratio.detach())
+        before.append(logprobs.detach())
         unclipped, clipped = ratio * row.weight, ratio.clamp(1 - clip_eps, 1 + clip_eps) * row.weight
         return -torch.minimum(unclipped, clipped).sum()
 
     model.train()
-    stats = backward_rows(model, rows, loss_fn, micro_batch=micro_batch, normaliser=trained)
+    stats = backward_rows(model, rows, loss_fn, micro_batch=micro_batch, normaliser=trained,
+                          temperature=_checked_temperature(temperature))
     grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable(model), 1.0))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -293,4 +311,82 @@ def grpo_step(model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro
             "ratio_max": round(float(ratio.max()), 5),
             "clip_fraction": round(float(((ratio < 1 - clip_eps) | (ratio > 1 + clip_eps)).float().mean()), 5),
             "kl_old_new_k3": round(float((ratio - 1 - log_ratio).mean()), 6),
-            "old_logprobs_missing": missing}
+            "old_logprobs_missing": missing, "_rows": rows, "_before": before}
+
+
+def nll_step(model, optimizer, rows: list[Row], *, micro_batch: int = 2, temperature: float = 1.0) -> dict:
+    """One step of token-mean NLL on `rows` (rejection sampling: the chosen rollouts' own
+    tokens), scored at the sampling temperature like `grpo_step`."""
+    rows = [r for r in rows if sum(r.loss_mask)]
+    if not rows:
+        return {"rows": 0, "loss": 0.0, "tokens": 0, "skipped": "no passing rollout in a mixed group"}
+    trained = sum(sum(r.loss_mask) for r in rows)
+    before: list[torch.Tensor] = []
+
+    def loss_fn(row: Row, logprobs: torch.Tensor, targets: list[int]) -> torch.Tensor:
+        before.append(logprobs.detach())
+        return -logprobs.sum()
+
+    model.train()
+    stats = backward_rows(model, rows, loss_fn, micro_batch=micro_batch, normaliser=trained,
+                          temperature=_checked_temperature(temperature))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable(model), 1.0))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return {"rows": len(rows), "loss": round(stats["loss"], 6), "tokens": trained,
+            "prefix_tokens": stats["prefix_tokens"], "grad_norm": round(grad_norm, 4),
+            "_rows": rows, "_before": before}
+
+
+def kl_after(model, update: dict, *, micro_batch: int = 2, temperature: float = 1.0) -> float:
+    """KL(before || after) of the step `update` made (k3 estimate on the tokens it trained,
+    which were sampled from the policy before it): the step's size in distribution, whatever
+    the learning rate and optimizer state turned into. One forward pass, no gradients."""
+    after: list[torch.Tensor] = []
+
+    def score(row: Row, logprobs: torch.Tensor, targets: list[int]) -> torch.Tensor:
+        after.append(logprobs)
+        return logprobs.new_zeros(())
+
+    with torch.no_grad():
+        backward_rows(model, update["_rows"], score, micro_batch=micro_batch, temperature=temperature)
+    log_ratio = torch.cat(after) - torch.cat(update["_before"])
+    return float((log_ratio.exp() - 1 - log_ratio).mean())
+
+
+def guarded_step(model, optimizer, step: Callable[[], dict], *, kl_soft: float, kl_hard: float,
+                 micro_batch: int = 2, temperature: float = 1.0) -> dict:
+    """Run `step` (one `grpo_step` or `nll_step` on `model`/`optimizer`) under the KL guard:
+    measure KL(before || after) of the update on the tokens it trained; above `kl_hard` put the
+    weights and the optimizer's state back as they were ("rolled_back"), above `kl_soft` keep
+    it but say the lr should be lowered ("lr_lowered"), else "ok". Returns the step's statistics
+    (private `_` entries dropped) with `kl_after` and `kl_guard`."""
+    saved = snapshot(model, optimizer)
+    update = step()
+    public = {k: v for k, v in update.items() if not k.startswith("_")}
+    if not update["rows"]:
+        return {**public, "kl_after": None, "kl_guard": "ok"}
+    started = time.monotonic()
+    kl = kl_after(model, update, micro_batch=micro_batch, temperature=temperature)
+    guard = "ok"
+    if kl > kl_hard:
+        restore(model, optimizer, saved)
+        guard = "rolled_back"
+    elif kl > kl_soft:
+        guard = "lr_lowered"
+    return {**public, "kl_after": round(kl, 6), "kl_guard": guard, "guard_s": round(time.monotonic() - started, 1)}
+
+
+def snapshot(model, optimizer) -> dict:
+    """The trainable weights and the optimizer's state, in memory (what `restore` puts back)."""
+    return {"weights": [p.detach().clone() for p in trainable(model)],
+            "optimizer": copy.deepcopy(optimizer.state_dict())}
+
+
+def restore(model, optimizer, saved: dict) -> None:
+    with torch.no_grad():
+        for parameter, value in zip(trainable(model), saved["weights"]):
+            parameter.copy_(value)
+    # load_state_dict may keep the given tensors: a copy, so the snapshot stays as it was
+    optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
