@@ -105,3 +105,32 @@ def test_schedule_round_robin_then_revisits_in_the_same_order():
 def test_flat_groups():
     assert flat([1.0, 1.0, None]) and flat([0.0] * 8) and flat([None, None])
     assert not flat([1.0, 0.0]) and not flat([2 / 3, 1.0, 1.0])
+
+
+def _step(k, rewards_by_task, guard="ok"):
+    flat_rewards = [r for rs in rewards_by_task.values() for r in rs if r is not None]
+    return {"step": k, "kl_guard": guard, "group_rewards": rewards_by_task,
+            "mean_reward": sum(flat_rewards) / len(flat_rewards)}
+
+
+def test_a_fall_below_the_previous_steps_ci_is_a_collapse_unless_the_guard_acted():
+    from pi_env.learning.pipeline import collapse_check
+
+    good = _step(0, {"a": [1, 1, 0, 1], "b": [1, 0, 1, 1]})
+    fall = _step(1, {"c": [0, 0, 0, 1], "d": [0, 0, 0, 0]})
+    assert collapse_check([good, fall])["collapsed"]
+    assert collapse_check([good, {**fall, "kl_guard": "rolled_back"}]) == {
+        "falls": [{"step": 1, "mean_reward": 0.125, "previous_ci95": [0.75, 0.75], "kl_guard_acted": True}],
+        "collapsed": False}
+    assert not collapse_check([good, _step(1, {"c": [1, 1, 1, 0], "d": [1, 0, 1, 1, None]})])["falls"]
+
+
+def test_revisit_gain_pairs_each_task_with_its_first_visit():
+    from pi_env.learning.pipeline import revisit_gain
+
+    steps = [_step(0, {"a": [0, 0, 1, 0], "b": [1, 0, 0, 0]}), _step(1, {"a": [1, 1, 1, 0], "b": [1, 1, 0, None]})]
+    gain = revisit_gain(steps)
+    assert gain["tasks"] == 2
+    assert gain["pass_points"]["mean"] == pytest.approx(100 * ((0.75 - 0.25) + (2 / 3 - 0.25)) / 2, abs=0.05)
+    assert "in-distribution" in gain["note"]
+    assert revisit_gain(steps[:1]) is None

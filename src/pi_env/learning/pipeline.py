@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import random
 import subprocess
 import time
 import urllib.error
@@ -275,13 +274,15 @@ class Engines:
         self.cfg = cfg
         self.engine: Engine | None = None
 
-    def serve(self, model_dir: Path, log_name: str) -> tuple[Engine, dict]:
+    def serve(self, model_dir: Path, log_name: str, *, rewritten: bool = False) -> tuple[Engine, dict]:
+        """The engine serving `model_dir` (`rewritten`: the directory was saved again since it
+        was loaded, as RL's policy/ after each step) and what that cost."""
         if self.engine is None:
             engine = Engine(model_dir, self.cfg.engine_port, self.cfg.path("logs", f"vllm-{log_name}.log"),
                             self.cfg.engine_timeout_s)
             self.engine = engine.__enter__()
             return self.engine, {"engine_start": round(self.engine.start_s, 1)}
-        if Path(model_dir).resolve() == self.engine.model_dir.resolve():
+        if Path(model_dir).resolve() == self.engine.model_dir.resolve() and not rewritten:
             return self.engine, {}
         return self.engine, {"weights_load": round(self.engine.load(model_dir), 1)}
 
@@ -531,7 +532,7 @@ def stage_rl(cfg: LearnConfig, engines: Engines) -> dict:
         steps.append(entry)
         log(f"{cfg.rl_name} step {step}: mean reward {entry['mean_reward']}, pass {entry['pass_rate']}, "
             f"kl {entry.get('kl_after')} ({entry['kl_guard']}), {entry['time_s']}")
-        _, engine_time = engines.serve(policy_dir, cfg.rl_name)
+        _, engine_time = engines.serve(policy_dir, cfg.rl_name, rewritten=True)
     return {"steps": len(steps)}
 
 
@@ -718,6 +719,36 @@ def revisit_gain(steps: list[dict]) -> dict | None:
                     "on the first visit's outcome, so read it as a trend, not a held-out gain"}
 
 
+def collapse_check(steps: list[dict]) -> dict:
+    """Steps whose rollout mean reward fell below the previous step's 95 % CI (bootstrap over its
+    groups), and whether the KL guard acted there. `collapsed`: such a fall with no guard action."""
+    from pi_env.learning.stats import paired_bootstrap
+
+    falls, previous = [], None
+    for step in steps:
+        means = [sum(r for r in g if r is not None) / len([r for r in g if r is not None])
+                 for g in (step.get("group_rewards") or {}).values() if any(r is not None for r in g)]
+        if not means:
+            continue
+        ci = paired_bootstrap([0.0] * len(means), means)["ci95"]
+        if previous and step["mean_reward"] is not None and step["mean_reward"] < previous["ci"][0]:
+            guard = previous["guard"] != "ok" or step.get("kl_guard") not in (None, "ok")
+            falls.append({"step": step["step"], "mean_reward": step["mean_reward"],
+                          "previous_ci95": [round(v, 3) for v in previous["ci"]], "kl_guard_acted": guard})
+        previous = {"ci": ci, "guard": step.get("kl_guard") or "ok"}
+    return {"falls": falls, "collapsed": any(not f["kl_guard_acted"] for f in falls)}
+
+
+def _sequences(cfg: LearnConfig, arms: list[str]) -> dict:
+    """How many RL and held-out eval rollouts are one training sequence (token-in's promise), and
+    how many were unscored, over the whole run directory."""
+    records = [r for arm in arms for d in sorted(cfg.path(arm).glob("step_*")) for r in _jsonl(d / "results.jsonl")]
+    records += [r for d in sorted(cfg.path().glob("eval_*/heldout")) for r in _jsonl(d / "results.jsonl")]
+    traced = [len((r.get("training") or {}).get("segments") or []) for r in records if r.get("training")]
+    return {"rollouts": len(records), "one_sequence": sum(n == 1 for n in traced), "with_trace": len(traced),
+            "unscored": sum(r.get("reward") is None for r in records)}
+
+
 def stage_report(cfg: LearnConfig) -> dict:
     """report.json and learning_curve.png from whatever the run directory holds: a run stopped
     part-way is reported as far as it got (`status` says which stages finished)."""
@@ -733,7 +764,7 @@ def stage_report(cfg: LearnConfig) -> dict:
         steps = _jsonl(cfg.path(arm, "steps.jsonl"))
         rl[arm] = {"algorithm": steps[0]["algorithm"] if steps else cfg.rl_algorithm, "steps": steps,
                    "eval": _eval_summary(cfg, arm), "vs_sft_heldout": comparisons.get(arm),
-                   "revisit_gain": revisit_gain(steps),
+                   "revisit_gain": revisit_gain(steps), "collapse_check": collapse_check(steps),
                    "kl_guard_acted": [{"step": s["step"], "action": s["kl_guard"], "kl_after": s["kl_after"]}
                                       for s in steps if s.get("kl_guard") not in (None, "ok")]}
     paired_stages = ["eval_sft", *[name for arm in arms for name in (arm, f"eval_{arm}")]]
@@ -750,6 +781,8 @@ def stage_report(cfg: LearnConfig) -> dict:
             **rl,
         },
         "stage_wall_s": stage_times,
+        "stage_load_average": _read_json(cfg.path("stage_load.json")),
+        "training_sequences": _sequences(cfg, arms),
         "rl_and_paired_evals_wall_s": round(sum(stage_times.get(s, 0) for s in paired_stages), 1) if stage_times else None,
         "total_wall_s": round(sum(stage_times.values()), 1) if stage_times else None,
         "targets": _targets(cfg, comparisons),
@@ -881,5 +914,9 @@ def run_stage(cfg: LearnConfig, stage: str, engines: Engines) -> dict:
     elapsed = round(time.monotonic() - started, 1)
     if elapsed > times.get(key, 0):
         times[key] = elapsed
+        # The machine is shared: each figure with the 1/5/15-min load average at its end.
+        loads = _read_json(cfg.path("stage_load.json")) or {}
+        loads[key] = [round(v, 2) for v in os.getloadavg()]
+        _write_json(cfg.path("stage_load.json"), loads)
     _write_json(times_path, times)
     return result
