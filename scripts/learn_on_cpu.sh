@@ -22,6 +22,6 @@ ENGINE_PY=$PI_ENV_ENGINES_DIR/vllm-venv/bin/python
 bash scripts/engines/install.sh vllm   # idempotent: the engine venv (renderers for token-in) and the model
 mkdir -p "$RUN_DIR"
 export PYTHONPATH=$PWD/src HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft probe eval_sft rl eval_rl --run-dir "$RUN_DIR" "$@"
+nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft probe eval_sft rl eval_rl retest_sft --run-dir "$RUN_DIR" "$@"
 PYTHONPATH=$PWD/src .venv/bin/python -m pi_env.learning report --run-dir "$RUN_DIR" "$@"
 echo "[learn] report: $RUN_DIR/report.json, plot: $RUN_DIR/learning_curve.png"

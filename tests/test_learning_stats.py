@@ -113,16 +113,19 @@ def _step(k, rewards_by_task, guard="ok"):
             "mean_reward": sum(flat_rewards) / len(flat_rewards)}
 
 
-def test_a_fall_below_the_previous_steps_ci_is_a_collapse_unless_the_guard_acted():
+def test_a_revisit_that_falls_below_its_first_visit_is_a_collapse_unless_the_guard_acted():
     from pi_env.learning.pipeline import collapse_check
 
-    good = _step(0, {"a": [1, 1, 0, 1], "b": [1, 0, 1, 1]})
-    fall = _step(1, {"c": [0, 0, 0, 1], "d": [0, 0, 0, 0]})
-    assert collapse_check([good, fall])["collapsed"]
-    assert collapse_check([good, {**fall, "kl_guard": "rolled_back"}]) == {
-        "falls": [{"step": 1, "mean_reward": 0.125, "previous_ci95": [0.75, 0.75], "kl_guard_acted": True}],
-        "collapsed": False}
-    assert not collapse_check([good, _step(1, {"c": [1, 1, 1, 0], "d": [1, 0, 1, 1, None]})])["falls"]
+    first = _step(0, {"a": [1, 1, 0, 1], "b": [1, 0, 1, 1], "c": [1, 1, 1, 1]})
+    harder = _step(1, {"d": [0, 0, 0, 0], "e": [0, 0, 0, 0]})  # other tasks: lower, but no evidence of a fall
+    worse = _step(2, {"a": [0, 0, 0, 1], "b": [0, 0, 0, 0], "c": [0, 1, 0, 0]})  # the same tasks, all lower
+    result = collapse_check([first, harder, worse])
+    assert [r["step"] for r in result["revisits"]] == [2] and result["revisits"][0]["tasks"] == 3
+    assert result["falls"] and result["revisits"][0]["ci95"][1] < 0 and result["collapsed"]
+    guarded = collapse_check([first, {**harder, "kl_guard": "rolled_back"}, worse])
+    assert guarded["falls"] and not guarded["collapsed"]  # the guard acted between the two visits
+    same = _step(2, {"a": [1, 0, 1, 1], "b": [1, 1, 0, 1], "c": [1, 1, 1, 0]})
+    assert not collapse_check([first, harder, same])["falls"]
 
 
 def test_revisit_gain_pairs_each_task_with_its_first_visit():

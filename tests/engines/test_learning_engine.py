@@ -91,7 +91,7 @@ def test_every_stage_on_tiny_sizes(tmp_path):
             "--probe-tasks-per-family", "1", "--probe-samples", "2", "--rl-steps", "2", "--rl-tasks-per-step", "1",
             "--group-size", "4", "--no-skip-flat-revisits", "--max-turns", "4", "--max-tokens", "96",
             "--agent-timeout-s", "180", "--engine-port", str(free_port()), "--base-model", str(MODEL_DIR)]
-    stages = ["tasks", "oracle", "eval_base", "sft", "probe", "eval_sft", "rl", "eval_rl"]
+    stages = ["tasks", "oracle", "eval_base", "sft", "probe", "eval_sft", "rl", "eval_rl", "retest_sft"]
     out = subprocess.run(["nice", "-n", "10", str(ENGINE_PYTHON), "-m", "pi_env.learning", *stages, *args],
                          env=_engine_env(), capture_output=True, text=True, timeout=3000)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -129,6 +129,11 @@ def test_every_stage_on_tiny_sizes(tmp_path):
         assert claim["ci95"][0] <= claim["mean"] <= claim["ci95"][1]
         assert targets[f"{name}_target_met"] == (claim["ci95"][0] > 0)  # the CI decides, never the point
     assert 0 <= targets["mcnemar_p"] <= 1
+    # the control: the SFT checkpoint again on the same held-out tasks, held-out only
+    retest = stages_["sft_retest"]
+    assert retest["eval"]["heldout"]["count"] == 2 and "greedy" not in retest["eval"]
+    assert retest["vs_sft_heldout"]["tasks"] == 2 and targets["sft_retest_minus_sft_pass"]["ci95"]
+    assert "weights_load" in retest["eval"]["time_s"]  # the RL engine, the SFT weights loaded back
 
     steps = stages_["rl"]["steps"]
     assert len(steps) == 2

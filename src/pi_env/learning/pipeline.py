@@ -31,7 +31,7 @@ from pi_env.config import PiConfig
 from pi_env.task import PiTask
 
 ROOT = Path(__file__).resolve().parents[3]
-STAGES = ("tasks", "oracle", "eval_base", "sft", "probe", "eval_sft", "rl", "eval_rl", "report")
+STAGES = ("tasks", "oracle", "eval_base", "sft", "probe", "eval_sft", "rl", "eval_rl", "retest_sft", "report")
 
 
 class LeakError(RuntimeError):
@@ -386,7 +386,9 @@ def stage_eval(cfg: LearnConfig, name: str, model_dir: Path, engines: Engines) -
     if done:
         return done
     started = time.monotonic()
-    sets = {"greedy": (read_tasks(cfg.path("tasks", "eval.jsonl"))[:cfg.eval_limit or None], cfg.eval_temperature)}
+    sets = {}
+    if name != "sft_retest":  # the retest is a control of the paired eval only
+        sets["greedy"] = (read_tasks(cfg.path("tasks", "eval.jsonl"))[:cfg.eval_limit or None], cfg.eval_temperature)
     if name != "base":
         sets["heldout"] = (heldout_tasks(cfg), cfg.rl_temperature)
     trained = check_held_out(cfg, [task for tasks, _ in sets.values() for task in tasks])
@@ -650,9 +652,10 @@ def _arms(cfg: LearnConfig) -> list[str]:
 def stage_status(cfg: LearnConfig) -> dict[str, str]:
     """done / in progress / not started, per stage (and RL arm), from the run directory's outputs."""
     done = {"tasks": cfg.path("tasks", "heldout.jsonl"), "oracle": cfg.path("oracle", "summary.json"),
-            "sft": cfg.path("sft", "summary.json"), "probe": cfg.path("probe", "summary.json")}
+            "sft": cfg.path("sft", "summary.json"), "probe": cfg.path("probe", "summary.json"),
+            "retest_sft": cfg.path("eval_sft_retest", "summary.json")}
     status = {}
-    for stage in ("tasks", "oracle", "eval_base", "sft", "probe", "eval_sft"):
+    for stage in ("tasks", "oracle", "eval_base", "sft", "probe", "eval_sft", "retest_sft"):
         marker = done.get(stage, cfg.path(stage, "summary.json"))
         status[stage] = "done" if marker.exists() else \
             "in progress or stopped" if marker.parent.exists() and stage != "tasks" else "not started"
@@ -720,23 +723,33 @@ def revisit_gain(steps: list[dict]) -> dict | None:
 
 
 def collapse_check(steps: list[dict]) -> dict:
-    """Steps whose rollout mean reward fell below the previous step's 95 % CI (bootstrap over its
-    groups), and whether the KL guard acted there. `collapsed`: such a fall with no guard action."""
+    """Did a step make the policy worse? Judged on the same tasks (consecutive steps differ by
+    their tasks' difficulty far more than by the weights): each revisit step's group mean rewards
+    against its tasks' first visits, paired bootstrap 95 % CI in points. A `fall` is a CI entirely
+    below 0; `collapsed` is a fall with no KL guard action at or between the two visits."""
     from pi_env.learning.stats import paired_bootstrap
 
-    falls, previous = [], None
+    first: dict[str, tuple[float, int]] = {}
+    revisits = []
     for step in steps:
-        means = [sum(r for r in g if r is not None) / len([r for r in g if r is not None])
-                 for g in (step.get("group_rewards") or {}).values() if any(r is not None for r in g)]
-        if not means:
+        pairs = []
+        for task_id, rewards in (step.get("group_rewards") or {}).items():
+            scored = [r for r in rewards if r is not None]
+            if not scored:
+                continue
+            if task_id in first:
+                pairs.append((*first[task_id], sum(scored) / len(scored)))
+            else:
+                first[task_id] = (sum(scored) / len(scored), step["step"])
+        if not pairs:
             continue
-        ci = paired_bootstrap([0.0] * len(means), means)["ci95"]
-        if previous and step["mean_reward"] is not None and step["mean_reward"] < previous["ci"][0]:
-            guard = previous["guard"] != "ok" or step.get("kl_guard") not in (None, "ok")
-            falls.append({"step": step["step"], "mean_reward": step["mean_reward"],
-                          "previous_ci95": [round(v, 3) for v in previous["ci"]], "kl_guard_acted": guard})
-        previous = {"ci": ci, "guard": step.get("kl_guard") or "ok"}
-    return {"falls": falls, "collapsed": any(not f["kl_guard_acted"] for f in falls)}
+        diff = paired_bootstrap([before for before, _, _ in pairs], [after for _, _, after in pairs])
+        since = min(k for _, k, _ in pairs)
+        acted = any(s.get("kl_guard") not in (None, "ok") for s in steps if since <= s["step"] <= step["step"])
+        revisits.append({"step": step["step"], "tasks": len(pairs), "reward_points": round(100 * diff["mean"], 1),
+                         "ci95": [round(100 * v, 1) for v in diff["ci95"]], "kl_guard_acted": acted})
+    falls = [r for r in revisits if r["ci95"][1] < 0]
+    return {"revisits": revisits, "falls": falls, "collapsed": any(not f["kl_guard_acted"] for f in falls)}
 
 
 def _sequences(cfg: LearnConfig, arms: list[str]) -> dict:
@@ -758,6 +771,10 @@ def stage_report(cfg: LearnConfig) -> dict:
     sft_rewards = heldout_rewards(cfg, "sft")
     comparisons = {arm: compare_paired(sft_rewards, heldout_rewards(cfg, arm), seed=cfg.seed)
                    for arm in arms if sft_rewards and heldout_rewards(cfg, arm)}
+    # The control: the SFT checkpoint evaluated again on the same tasks, new samples. Its
+    # difference is the paired eval's own noise; its CI should hold 0.
+    retest = heldout_rewards(cfg, "sft_retest")
+    control = compare_paired(sft_rewards, retest, seed=cfg.seed) if sft_rewards and retest else None
     stage_times = _read_json(cfg.path("stage_times.json")) or {}
     rl = {}
     for arm in arms:
@@ -778,6 +795,7 @@ def stage_report(cfg: LearnConfig) -> dict:
             "sft": {"train": _read_json(cfg.path("sft", "summary.json")), "eval": _eval_summary(cfg, "sft"),
                     "history": _jsonl(cfg.path("sft", "history.jsonl"))},
             "probe": _read_json(cfg.path("probe", "summary.json")),
+            "sft_retest": {"eval": _eval_summary(cfg, "sft_retest"), "vs_sft_heldout": control},
             **rl,
         },
         "stage_wall_s": stage_times,
@@ -787,6 +805,14 @@ def stage_report(cfg: LearnConfig) -> dict:
         "total_wall_s": round(sum(stage_times.values()), 1) if stage_times else None,
         "targets": _targets(cfg, comparisons),
     }
+    report["targets"]["sft_retest_minus_sft_pass"] = \
+        {k: control["pass_points"][k] for k in ("mean", "ci95")} if control else None
+    arm = rl.get("rl")
+    if arm and arm["steps"]:
+        # No collapse: no revisit fell below its first visit, and the held-out reward did not fall
+        # (CI below 0), unless the KL guard acted.
+        fell = (comparisons.get("rl") or {}).get("reward_points", {}).get("ci95", [0, 0])[1] < 0
+        report["targets"]["no_collapse"] = not arm["collapse_check"]["collapsed"] and not (fell and not arm["kl_guard_acted"])
     _write_json(cfg.path("report.json"), report)
     try:
         plot(report, cfg.path("learning_curve.png"))
@@ -834,24 +860,32 @@ def plot(report: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     stages = report["stages"]
     arms = [(name, stages[name]) for name in ("rl", "rl_raft") if name in stages]
-    bars = [("SFT", stages["sft"]["eval"])] + [({"rl": "SFT+GRPO", "rl_raft": "SFT+RAFT"}[n], a["eval"]) for n, a in arms]
-    names, rates, labels = [], [], []
-    for name, summary in bars:
-        held = (summary or {}).get("heldout")
-        if held and held.get("count"):
-            names.append(name + (" (partial)" if held.get("partial") else ""))
-            rates.append(100 * (held["pass_rate"] or 0))
-            labels.append(f"{held['passed']}/{held['count']}" + (f"\n{held['unscored']} unscored" if held["unscored"] else ""))
-    drawn = left.bar(names, rates, color=["#4c72b0", "#dd8452", "#55a868"][:len(names)])
-    for bar, label in zip(drawn, labels):
-        left.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    checkpoints = [("base", stages["base"]), ("SFT", stages["sft"]["eval"])] + \
+        [({"rl": "SFT+GRPO", "rl_raft": "SFT+RAFT"}[n], a["eval"]) for n, a in arms]
+    width = 0.38
+    for offset, kind, color, legend in ((-width / 2, "heldout", "#4c72b0", "held-out, sampled (paired, primary)"),
+                                        (width / 2, "greedy", "#bbbbbb", "greedy, 20 eval tasks (secondary)")):
+        xs, rates, labels = [], [], []
+        for x, (_, summary) in enumerate(checkpoints):
+            result = (summary or {}).get(kind)
+            if result and result.get("count"):
+                xs.append(x + offset)
+                rates.append(100 * (result["pass_rate"] or 0))
+                labels.append(f"{result['passed']}/{result['count']}" + (" partial" if result.get("partial") else "")
+                              + (f"\n{result['unscored']} unscored" if result["unscored"] else ""))
+        drawn = left.bar(xs, rates, width, color=color, label=legend)
+        for bar, label in zip(drawn, labels):
+            left.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                          fontsize=8)
+    left.set_xticks(range(len(checkpoints)), [name for name, _ in checkpoints])
+    left.legend(fontsize=8, loc="upper left")
     targets = report["targets"]
     lines = []
     for key, label in (("rl_minus_sft_pass", "GRPO - SFT"), ("raft_minus_sft_pass", "RAFT - SFT")):
         if targets.get(key):
             low, high = targets[key]["ci95"]
             lines.append(f"{label}: {targets[key]['mean']:+.1f} pts, 95% CI [{low:+.1f}, {high:+.1f}]")
-    left.set_title("held-out sampled pass@1, paired" + ("\n" + "\n".join(lines) if lines else ""), fontsize=9)
+    left.set_title("pass rate by checkpoint" + ("\n" + "\n".join(lines) if lines else ""), fontsize=9)
     left.set_ylim(0, 100)
     left.set_ylabel("pass rate (%)")
     steps = arms[0][1]["steps"] if arms else []
@@ -903,6 +937,8 @@ def run_stage(cfg: LearnConfig, stage: str, engines: Engines) -> dict:
         result = stage_rl(cfg, engines)
     elif stage == "eval_rl":
         result = stage_eval(cfg, cfg.rl_name, cfg.path(cfg.rl_name, "policy"), engines)
+    elif stage == "retest_sft":
+        result = stage_eval(cfg, "sft_retest", cfg.path("sft", "policy"), engines)
     elif stage == "report":
         return stage_report(cfg)
     else:
