@@ -265,6 +265,19 @@ def _checked_temperature(temperature: float) -> float:
     return temperature
 
 
+def _update(model, optimizer, rows: list[Row], loss_fn: Callable, *, micro_batch: int, normaliser: float,
+            temperature: float) -> tuple[dict, float]:
+    """Back-propagate `loss_fn` over `rows` at `temperature`, clip, step: one optimizer update."""
+    model.train()
+    stats = backward_rows(model, rows, loss_fn, micro_batch=micro_batch, normaliser=normaliser,
+                          temperature=_checked_temperature(temperature))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable(model), 1.0))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return stats, grad_norm
+
+
 def grpo_step(model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro_batch: int = 2,
               temperature: float = 1.0) -> dict:
     """One policy-gradient step on rows carrying advantages (`weight`) and the engine's sampled
@@ -296,13 +309,8 @@ def grpo_step(model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro
         unclipped, clipped = ratio * row.weight, ratio.clamp(1 - clip_eps, 1 + clip_eps) * row.weight
         return -torch.minimum(unclipped, clipped).sum()
 
-    model.train()
-    stats = backward_rows(model, rows, loss_fn, micro_batch=micro_batch, normaliser=trained,
-                          temperature=_checked_temperature(temperature))
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable(model), 1.0))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    model.eval()
+    stats, grad_norm = _update(model, optimizer, rows, loss_fn, micro_batch=micro_batch, normaliser=trained,
+                               temperature=temperature)
     ratio = torch.cat(ratios)
     log_ratio = ratio.log()
     return {"rows": len(rows), "loss": round(stats["loss"], 6), "tokens": trained,
@@ -327,13 +335,8 @@ def nll_step(model, optimizer, rows: list[Row], *, micro_batch: int = 2, tempera
         before.append(logprobs.detach())
         return -logprobs.sum()
 
-    model.train()
-    stats = backward_rows(model, rows, loss_fn, micro_batch=micro_batch, normaliser=trained,
-                          temperature=_checked_temperature(temperature))
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable(model), 1.0))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    model.eval()
+    stats, grad_norm = _update(model, optimizer, rows, loss_fn, micro_batch=micro_batch, normaliser=trained,
+                               temperature=temperature)
     return {"rows": len(rows), "loss": round(stats["loss"], 6), "tokens": trained,
             "prefix_tokens": stats["prefix_tokens"], "grad_norm": round(grad_norm, 4),
             "_rows": rows, "_before": before}
