@@ -54,12 +54,15 @@ def serve_gateway(upstream_url: str, api_key: str) -> None:
     Capture records are kept in memory only by the session (no trace file)."""
     from pi_env.proxy import Upstream, get_gateway
     from pi_env.proxy.capture_worker import capture_worker
+    from pi_env.proxy.policy import SessionLimits
 
     gateway = get_gateway()
     tokens, sessions, recorded = {}, {}, {mode: [] for mode in MODES}
     for mode in MODES:
+        # One session carries every stream of a level (a session's default limit is far lower).
         session = gateway.open_session(Upstream(upstream_url, api_key, "bench"), mode=mode,
-                                       capture=capture_options())
+                                       capture=capture_options(),
+                                       limits=SessionLimits(max_concurrent_calls=1024, max_request_bytes=64 << 20))
         session.turns = BoundedTurns()  # a long benchmark must not grow the session without bound
         session.on_record = lambda turn, mode=mode: recorded[mode].append(
             (time.time() - turn.started_at, getattr(turn.capture, "worker_error", None)))
@@ -127,7 +130,7 @@ async def one_call(client: aiohttp.ClientSession, url: str, key: str, body: byte
         size, tail = len(first), first
         while chunk := await response.content.readany():
             size += len(chunk)
-            tail = chunk
+            tail = (tail + chunk)[-64:]  # the end may arrive split across reads
     if not tail.endswith(b"data: [DONE]\n\n"):
         raise RuntimeError("stream did not end with data: [DONE]")
     return time.perf_counter() - start, ttfb, size

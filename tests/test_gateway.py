@@ -236,6 +236,31 @@ def test_stream_is_relayed_as_it_arrives(gateway, server):
     gateway.close_session(session)
 
 
+
+@pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
+def test_a_relay_that_falls_behind_still_sends_every_byte(gateway, server, mode, monkeypatch):
+    """A relay slower than its upstream reads from a buffer the upstream has filled to its end:
+    the answer must reach the agent whole, never cleanly cut where the upstream's end was seen
+    while bytes were still buffered."""
+    from pi_env.proxy.gateway import RelayedResponse
+
+    write = RelayedResponse.write
+
+    async def slow_write(self, data):
+        await write(self, data)
+        await asyncio.sleep(0.002)  # the upstream runs ahead of the agent
+
+    monkeypatch.setattr(RelayedResponse, "write", slow_write)
+    turns = [ScriptedTurn(text="abcd" * 4000, chunk_chars=4)] * 6
+    session = gateway.open_session(upstream(server, turns), mode=mode)
+    for _ in turns:
+        status, _, raw = call(gateway, session)
+        assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_json(raw) if e["choices"]) \
+            == "abcd" * 4000
+    assert session.wait_idle() and {t.response_bytes for t in session.turns} == {len(raw)}
+    gateway.close_session(session)
+
 # --------------------------------------------------------------------------- budget, traces
 
 

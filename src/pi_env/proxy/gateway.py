@@ -715,7 +715,9 @@ class Call:
                     keep += chunk
                 if error_body is not None and len(error_body) < ERROR_BODY_LIMIT:
                     error_body += chunk[: ERROR_BODY_LIMIT - len(error_body)]
-                if content.is_eof():
+                # at_eof, not is_eof: a relay that fell behind sees the upstream's end while
+                # bytes are still buffered, and those must reach the agent too.
+                if content.at_eof():
                     response.tail = chunk  # goes out with the terminating chunk
                     break
                 await response.write(chunk)
