@@ -2,11 +2,12 @@
 logprobs aligned 1:1, request rewriting, the fallback's synthesised SSE, and the training view."""
 
 import json
+import random
 from dataclasses import dataclass, field
 
 import pytest
 
-from pi_env.proxy.capture import Assembler, TurnCapture, sse_from_capture
+from pi_env.proxy.capture import Assembler, TurnCapture, parse_chunks, plain_sse_array, sse_from_capture, sse_payloads
 from pi_env.proxy.rewrite import CaptureOptions, rejects_capture, rewrite_request, without_capture
 from pi_env.training import build_training_trace
 
@@ -131,6 +132,81 @@ def test_sse_framing_variants_are_read():
     assert capture.choices[0].content == "ab" and capture.finish_reason == "stop"
     assert capture.malformed_chunks == 0
 
+
+
+@pytest.mark.parametrize("done", [True, False])
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_a_plain_stream_becomes_one_json_array_of_its_payloads(count, done):
+    chunks = [chunk({"content": f"x{i}\n\ndata: y"}) for i in range(count)]  # escaped newlines are fine
+    assert json.loads(plain_sse_array(sse(*chunks, done=done))) == chunks
+    assert plain_sse_array(sse()) == b"[]"
+
+
+@pytest.mark.parametrize("body", [
+    b"",
+    b": keep-alive\n\n" + sse(chunk({"content": "a"})),
+    sse(chunk({"content": "a"})).replace(b"\n", b"\r\n"),
+    sse(chunk({"content": "a"})).replace(b"data: ", b"data:"),
+    b"event: message\n" + sse(chunk({"content": "a"})),
+    sse(chunk({"content": "a"}), done=False) + b'data: {"choices": [{"ind',  # cut mid-event
+    sse(chunk({"content": "a"}), done=False)[:-1],
+], ids=["empty", "comment", "crlf", "no-space", "event-line", "cut", "half-separator"])
+def test_any_other_stream_shape_is_left_to_the_line_reader(body):
+    assert plain_sse_array(body) is None
+    assemble(body)  # and the line reader takes it without raising
+
+
+def chunk_by_chunk(raw: bytes) -> TurnCapture:
+    """The reference assembly: every chunk through the per-chunk rules (as bodies are)."""
+    assembler = Assembler(TurnCapture(request={}))
+    chunks, assembler.capture.malformed_chunks = parse_chunks(sse_payloads(raw))
+    for wire in chunks:
+        assembler._envelope(wire)
+        for choice in wire.choices or ():
+            assembler._choice(choice, choice.delta)
+    return assembler._finish()
+
+
+def random_chunk(rng: random.Random, position: int) -> dict:
+    index = rng.choice([0, 0, 0, 1])
+    choice = {"index": index, "finish_reason": rng.choice([None, None, "stop", "length"])}
+    if rng.random() < 0.9:
+        delta = {}
+        for name in ("content", "reasoning_content", "reasoning"):
+            if rng.random() < 0.4:
+                delta[name] = rng.choice(["", "a", "bc", "\u00e9 d"])
+        if rng.random() < 0.15:
+            delta["tool_calls"] = [{"index": rng.choice([0, 1, None]), "id": rng.choice([None, "call_1"]),
+                                    "function": {"name": rng.choice(["", "bash"]), "arguments": "{\"x\""}}]
+        choice["delta"] = delta
+    count = rng.choice([0, 1, 1, 2])
+    if rng.random() < 0.8:
+        choice["token_ids"] = [position * 10 + k for k in range(count)]
+    if rng.random() < 0.8:
+        entries = count + (rng.choice([-1, 1]) if rng.random() < 0.1 and count else 0)
+        spelled = rng.random() < 0.1  # "token_id:N" tokens (vLLM --return-tokens-as-token-ids)
+        tokens = [f"token_id:{position * 10 + k}" if spelled else f"t{k}" for k in range(entries)]
+        choice["logprobs"] = {"content": [lp(t, -0.5 * k, (t, -0.5 * k)) | ({"id": position * 10 + k}
+                                          if rng.random() < 0.1 else {}) for k, t in enumerate(tokens)]}
+    envelope = {"id": "c", "model": rng.choice(["m", None]), "choices": [choice]}
+    if position == 0 or rng.random() < 0.05:
+        envelope["prompt_token_ids"] = [1, 2, position]
+    if rng.random() < 0.1:
+        envelope["usage"] = {"total_tokens": position}
+    return envelope
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_flat_assembly_equals_the_chunk_by_chunk_rules(seed):
+    """Streams are assembled in a few passes per choice (the hot path); whatever a stream holds
+    (several choices, tool calls, ids on logprob entries, misaligned counts, bad chunks), the
+    capture is the one the per-chunk rules give."""
+    rng = random.Random(seed)
+    chunks = [random_chunk(rng, position) for position in range(rng.randint(0, 12))]
+    if rng.random() < 0.1:
+        chunks.insert(rng.randint(0, len(chunks)), b"{not json")
+    raw = sse(*chunks, done=rng.random() < 0.8)
+    assert assemble(raw).to_json() == chunk_by_chunk(raw).to_json()
 
 # ------------------------------------------------------------------- ids and logprobs, 1:1
 

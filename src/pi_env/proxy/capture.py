@@ -24,12 +24,14 @@ TOKEN_ID_PREFIX = "token_id:"
 
 # The wire shapes, only the fields capture reads. Decoding into them skips everything else
 # (logprob `bytes` arrays, ids, timestamps) in C, about 2.5x faster than building dicts.
-class TopLogprob(msgspec.Struct):
+# gc=False: they never form cycles, and tracking thousands of them per answer would run the
+# cyclic collector many times per decode.
+class TopLogprob(msgspec.Struct, gc=False):
     token: str | None = None
     logprob: float | None = None
 
 
-class LogprobEntry(msgspec.Struct):
+class LogprobEntry(msgspec.Struct, gc=False):
     token: str | None = None
     logprob: float | None = None
     id: int | None = None  # llama.cpp names each token's id here
@@ -38,29 +40,29 @@ class LogprobEntry(msgspec.Struct):
     top_logprobs: msgspec.Raw = msgspec.Raw(b"[]")  # a JSON null arrives as Raw(b"null")
 
 
-class Logprobs(msgspec.Struct):
+class Logprobs(msgspec.Struct, gc=False):
     content: list[LogprobEntry] | None = None
 
 
-class FunctionDelta(msgspec.Struct):
+class FunctionDelta(msgspec.Struct, gc=False):
     name: str | None = None
     arguments: str | None = None
 
 
-class ToolCallDelta(msgspec.Struct):
+class ToolCallDelta(msgspec.Struct, gc=False):
     index: int | None = None
     id: str | None = None
     function: FunctionDelta | None = None
 
 
-class MessageDelta(msgspec.Struct):
+class MessageDelta(msgspec.Struct, gc=False):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class WireChoice(msgspec.Struct):
+class WireChoice(msgspec.Struct, gc=False):
     index: int = 0
     delta: MessageDelta | None = None  # streamed
     message: MessageDelta | None = None  # not streamed
@@ -69,7 +71,7 @@ class WireChoice(msgspec.Struct):
     token_ids: list[int] | None = None
 
 
-class WireChunk(msgspec.Struct):
+class WireChunk(msgspec.Struct, gc=False):
     choices: list[WireChoice] | None = None
     prompt_token_ids: list[int] | None = None
     usage: dict[str, Any] | None = None
@@ -178,6 +180,34 @@ def sse_payloads(raw: bytes) -> list[bytes]:
     return payloads
 
 
+_DONE = b"data: [DONE]\n\n"
+
+
+def plain_sse_array(raw: bytes) -> bytes | None:
+    """The payloads of an SSE body as one JSON array, in two passes over the bytes (split,
+    join), when the body has the plain shape engines send (`data: {...}` events, blank-line
+    separated, then `data: [DONE]`); None for any other shape (comments, `event:` lines, CRLF,
+    a cut stream), which the line reader handles. A payload cannot hold a raw newline (it would
+    end its SSE line), so one left in the array means the body was not plain."""
+    if raw == _DONE:  # no events at all
+        return b"[]"
+    pieces = raw.split(b"\n\ndata: ")
+    if len(pieces) > 1 and pieces[-1] == b"[DONE]\n\n":
+        pieces.pop()  # the last payload's blank line went with the separator
+    elif pieces[-1].endswith(b"\n\n"):  # no [DONE] (a stream cut at an event's end)
+        pieces[-1] = pieces[-1][:-2]
+    else:
+        return None
+    if not pieces[0].startswith(b"data: "):
+        return None
+    pieces[-1] += b"]"
+    pieces[0] = b"[" + pieces[0][6:]
+    array = b",".join(pieces)
+    if b"\n" in array or b"\r" in array:
+        return None
+    return array
+
+
 def parse_chunks(payloads: list[bytes]) -> tuple[list[WireChunk], int]:
     """Parse every chunk in one call (much cheaper than one call per chunk); on a malformed
     or oddly typed chunk fall back to one by one and count the bad ones."""
@@ -193,6 +223,17 @@ def parse_chunks(payloads: list[bytes]) -> tuple[list[WireChunk], int]:
         return chunks, bad
 
 
+def parse_sse(raw: bytes) -> tuple[list[WireChunk], int]:
+    """The chunks of a streamed answer and how many could not be read."""
+    array = plain_sse_array(raw)
+    if array is not None:
+        try:
+            return _chunks.decode(array), 0
+        except msgspec.DecodeError:
+            pass  # a bad chunk, or a [DONE] mid-stream: the careful reader counts and skips
+    return parse_chunks(sse_payloads(raw))
+
+
 class Assembler:
     """Builds a TurnCapture from a streamed (chunks) or non-streamed (body) answer."""
 
@@ -202,13 +243,50 @@ class Assembler:
         self._tool_calls: dict[int, dict[int, dict]] = {}
 
     def stream(self, raw: bytes) -> TurnCapture:
-        chunks, bad = parse_chunks(sse_payloads(raw))
+        chunks, bad = parse_sse(raw)
         self.capture.malformed_chunks = bad
+        capture = self.capture
+        # The envelope: first prompt ids, last usage, first model (as _envelope, chunk by chunk).
+        capture.prompt_token_ids = next((c.prompt_token_ids for c in chunks if c.prompt_token_ids), [])
+        capture.usage = next((c.usage for c in reversed(chunks) if c.usage), None)
+        capture.model = next((c.model for c in chunks if c.model), None)
+        groups: dict[int, list[WireChoice]] = {}
         for chunk in chunks:
-            self._envelope(chunk)
             for choice in chunk.choices or ():
-                self._choice(choice, choice.delta)
+                group = groups.get(choice.index)
+                if group is None:
+                    groups[choice.index] = [choice]
+                else:
+                    group.append(choice)
+        for index, group in groups.items():
+            self._stream_choice(index, group)
         return self._finish()
+
+    def _stream_choice(self, index: int, group: list[WireChoice]) -> None:
+        """One choice's deltas, joined in a few passes rather than chunk by chunk: this runs
+        for every token of every captured answer."""
+        choice = self._choices[index] = ChoiceCapture(index=index)
+        calls = self._tool_calls[index] = {}
+        deltas = [c.delta for c in group if c.delta is not None]
+        choice.content = "".join([d.content for d in deltas if d.content])
+        choice.reasoning_content = "".join([d.reasoning_content for d in deltas if d.reasoning_content])
+        choice.reasoning = "".join([d.reasoning for d in deltas if d.reasoning])
+        for delta in deltas:
+            if delta.tool_calls:
+                for position, call in enumerate(delta.tool_calls):
+                    self._tool_call(index, position if call.index is None else call.index, call)
+        choice.finish_reason = next((c.finish_reason for c in reversed(group) if c.finish_reason), None)
+        entries = [c.logprobs.content if c.logprobs is not None and c.logprobs.content else () for c in group]
+        if all(len(e) == len(c.token_ids) if c.token_ids is not None else not e for c, e in zip(group, entries)):
+            # Every chunk's ids and logprobs pair up 1:1 (or it has neither): flatten.
+            choice.token_ids = [i for c in group if c.token_ids for i in c.token_ids]
+            flat = [entry for chunk_entries in entries for entry in chunk_entries]
+            choice.logprobs = [entry.logprob for entry in flat]
+            choice.tokens = [entry.token or "" for entry in flat]
+            choice.top_logprobs = [entry.top_logprobs or NO_TOP_LOGPROBS for entry in flat]
+        else:  # ids on logprob entries, ids without logprobs, or a misaligned chunk
+            for raw in group:
+                self._tokens(choice, raw)
 
     def body(self, raw: bytes) -> TurnCapture:
         try:
