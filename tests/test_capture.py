@@ -268,7 +268,7 @@ def test_token_ids_without_logprobs_get_null_logprobs():
     assert capture.completion_token_ids == [1, 2, 3]
     assert capture.per_token_logps == [None, None, None]
     assert capture.token_ids_source == "token_ids" and capture.token_ids_missing_reason is None
-    assert len(capture.choices[0].tokens) == len(capture.choices[0].top_logprobs) == 3
+    assert len(capture.choices[0].tokens) == len(capture.choices[0].decoded_top_logprobs()) == 3
 
 
 def test_logprobs_without_ids_keep_the_logprobs_and_invent_no_ids():
@@ -309,7 +309,7 @@ def test_ids_and_logprobs_disagreeing_in_count_never_misalign():
     assert choice.token_ids == [1, 2, 3, 4, 5]
     # The disagreeing chunk's logprobs are unknown (null), the others stay at their own tokens.
     assert choice.logprobs == [-1.0, -2.0, None, None, -6.0]
-    assert len(choice.tokens) == len(choice.top_logprobs) == len(choice.token_ids)
+    assert len(choice.tokens) == len(choice.decoded_top_logprobs()) == len(choice.token_ids)
     assert choice.tokens[4] == "f"
     # Which side lost tokens is unknowable: a trainer gets no ids rather than wrong ones.
     assert capture.completion_token_ids == [] and "not claimed" in capture.token_ids_missing_reason

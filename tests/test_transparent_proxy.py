@@ -478,9 +478,9 @@ def test_a_large_answer_is_assembled_in_the_worker_process_exactly(gateway, serv
     """Answers past OFFLOAD_MIN_BYTES are parsed off the event loop, in the worker process (the
     worker counts it, the capture names no failure); the capture is the same as the inline path's."""
     from pi_env.proxy import transparent
-    from pi_env.proxy.capture_worker import capture_worker
+    from pi_env.proxy.capture_worker import capture_pool
 
-    worker = capture_worker()
+    worker = capture_pool()
     before = worker.assembled
     long_turn = ScriptedTurn(text="abcd" * 3000, chunk_chars=4)
     session = open_session([long_turn])
@@ -489,7 +489,7 @@ def test_a_large_answer_is_assembled_in_the_worker_process_exactly(gateway, serv
     capture = only_turns(session).capture
     assert capture.worker_error is None
     assert worker.assembled == before + 1, "the large answer was not parsed in the worker process"
-    assert worker.pid not in (None, os.getpid()) and worker.cpu_s > 0
+    assert worker.pids and os.getpid() not in worker.pids and worker.cpu_s > 0
     assert capture.completion_token_ids == script_ids(long_turn, 0)
     assert capture.choices[0].content == long_turn.text and capture.request["logprobs"] is True
     inline = assembled(raw)
@@ -502,8 +502,8 @@ def test_a_failing_worker_is_logged_and_recorded_and_the_answer_still_captured(g
     the capture, and says so: a warning in the log and `worker_error` on the turn's capture."""
     from pi_env.proxy import capture_worker as module
 
-    broken = module.CaptureWorker()
-    monkeypatch.setattr(module, "_worker", broken)
+    broken = module.CapturePool(1)
+    monkeypatch.setattr(module, "_pool", broken)
     monkeypatch.setattr(module.sys, "executable", "/bin/false")
     long_turn = ScriptedTurn(text="abcd" * 3000, chunk_chars=4)
     session = open_session([long_turn])

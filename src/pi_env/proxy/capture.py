@@ -95,18 +95,17 @@ class ChoiceCapture:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)  # aligned with token_ids / tokens
     tokens: list[str] = field(default_factory=list)  # each token's text, as the engine gave it
-    top_logprobs: list[msgspec.Raw] = field(default_factory=list)  # per token, the engine's JSON
+    # Per token, its alternatives as the engine sent them: one JSON array of per-token arrays,
+    # kept as bytes (one object, not one per token; decoded only by a reader that asks).
+    top_logprobs: msgspec.Raw = field(default_factory=lambda: NO_TOP_LOGPROBS)
     ids_complete: bool = True  # every generated token came with its id
     ids_from_logprobs: bool = False  # ids read off logprob entries ("id" or "token_id:N" tokens)
     alignment_error: str | None = None
 
     def decoded_top_logprobs(self) -> list[list[dict[str, Any]]]:
         """Per token, its alternatives as {"token", "logprob"} (one decode call for all)."""
-        if not self.top_logprobs:
-            return []
-        joined = b"[" + b",".join(bytes(raw) for raw in self.top_logprobs) + b"]"
         return [[{"token": top.token, "logprob": top.logprob} for top in tops or ()]
-                for tops in _top_logprobs.decode(joined)]
+                for tops in _top_logprobs.decode(self.top_logprobs)]
 
     def message(self) -> dict[str, Any]:
         """The assembled assistant message (OpenAI shape)."""
@@ -241,6 +240,7 @@ class Assembler:
         self.capture = capture
         self._choices: dict[int, ChoiceCapture] = {}
         self._tool_calls: dict[int, dict[int, dict]] = {}
+        self._tops: dict[int, list[msgspec.Raw]] = {}  # per choice, per token (joined at the end)
 
     def stream(self, raw: bytes) -> TurnCapture:
         chunks, bad = parse_sse(raw)
@@ -266,7 +266,7 @@ class Assembler:
         """One choice's deltas, joined in a few passes rather than chunk by chunk: this runs
         for every token of every captured answer."""
         choice = self._choices[index] = ChoiceCapture(index=index)
-        calls = self._tool_calls[index] = {}
+        self._tool_calls[index], self._tops[index] = {}, []
         deltas = [c.delta for c in group if c.delta is not None]
         choice.content = "".join([d.content for d in deltas if d.content])
         choice.reasoning_content = "".join([d.reasoning_content for d in deltas if d.reasoning_content])
@@ -283,7 +283,7 @@ class Assembler:
             flat = [entry for chunk_entries in entries for entry in chunk_entries]
             choice.logprobs = [entry.logprob for entry in flat]
             choice.tokens = [entry.token or "" for entry in flat]
-            choice.top_logprobs = [entry.top_logprobs or NO_TOP_LOGPROBS for entry in flat]
+            self._tops[index] = [entry.top_logprobs or NO_TOP_LOGPROBS for entry in flat]
         else:  # ids on logprob entries, ids without logprobs, or a misaligned chunk
             for raw in group:
                 self._tokens(choice, raw)
@@ -313,7 +313,7 @@ class Assembler:
         choice = self._choices.get(raw.index)
         if choice is None:
             choice = self._choices[raw.index] = ChoiceCapture(index=raw.index)
-            self._tool_calls[raw.index] = {}
+            self._tool_calls[raw.index], self._tops[raw.index] = {}, []
         if delta is not None:
             if delta.content:
                 choice.content += delta.content
@@ -340,9 +340,9 @@ class Assembler:
             if delta.function.arguments:
                 call["function"]["arguments"] += delta.function.arguments
 
-    @staticmethod
-    def _tokens(choice: ChoiceCapture, raw: WireChoice) -> None:
+    def _tokens(self, choice: ChoiceCapture, raw: WireChoice) -> None:
         """Append one chunk's tokens, keeping ids and logprobs aligned 1:1."""
+        tops = self._tops[choice.index]
         entries = (raw.logprobs.content if raw.logprobs is not None else None) or []
         ids = raw.token_ids
         if ids is None and entries:
@@ -353,7 +353,7 @@ class Assembler:
         if ids is None:
             if entries:  # logprobs without ids: keep the logprobs, mark the ids incomplete
                 choice.ids_complete = False
-                _append_entries(choice, entries)
+                _append_entries(choice, tops, entries)
             return
         if entries and len(entries) != len(ids):
             # One side lost tokens (vLLM's streaming tool parser once dropped ids): which one is
@@ -364,17 +364,18 @@ class Assembler:
             entries = []
         choice.token_ids.extend(ids)
         if entries:
-            _append_entries(choice, entries)
+            _append_entries(choice, tops, entries)
         else:  # ids without logprobs: nulls in place, never dropped
             choice.logprobs.extend([None] * len(ids))
             choice.tokens.extend([""] * len(ids))
-            choice.top_logprobs.extend([NO_TOP_LOGPROBS] * len(ids))
+            tops.extend([NO_TOP_LOGPROBS] * len(ids))
 
     def _finish(self) -> TurnCapture:
         capture = self.capture
         for index in sorted(self._choices):
             choice = self._choices[index]
             choice.tool_calls = [self._tool_calls[index][i] for i in sorted(self._tool_calls[index])]
+            choice.top_logprobs = json_array(self._tops[index])
             capture.choices.append(choice)
         first = capture.choices[0] if capture.choices else None
         if capture.malformed_chunks:  # a chunk that could not be read may have carried tokens
@@ -413,11 +414,16 @@ def assemble_answer(raw: bytes, streaming: bool) -> TurnCapture:
     return capture
 
 
-def _append_entries(choice: ChoiceCapture, entries: list[LogprobEntry]) -> None:
+def _append_entries(choice: ChoiceCapture, tops: list[msgspec.Raw], entries: list[LogprobEntry]) -> None:
     for entry in entries:
         choice.logprobs.append(entry.logprob)
         choice.tokens.append(entry.token or "")
-        choice.top_logprobs.append(entry.top_logprobs or NO_TOP_LOGPROBS)
+        tops.append(entry.top_logprobs or NO_TOP_LOGPROBS)
+
+
+def json_array(items: list[msgspec.Raw]) -> msgspec.Raw:
+    """One JSON array of the given JSON values, as bytes."""
+    return msgspec.Raw(b"[" + b",".join(items) + b"]")
 
 
 def _token_id(token: Any) -> int | None:

@@ -1,5 +1,7 @@
-"""The capture worker: one child process per gateway process that assembles large answers (ids,
-logprobs, message) off the gateway's event loop.
+"""The capture workers: child processes that assemble large answers (ids, logprobs, message)
+off the gateway's event loop, a pool of them per gateway process so that capture is not bound to
+one core (`PI_ENV_CAPTURE_WORKERS`, default: the CPUs this process may use, at most 8). A
+worker starts only when every started one is busy: a gateway at one stream runs one.
 
 A plain child started with `python -c`, not a multiprocessing pool: spawn and forkserver
 children (and the forkserver itself) import the parent's `__main__` again, which re-runs a user
@@ -8,13 +10,15 @@ This child loads only this file and `capture.py` (msgspec and the standard libra
 and under their package names, so it starts fast and what it pickles the parent unpickles as its
 own classes: it never imports the `pi_env` package, whose `__init__` pulls in pydantic and aiohttp.
 
-Frames on its stdin/stdout: a 4-byte big-endian length, then a pickle (our own child, our own
-bytes: nothing untrusted is unpickled).
+To the worker goes the answer's bytes as they are, behind a 5-byte header (length, streamed),
+through a pipe enlarged to hold a large answer at once; back comes a 4-byte length and a pickle of
+the assembled capture (our own child, our own bytes: nothing untrusted is unpickled).
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import importlib.util
 import os
 import pickle
@@ -30,6 +34,9 @@ if TYPE_CHECKING:
     from pi_env.proxy.capture import TurnCapture
 
 _LENGTH = struct.Struct(">I")
+_REQUEST = struct.Struct(">I?")  # answer length, streamed
+PIPE_BYTES = 1 << 20  # Linux's default limit for an unprivileged pipe
+MAX_WORKERS = 8
 
 
 class CaptureWorkerError(RuntimeError):
@@ -52,12 +59,14 @@ class CaptureWorker:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    def assemble(self, raw: bytes, streaming: bool) -> TurnCapture:
+    def assemble(self, raw: bytes | bytearray, streaming: bool) -> TurnCapture:
         """Blocking: call it from a thread (the gateway uses its loop's executor)."""
         with self._lock:
             try:
                 process = self._ensure_started()
-                _write_frame(process.stdin, pickle.dumps((raw, streaming), protocol=pickle.HIGHEST_PROTOCOL))
+                process.stdin.write(_REQUEST.pack(len(raw), streaming))
+                process.stdin.write(raw)
+                process.stdin.flush()
                 ok, value, cpu_s = pickle.loads(_read_frame(process.stdout))
             except (OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
                 self.failures += 1
@@ -82,6 +91,11 @@ class CaptureWorker:
         # -P: the working directory is not put on sys.path (a user's struct.py must not shadow ours)
         self._process = subprocess.Popen([sys.executable, "-P", "-c", _CHILD, __file__], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, close_fds=True)
+        for pipe in (self._process.stdin, self._process.stdout):
+            try:  # a large answer goes across in one write, not in 64 KB turns of both processes
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+            except OSError:
+                pass  # the default size works, only with more turns
         self._child_cpu_s = 0.0
         return self._process
 
@@ -119,14 +133,17 @@ module.serve()
 
 
 def serve() -> None:
-    """The child's loop: assemble each framed (raw, streaming) until end of input."""
+    """The child's loop: assemble each answer until end of input."""
     assemble_answer = _load_alone("pi_env.proxy.capture", str(Path(__file__).with_name("capture.py"))).assemble_answer
     source, sink = sys.stdin.buffer, os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     sys.stdout = sys.stderr  # a stray print must not corrupt the frames
     while True:
-        try:
-            raw, streaming = pickle.loads(_read_frame(source))
-        except EOFError:
+        header = source.read(_REQUEST.size)
+        if len(header) < _REQUEST.size:
+            return
+        length, streaming = _REQUEST.unpack(header)
+        raw = source.read(length)
+        if len(raw) < length:
             return
         try:
             reply = (True, assemble_answer(raw, streaming))
@@ -152,15 +169,82 @@ def _read_frame(stream) -> bytes:
     return data
 
 
-_worker: CaptureWorker | None = None
-_worker_lock = threading.Lock()
+class CapturePool:
+    """Up to `size` workers. An answer goes to an idle worker; a new one starts only when every
+    started one is busy, and a caller waits when all `size` are."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"a capture pool needs at least one worker, got {size}")
+        self.size = size
+        self.workers: list[CaptureWorker] = []
+        self._idle: list[CaptureWorker] = []
+        self._free = threading.Condition()
+
+    def assemble(self, raw: bytes | bytearray, streaming: bool) -> TurnCapture:
+        """Blocking, as CaptureWorker.assemble."""
+        worker = self._take()
+        try:
+            return worker.assemble(raw, streaming)
+        finally:
+            with self._free:
+                self._idle.append(worker)
+                self._free.notify()
+
+    def _take(self) -> CaptureWorker:
+        with self._free:
+            while not self._idle and len(self.workers) >= self.size:
+                self._free.wait()
+            if self._idle:
+                return self._idle.pop()
+            worker = CaptureWorker()
+            self.workers.append(worker)
+            return worker
+
+    @property
+    def assembled(self) -> int:
+        return sum(worker.assembled for worker in self.workers)
+
+    @property
+    def failures(self) -> int:
+        return sum(worker.failures for worker in self.workers)
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(worker.cpu_s for worker in self.workers)
+
+    @property
+    def pids(self) -> list[int]:
+        return [worker.pid for worker in self.workers if worker.pid is not None]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
 
 
-def capture_worker() -> CaptureWorker:
-    """The process's one worker (its child starts on first use)."""
-    global _worker
-    with _worker_lock:
-        if _worker is None:
-            _worker = CaptureWorker()
-            atexit.register(_worker.close)
-        return _worker
+def pool_size() -> int:
+    """PI_ENV_CAPTURE_WORKERS, else the CPUs this process may run on (at most MAX_WORKERS)."""
+    configured = os.environ.get("PI_ENV_CAPTURE_WORKERS", "").strip()
+    if configured:
+        try:
+            size = int(configured)
+        except ValueError:
+            size = 0
+        if size < 1:
+            raise ValueError(f"PI_ENV_CAPTURE_WORKERS must be a whole number >= 1, got {configured!r}")
+        return size
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+_pool: CapturePool | None = None
+_pool_lock = threading.Lock()
+
+
+def capture_pool() -> CapturePool:
+    """The process's pool (its workers start on first use)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = CapturePool(pool_size())
+            atexit.register(_pool.close)
+        return _pool

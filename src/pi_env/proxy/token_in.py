@@ -38,7 +38,7 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
-from pi_env.proxy.capture import NO_TOP_LOGPROBS, ChoiceCapture, TurnCapture
+from pi_env.proxy.capture import NO_TOP_LOGPROBS, ChoiceCapture, TurnCapture, json_array
 from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, Upstream, agent_request, describe, json_error, \
     not_a_json_object, upstream_request_headers
 from pi_env.proxy.rewrite import SAMPLING_KEYS, rewrite_request
@@ -767,7 +767,7 @@ class TokenIn:
                 ledger: bool = True) -> dict[str, Any]:
         """Fill the record with the ids, logprobs and the parsed answer; tell the ledger."""
         choice = ChoiceCapture(index=0, token_ids=state.ids, logprobs=state.logprobs, tokens=state.tokens,
-                               top_logprobs=state.top, finish_reason=state.finish_reason,
+                               top_logprobs=json_array(state.top), finish_reason=state.finish_reason,
                                ids_complete=not state.misaligned)
         capture.choices = [choice]
         capture.usage = state.usage or {"prompt_tokens": len(plan.token_ids), "completion_tokens": len(state.ids),

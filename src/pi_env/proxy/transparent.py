@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from pi_env.proxy.capture import TurnCapture, assemble_answer, sse_from_capture
-from pi_env.proxy.capture_worker import CaptureWorkerError, capture_worker
+from pi_env.proxy.capture_worker import CaptureWorkerError, capture_pool
 from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, agent_request, describe, json_error, \
     not_a_json_object
 from pi_env.proxy.rewrite import rejects_capture, rewrite_request, without_capture
@@ -118,26 +118,25 @@ async def assemble_after(call: Call, answer, capture: TurnCapture, turn: TurnRec
     except asyncio.CancelledError:  # the agent hung up: keep what had arrived
         _assemble(capture, turn, bytes(raw), streaming)
         raise
-    data = bytes(raw)
-    if len(data) < OFFLOAD_MIN_BYTES:
-        _assemble(capture, turn, data, streaming)
-    else:
-        call.finish_record_later(_assemble_in_worker(capture, turn, data, streaming))
+    if len(raw) < OFFLOAD_MIN_BYTES:
+        _assemble(capture, turn, bytes(raw), streaming)
+    else:  # the bytearray itself: it is not written to again, and copying 1 MB is not free
+        call.finish_record_later(_assemble_in_worker(capture, turn, raw, streaming))
     return response
 
 
-async def _assemble_in_worker(capture: TurnCapture, turn: TurnRecord, raw: bytes, streaming: bool) -> None:
-    """Large answers are parsed in the capture worker process: tens of milliseconds of decoding
-    would otherwise hold the gateway's event loop, and with it every other stream. When the
+async def _assemble_in_worker(capture: TurnCapture, turn: TurnRecord, raw: bytearray, streaming: bool) -> None:
+    """Large answers are parsed in a capture worker process: milliseconds of decoding would
+    otherwise hold the gateway's event loop, and with it every other stream. When the
     worker fails the answer is parsed inline (rather than lost), and the capture says why
     (`worker_error`). Cancellation is never swallowed."""
-    worker = capture_worker()
+    pool = capture_pool()
     try:
-        assembled = await asyncio.get_running_loop().run_in_executor(None, worker.assemble, raw, streaming)
+        assembled = await asyncio.get_running_loop().run_in_executor(None, pool.assemble, raw, streaming)
     except CaptureWorkerError as error:
         log.warning("turn %s parsed on the event loop: %s", turn.turn, error)
         capture.worker_error = str(error)
-        return _assemble(capture, turn, raw, streaming)
+        return _assemble(capture, turn, bytes(raw), streaming)
     _merge(capture, assembled)
     _count_tokens(capture, turn)
 
