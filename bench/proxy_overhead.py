@@ -34,6 +34,7 @@ import tempfile
 import time
 
 import aiohttp
+import msgspec
 from common import BoundedTurns
 
 ROUNDS = 4  # direct/gateway alternations per concurrency level
@@ -82,13 +83,61 @@ def serve_gateway(upstream_url: str, api_key: str) -> None:
             (time.time() - turn.started_at, getattr(turn.capture, "worker_error", None)))
         tokens[mode], sessions[mode] = session.token, session
     print(json.dumps({"base_url": gateway.tcp_base_url, "tokens": tokens}), flush=True)
+    held: list = []  # `sessions N`: sessions opened and kept open, their records kept whole
     for line in sys.stdin:
-        mode = line.split()[1]
+        command, argument = line.split()
+        if command == "sessions":
+            held += [gateway.open_session(Upstream(upstream_url, api_key, "bench"), mode="transparent_proxy",
+                                          capture=capture_options()) for _ in range(int(argument))]
+            print(json.dumps({"tokens": [session.token for session in held], "rss": rss_bytes()}), flush=True)
+            continue
+        if command == "held":  # wait for them, then what the process holds and what the records hold
+            idle = all(session.wait_idle(120) for session in held)
+            records = sum(len(msgspec.json.encode(turn.to_json())) for session in held for turn in session.turns)
+            print(json.dumps({"idle": idle, "rss": rss_bytes(), "record_bytes": records,
+                              "turns": sum(len(session.turns) for session in held)}), flush=True)
+            continue
+        mode = argument
         idle = sessions[mode].wait_idle(120)
         done, recorded[mode] = recorded[mode], []
         errors = sorted({error for _, error in done if error})
         print(json.dumps({"idle": idle, "record_s": [latency for latency, _ in done], "worker_errors": errors,
                           "worker_assembled": capture_pool().assembled}), flush=True)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (its capture workers are processes of their own)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def hold_sessions(base_url: str, tokens: list[str], body: bytes, concurrency: int = 32) -> None:
+    """One call in each held session, `concurrency` at a time."""
+    queue = iter(tokens)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
+        async def worker():
+            for token in queue:
+                await one_call(client, base_url + "/chat/completions", token, body)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+def measure_held_sessions(gateway: subprocess.Popen, gateway_info: dict, count: int, body: bytes) -> dict:
+    """Memory per open session beyond what its records hold: `count` transparent_proxy sessions,
+    one answer each, all kept open."""
+    gateway.stdin.write(f"sessions {count}\n")
+    gateway.stdin.flush()
+    opened = json.loads(gateway.stdout.readline())
+    asyncio.run(hold_sessions(gateway_info["base_url"], opened["tokens"], body))
+    gateway.stdin.write("held all\n")
+    gateway.stdin.flush()
+    held = json.loads(gateway.stdout.readline())
+    if not held["idle"] or held["turns"] != count:
+        raise RuntimeError(f"held sessions: {held}")
+    grown = held["rss"] - opened["rss"]
+    return {"sessions": count, "rss_growth_mb": grown / 1e6, "record_mb": held["record_bytes"] / 1e6,
+            "mb_per_session_beyond_records": (grown - held["record_bytes"]) / count / 1e6,
+            "mb_per_session_with_records": grown / count / 1e6}
 
 
 def spawn(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
@@ -264,6 +313,8 @@ def main() -> None:
     parser.add_argument("--capture-workers", type=int, nargs="+", default=[0], metavar="K",
                         help="capture pool sizes to compare, one gateway process each (0: the default, "
                              "PI_ENV_CAPTURE_WORKERS or the CPUs)")
+    parser.add_argument("--held-sessions", type=int, default=300,
+                        help="then hold this many open sessions with one answer each and measure memory (0: skip)")
     parser.add_argument("--serve-gateway", nargs=2, metavar=("UPSTREAM_URL", "KEY"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
@@ -299,6 +350,10 @@ def main() -> None:
                 for k, (gateway, gateway_info) in gateways.items():
                     report["levels"].append(measure_level(args, mode, c, k, gateway, gateway_info, direct_url,
                                                           bodies))  # fmt: skip
+        if args.held_sessions:
+            gateway, gateway_info = next(iter(gateways.values()))
+            report["held_sessions"] = measure_held_sessions(gateway, gateway_info, args.held_sessions,
+                                                            bodies["black_box"])
     finally:
         for gateway, _ in gateways.values():
             gateway.stdin.close()  # it exits on EOF, removing its socket directory
@@ -322,6 +377,12 @@ def main() -> None:
               f"through idle x{level['throughput_ratio']:.2f}; CPU {level['gateway_cpu_us_per_token']:.2f} us/token "
               f"(event loop {level['loop_cpu_us_per_token']:.2f}, capture workers "
               f"{level['worker_cpu_us_per_token']:.2f}; {level['answers_parsed_in_worker']} answers in workers)")
+    if "held_sessions" in report:
+        held = report["held_sessions"]
+        print(f"{held['sessions']} open transparent_proxy sessions, one answer each: the gateway grew "
+              f"{held['rss_growth_mb']:.1f} MB, its records {held['record_mb']:.1f} MB as JSON; "
+              f"{held['mb_per_session_with_records']:.3f} MB per session with its record, "
+              f"{held['mb_per_session_beyond_records']:.3f} MB beyond it (target <= 10)")
     report["targets"] = TARGETS
     report["meets_targets"] = {mode: all(meets(level) for level in report["levels"] if level["mode"] == mode)
                                for mode in MODES}  # fmt: skip

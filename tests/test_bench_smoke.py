@@ -14,7 +14,8 @@ TINY = {
     "collect_throughput.py": ["--levels", "1", "--per-level", "1", "--rounds", "1", "--stress", "2"],
     "gate_overhead.py": ["--calls", "4", "--sessions", "1", "2", "--generate-ms", "1"],
     # 100 tokens with top-5 logprobs is ~75 KB: past OFFLOAD_MIN_BYTES, so the capture worker works
-    "proxy_overhead.py": ["--n", "4", "--tokens", "100", "--concurrency", "1", "2"],
+    "proxy_overhead.py": ["--n", "4", "--tokens", "100", "--concurrency", "1", "2", "--capture-workers", "1", "2",
+                          "--held-sessions", "4"],
     "rollout_overhead.py": ["-n", "1"],
     "sandbox_overhead.py": ["2"],
     "scripted_memory.py": ["--requests", "20", "--turn-bytes", "200"],
@@ -41,3 +42,5 @@ def test_bench_runs_and_ends_with_one_json_line(script):
     if script == "proxy_overhead.py":
         capture = [level for level in report["levels"] if level["mode"] == "transparent_proxy"]
         assert capture and all(level["answers_parsed_in_worker"] == level["calls"] for level in capture), capture
+        assert {level["capture_workers"] for level in capture} == {1, 2}
+        assert report["held_sessions"]["sessions"] == 4 and report["held_sessions"]["record_mb"] > 0
