@@ -9,6 +9,7 @@ import select
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -260,6 +261,52 @@ def test_a_relay_that_falls_behind_still_sends_every_byte(gateway, server, mode,
             == "abcd" * 4000
     assert session.wait_idle() and {t.response_bytes for t in session.turns} == {len(raw)}
     gateway.close_session(session)
+
+
+
+@pytest.fixture
+def engine_process(tmp_path):
+    """A scripted server in a process of its own, streaming like an engine (not sharing the
+    gateway's event loop): its base URL. Answers by key: "fast" (3,000 pieces as fast as it can
+    write them) and "slow" (8 events 20 ms apart)."""
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"scripts": {
+        "fast": [{"text": "abcd" * 3000, "chunk_chars": 4}],
+        "slow": [{"text": "abcdef", "chunk_chars": 1, "fault": {"delay_s": 0.02}}]}}))
+    proc = subprocess.Popen([sys.executable, "-m", "pi_env.scripted", "--port", "0", "--script", str(script)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc.stdout.readline().strip().rsplit(" ", 1)[1]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def relayed_writes(gateway, base_url, key, monkeypatch) -> tuple[int, bytes]:
+    """How many sends the gateway made to relay one answer (black_box), and what the agent got."""
+    from pi_env.proxy.gateway import RelayedResponse
+
+    writes, write = [], RelayedResponse.write
+
+    async def counted(self, data):
+        writes.append(len(data))
+        await write(self, data)
+
+    monkeypatch.setattr(RelayedResponse, "write", counted)
+    session = gateway.open_session(Upstream(base_url, key))
+    status, _, raw = call(gateway, session)
+    gateway.close_session(session)
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+    return len(writes), raw
+
+
+def test_a_fast_stream_is_relayed_in_batches_and_a_slow_one_as_it_arrives(gateway, engine_process, monkeypatch):
+    sends, raw = relayed_writes(gateway, engine_process, "fast", monkeypatch)
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_json(raw) if e["choices"])
+    assert content == "abcd" * 3000
+    assert sends < 100, f"{sends} sends to relay 3,000 pieces that came as fast as they could"
+    sends, _ = relayed_writes(gateway, engine_process, "slow", monkeypatch)
+    assert sends >= 6, f"{sends} sends for 8 events 20 ms apart: a slow stream must not wait"
 
 # --------------------------------------------------------------------------- budget, traces
 

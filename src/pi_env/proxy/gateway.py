@@ -64,6 +64,11 @@ ERROR_RELAY_LIMIT = 1 << 20  # bytes of it relayed to the agent (read whole, to 
 # A refused call's unread body is drained (read and discarded, never kept) this long so the
 # agent can read its error, then the connection is closed (aiohttp's default: 10 s).
 LINGER_S = 2.0
+# Pieces of an answer that arrive less than this apart are relayed together: the upstream's
+# socket is left unread for this long, so one read and one send carry what a fast stream (an
+# engine at thousands of tokens a second) sent meanwhile. A slow stream is relayed piece by
+# piece as before; the first piece never waits.
+RELAY_BATCH_S = 0.001
 
 # RFC 9110 section 7.6.1: meaningful for one connection only, never relayed back to the agent.
 # (What reaches the upstream of the agent's own headers is an allow-list: see policy.py.)
@@ -707,6 +712,8 @@ class Call:
         try:
             await response.prepare(request)
             content = answer.content
+            upstream = answer.connection.transport if answer.connection is not None else None
+            loop, last_read = asyncio.get_running_loop(), -1.0
             while chunk := await content.readany():
                 if not response_bytes:
                     turn.ttfb_s = time.perf_counter() - started
@@ -721,6 +728,15 @@ class Call:
                     response.tail = chunk  # goes out with the terminating chunk
                     break
                 await response.write(chunk)
+                now = loop.time()
+                if now - last_read < RELAY_BATCH_S and upstream is not None and upstream.is_reading():
+                    upstream.pause_reading()
+                    try:
+                        await asyncio.sleep(RELAY_BATCH_S)
+                    finally:
+                        if not upstream.is_closing():
+                            upstream.resume_reading()
+                last_read = now
             completed = True
             if finish:
                 await response.write_eof()
