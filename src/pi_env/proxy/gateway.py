@@ -19,7 +19,8 @@ and answered. Capturing modes (transparent_proxy, interception_gate) plug in as 
 strategies.
 
 Hot path: the answer is relayed per upstream read (never per SSE line, never buffered whole),
-through one pooled aiohttp client session.
+through one pooled aiohttp client session; pieces of a fast stream are gathered for up to
+RELAY_BATCH_S so that one read and one send carry many tokens.
 """
 
 from __future__ import annotations
