@@ -103,3 +103,23 @@ def test_endpoint_catalog_precedence(monkeypatch):
         resolve_endpoint(PiConfig(endpoint="nope"))
     with pytest.raises(EndpointError, match="--model"):
         resolve_endpoint(PiConfig(endpoint="http://127.0.0.1:5000"))
+
+
+def test_every_config_field_says_what_it_is():
+    """Each PiConfig field carries a docstring (its description: the API page and --help show it)."""
+    from pi_env.config import PiConfig
+
+    undocumented = [name for name, field in PiConfig.model_fields.items() if not (field.description or "").strip()]
+    assert not undocumented, f"PiConfig fields without a docstring: {undocumented}"
+
+
+def test_run_help_shows_the_config_fields_own_words():
+    import subprocess
+    import sys
+
+    from pi_env.config import PiConfig
+
+    shown = subprocess.run([sys.executable, "-m", "pi_env.cli", "run", "--help"], capture_output=True, text=True,
+                           timeout=60).stdout
+    flat = " ".join(shown.split())
+    assert "upstream key" in flat and " ".join(PiConfig.model_fields["model"].description.split()) in flat

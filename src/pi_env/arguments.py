@@ -16,9 +16,13 @@ EXIT_INFRA = 3  # a rollout could not be scored for infrastructure reasons (sand
 def endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", default="oracle",
                         help="vllm, openai, hf_router, oracle (replays the task's solution) or an http(s) URL")
-    parser.add_argument("--base-url", default=None)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--api-key", default=None, help="upstream key (or the endpoint's env var)")
+    for name in ("base_url", "model", "api_key"):
+        parser.add_argument("--" + name.replace("_", "-"), default=None, help=field_help(name))
+
+
+def field_help(name: str) -> str:
+    """A PiConfig field's docstring, as a flag's help."""
+    return " ".join(PiConfig.model_fields[name].description.split()).replace("%", "%%")
 
 
 def backend_argument(parser: argparse.ArgumentParser, default: str | None = "local") -> None:

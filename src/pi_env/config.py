@@ -23,84 +23,137 @@ class PiConfig(BaseModel):
     """Which endpoint, which Pi, which limits: everything a rollout does that the task does not
     say. Unknown fields are refused; the API key is hidden from repr and `redacted()`."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Each field's docstring is its description: the API page shows it, and the command line's
+    # flags for the field use it as their help (tests/test_task_config.py: every field has one).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
-    # Endpoint: a catalog name (vllm, openai, hf_router, oracle) or a raw URL. Explicit
-    # base_url/api_key/model win over the catalog's environment variables and defaults.
+    # -- endpoint: explicit base_url / api_key / model win over the catalog's environment
+    # variables and defaults.
     endpoint: str = "oracle"
+    """A catalog name (`vllm`, `openai`, `hf_router`, `oracle`: replays the task's solution) or an
+    http(s) base URL of any OpenAI-compatible endpoint."""
     base_url: str | None = None
+    """The endpoint's OpenAI base URL (`.../v1`); None: the catalog's (or its environment variable)."""
     api_key: str | None = Field(None, repr=False)
+    """The upstream key; None: the catalog's environment variable. It stays in the host-side
+    gateway: the sandbox never sees it, and `redacted()` and repr hide it."""
     model: str | None = None
+    """The upstream model id, sent on every call whatever the agent names; None: the catalog's."""
 
-    # Pi itself, installed once per machine and mounted read-only into every sandbox.
+    # -- Pi itself, installed once per machine and mounted read-only into every sandbox.
     pi_package: str = DEFAULT_PI_PACKAGE
+    """The npm package of the Pi coding agent."""
     pi_version: str = DEFAULT_PI_VERSION
+    """The Pi version installed (pinned, so a rollout is reproducible)."""
     node_version: str = DEFAULT_NODE_VERSION
+    """The Node.js version Pi runs on inside the sandbox."""
     provider_name: str = "pi-env"
+    """The provider name Pi is configured with (Pi calls the model `<provider_name>/<model>`)."""
     system_prompt: str | None = None
+    """Replaces Pi's system prompt (`--system-prompt`); None: Pi's own."""
     append_system_prompt: str | None = None
+    """Appended to Pi's system prompt (`--append-system-prompt`)."""
     tools: list[str] = Field(default_factory=lambda: ["read", "bash", "edit", "write"])
-    thinking: ThinkingLevel | None = None  # None: Pi's default (off for non-reasoning models)
+    """The Pi tools the agent may use (a subset of Pi's: read, bash, edit, write, grep, find, ls)."""
+    thinking: ThinkingLevel | None = None
+    """Pi's thinking level; None: Pi's default (off for non-reasoning models)."""
     context_window: int = Field(32768, gt=0)
+    """The model's context window, in tokens, as Pi is told (Pi compacts its history past it)."""
     max_tokens: int = Field(4096, gt=0)
-    max_turns: int | None = Field(50, gt=0)  # model calls per rollout; enforced at the gateway
+    """max_tokens of every model call: what Pi asks for, and the gateway's cap on what any call
+    may ask."""
+    max_turns: int | None = Field(50, gt=0)
+    """Model calls per rollout, enforced at the gateway: past it the agent gets a clean, empty
+    final answer and the rollout is still verified (`stop_reason="budget"`). None: no cap."""
 
-    # Phase limits (a task's own timeouts win).
+    # -- phase limits (a task's own timeouts and limits win)
     setup_timeout_s: float = Field(600, gt=0, le=MAX_TIMEOUT_S)
+    """Seconds the task's setup may take."""
     agent_timeout_s: float = Field(600, gt=0, le=MAX_TIMEOUT_S)
+    """Seconds the agent may run; past it the agent is stopped and the rollout still verified."""
     verify_timeout_s: float = Field(300, gt=0, le=MAX_TIMEOUT_S)
+    """Seconds the task's verify commands may take."""
     max_processes: int = Field(256, gt=8)
-    max_memory_bytes: int | None = 8 << 30  # per process (RLIMIT_DATA)
+    """Processes (RLIMIT_NPROC) a sandbox may run at once: a fork bomb stops there."""
+    max_memory_bytes: int | None = 8 << 30
+    """Memory one process may take (RLIMIT_DATA); None: no limit."""
     max_file_bytes: int = 1 << 30
-    # Per sandbox, whatever it forks or writes (a task's `limits` win); None: no total.
-    max_total_memory_bytes: int | None = Field(4 << 30, gt=0)  # the memory cgroup
-    max_disk_bytes: int | None = Field(10 << 30, gt=0)  # its home: a size-capped filesystem
-    # Host-side reads of what the agent wrote (Pi's session file, logs, collected files):
-    # at most this much per rollout, so a huge file cannot balloon the pi-env process.
+    """Size of any one file a sandboxed process may write (RLIMIT_FSIZE)."""
+    max_total_memory_bytes: int | None = Field(4 << 30, gt=0)
+    """Memory a whole sandbox may take, whatever it forks (its memory cgroup); None: no total."""
+    max_disk_bytes: int | None = Field(10 << 30, gt=0)
+    """What a sandbox may write in all (its home is a size-capped filesystem); None: no cap."""
     max_read_bytes: int = Field(64 << 20, gt=0)
+    """Bytes of what the agent wrote (Pi's session file, logs, collected files) the host reads
+    per rollout, so a huge file cannot balloon the pi-env process."""
 
-    extra_env: dict[str, str] = Field(default_factory=dict)  # for setup, agent and verify
-    extra_setup_shell: list[str] = Field(default_factory=list)  # run before the task's setup
+    extra_env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables for setup, agent and verify."""
+    extra_setup_shell: list[str] = Field(default_factory=list)
+    """Shell commands run in the sandbox before the task's own setup."""
 
     mode: Mode = "black_box"
+    """How the gateway handles model calls: `black_box` (relay and record), `transparent_proxy`
+    (also capture token ids and logprobs: docs/capture.md) or `interception_gate` (a trainer
+    generates every turn: docs/gate.md)."""
     sandbox_backend: str = "local"
-    runtime_cache_dir: str | None = None  # default: $PI_ENV_CACHE or ~/.cache/pi-env
+    """The sandbox backend: `local` (bubblewrap), `podman`, `hf`, `e2b`, ... (docs/backends.md)."""
+    runtime_cache_dir: str | None = None
+    """Where Node and Pi are installed once per machine; None: $PI_ENV_CACHE or ~/.cache/pi-env."""
 
-    max_total_tokens: int | None = Field(None, gt=0)  # usage.total_tokens summed over calls
+    # -- the gateway
+    max_total_tokens: int | None = Field(None, gt=0)
+    """A budget of usage.total_tokens summed over a rollout's calls (calls in flight count what
+    they may still generate); past it the agent gets a clean stop. None: no budget."""
     upstream_connect_timeout_s: float = Field(30, gt=0, le=MAX_TIMEOUT_S)
-    upstream_read_timeout_s: float = Field(600, gt=0, le=MAX_TIMEOUT_S)  # each wait for upstream bytes (prefill included)
-    # interception_gate: a held call the trainer has not answered this long ends the rollout
-    # (the agent gets a clean stop; the result is unscored, error_kind "gate_timeout").
+    """Seconds the gateway waits to connect to the upstream."""
+    upstream_read_timeout_s: float = Field(600, gt=0, le=MAX_TIMEOUT_S)
+    """Seconds the gateway waits for each piece of an upstream answer (the prefill included)."""
     gate_timeout_s: float = Field(600, gt=0, le=MAX_TIMEOUT_S)
-    # Per rollout (one gateway session): request body bytes its calls in flight may hold together
-    # (a larger body is refused with a 413 before it is read), and calls open at once (more: 429).
-    # Defaults and why: pi_env.proxy.policy (MAX_REQUEST_BYTES, MAX_CONCURRENT_CALLS).
+    """interception_gate: a held call the trainer has not answered this long ends the rollout
+    (the agent gets a clean stop; the result is unscored, error_kind "gate_timeout")."""
     gateway_max_request_bytes: int = Field(16 << 20, ge=1 << 16)
+    """Request body bytes a rollout's calls in flight may hold together; a larger body is
+    refused with a 413 before it is read (why this default: pi_env.proxy.policy)."""
     gateway_max_concurrent_calls: int = Field(8, gt=0)
-    # Engine extras (policy.RESTRICTED_FIELDS: ignore_eos, min_tokens, prompt_logprobs, ...) the
-    # agent's calls may carry; any other is refused with a 400, in every mode.
+    """Calls a rollout may have open at once; more are answered 429."""
     gateway_allow_fields: list[str] = Field(default_factory=list)
+    """Engine extras (policy.RESTRICTED_FIELDS: ignore_eos, min_tokens, prompt_logprobs, ...) the
+    agent's calls may carry; any other is refused with a 400, in every mode."""
 
-    # transparent_proxy knobs (reference names first).
+    # -- transparent_proxy (reference names first)
     proxy_max_tokens_cap: int = Field(4096, gt=0)
-    proxy_top_logprobs: int = Field(5, ge=0, le=20)  # the HF router caps at 5
-    proxy_disable_thinking: bool | None = None  # None: the endpoint's default
+    """transparent_proxy: the cap the request rewrite puts on max_tokens / max_completion_tokens."""
+    proxy_top_logprobs: int = Field(5, ge=0, le=20)
+    """Alternatives captured per token (0-20; the HF router caps at 5)."""
+    proxy_disable_thinking: bool | None = None
+    """Ask the engine to switch thinking off (chat template kwargs); None: the endpoint's default."""
     proxy_logprobs: bool = True
-    proxy_return_token_ids: bool | None = None  # None: the catalog says, or a one-time probe
-    # Forced on every model call (RL sampling); the agent cannot override them.
+    """Capture each generated token's logprob."""
+    proxy_return_token_ids: bool | None = None
+    """Ask the engine for its own token ids (vLLM >= 0.10.2); None: the catalog says, or a
+    one-time probe of the endpoint's version."""
     proxy_sampling: dict[str, float | int] = Field(default_factory=dict)
-    trace_dir: str | None = None  # per-session trace files (transparent_proxy); default: a temp dir
-    # Token-in (transparent_proxy, interception_gate): the gateway renders the conversation to ids
-    # itself and bridges each call from the previous prompt + completion, so a rollout is one exact
-    # sequence (docs/token-in.md). Needs pi-env[token-in]; transparent_proxy also needs an engine
-    # with a token-in /v1/completions (vLLM).
+    """Sampling forced on every model call (temperature, top_p, seed, ...); the agent cannot
+    override it."""
+    trace_dir: str | None = None
+    """Where each rollout's trace file (one JSON line per model call) goes; None: a temp dir."""
     proxy_token_in: bool = False
-    proxy_renderer: str = "auto"  # auto, chatml-hermes, a `renderers` name (qwen3, llama-3, ...) or module.Class
-    proxy_tokenizer: str | None = None  # a tokenizer directory or model id; None: the model id
+    """Token-in (transparent_proxy, interception_gate): the gateway renders the conversation to
+    ids itself and bridges each call from the previous prompt + completion, so a rollout is one
+    exact sequence (docs/token-in.md). Needs pi-env[token-in]; transparent_proxy also needs an
+    engine with a token-in /v1/completions (vLLM)."""
+    proxy_renderer: str = "auto"
+    """Token-in's renderer: auto, chatml-hermes, a `renderers` name (qwen3, llama-3, ...) or
+    module.Class."""
+    proxy_tokenizer: str | None = None
+    """Token-in's tokenizer: a directory or a model id; None: the model id."""
 
-    # What the result keeps of the work dir.
+    # -- what the result keeps of the work dir
     result_max_files: int = Field(200, ge=0)
+    """Files of the final work dir the result keeps (0: none)."""
     result_max_file_bytes: int = Field(256 << 10, ge=0)
+    """Bytes kept of each of them."""
 
     @field_validator("gateway_allow_fields")
     @classmethod
