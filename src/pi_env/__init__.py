@@ -7,8 +7,20 @@ from .config import PiConfig
 from .results import CommandResult, RolloutEvent, RolloutResult, RolloutTurn
 from .task import PiTask, TaskError, load_tasks
 
-__all__ = ["PiConfig", "PiTask", "TaskError", "load_tasks", "CommandResult", "RolloutEvent", "RolloutResult", "RolloutTurn",
-           "PiSessionFactory", "PiSession", "run_rollout", "PiEnv"]
+__all__ = [
+    "PiConfig",
+    "PiTask",
+    "TaskError",
+    "load_tasks",
+    "CommandResult",
+    "RolloutEvent",
+    "RolloutResult",
+    "RolloutTurn",
+    "PiSessionFactory",
+    "PiSession",
+    "run_rollout",
+    "PiEnv",
+]
 
 
 def __getattr__(name: str):

@@ -26,9 +26,7 @@ def background_loop() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None or not _thread.is_alive():
             loop = asyncio.new_event_loop()
-            thread = threading.Thread(
-                target=loop.run_forever, name="pi-env-event-loop", daemon=True
-            )
+            thread = threading.Thread(target=loop.run_forever, name="pi-env-event-loop", daemon=True)
             thread.start()
             _loop, _thread = loop, thread
         return _loop

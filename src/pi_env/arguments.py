@@ -14,8 +14,11 @@ EXIT_INFRA = 3  # a rollout could not be scored for infrastructure reasons (sand
 
 
 def endpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--endpoint", default="oracle",
-                        help="vllm, openai, hf_router, oracle (replays the task's solution) or an http(s) URL")
+    parser.add_argument(
+        "--endpoint",
+        default="oracle",
+        help="vllm, openai, hf_router, oracle (replays the task's solution) or an http(s) URL",
+    )
     for name in ("base_url", "model", "api_key"):
         parser.add_argument("--" + name.replace("_", "-"), default=None, help=field_help(name))
 
@@ -28,19 +31,32 @@ def field_help(name: str) -> str:
 def backend_argument(parser: argparse.ArgumentParser, default: str | None = "local") -> None:
     """`--backend`, naming every backend in the sandbox registry."""
     shown = "" if default is None else f"; default {default}"
-    parser.add_argument("--backend", default=default, choices=backend_names(), metavar="BACKEND",
-                        help=f"sandbox backend: {', '.join(backend_names())}{shown} "
-                             "(local is bubblewrap; see docs/backends.md)")
+    parser.add_argument(
+        "--backend",
+        default=default,
+        choices=backend_names(),
+        metavar="BACKEND",
+        help=f"sandbox backend: {', '.join(backend_names())}{shown} (local is bubblewrap; see docs/backends.md)",
+    )
 
 
 def generation_arguments(parser: argparse.ArgumentParser) -> None:
     """--max-tokens and --sampling, for every command that runs rollouts."""
-    parser.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
-                        help="max_tokens of every model call: what Pi asks for, and the gateway's cap (default 4096)")
-    parser.add_argument("--sampling", default=None, metavar="NAME=VALUE,...",
-                        help="sampling forced on every model call at the gateway (proxy_sampling), e.g. "
-                             "temperature=0,top_p=1,seed=7; needs transparent_proxy. Without it Pi sends no "
-                             "temperature, so the engine's default applies (vLLM: 1.0)")
+    parser.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="max_tokens of every model call: what Pi asks for, and the gateway's cap (default 4096)",
+    )
+    parser.add_argument(
+        "--sampling",
+        default=None,
+        metavar="NAME=VALUE,...",
+        help="sampling forced on every model call at the gateway (proxy_sampling), e.g. "
+        "temperature=0,top_p=1,seed=7; needs transparent_proxy. Without it Pi sends no "
+        "temperature, so the engine's default applies (vLLM: 1.0)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -56,8 +72,14 @@ def _positive_int(text: str) -> int:
 def config_from_args(args, **extra) -> PiConfig:
     """The PiConfig of a command's flags. `extra["mode"]` None: the command's default, which is
     transparent_proxy when --sampling is given (only it can force sampling)."""
-    fields = dict(endpoint=args.endpoint, base_url=args.base_url, model=args.model, api_key=args.api_key,
-                  sandbox_backend=args.backend, **extra)
+    fields = dict(
+        endpoint=args.endpoint,
+        base_url=args.base_url,
+        model=args.model,
+        api_key=args.api_key,
+        sandbox_backend=args.backend,
+        **extra,
+    )
     if getattr(args, "max_tokens", None) is not None:
         fields.update(max_tokens=args.max_tokens, proxy_max_tokens_cap=args.max_tokens)
     if getattr(args, "sampling", None) is not None:
@@ -65,9 +87,11 @@ def config_from_args(args, **extra) -> PiConfig:
 
         fields["proxy_sampling"] = parse_sampling(args.sampling)
         if fields.get("mode") == "black_box":
-            raise ValueError("--sampling is forced on model calls by the gateway in transparent_proxy; --mode "
-                             "black_box relays the agent's sampling as sent: drop --mode or use --mode "
-                             "transparent_proxy")
+            raise ValueError(
+                "--sampling is forced on model calls by the gateway in transparent_proxy; --mode "
+                "black_box relays the agent's sampling as sent: drop --mode or use --mode "
+                "transparent_proxy"
+            )
         fields["mode"] = fields.get("mode") or "transparent_proxy"
     return PiConfig(**{k: v for k, v in fields.items() if v is not None})
 
@@ -77,5 +101,7 @@ def describe_sampling(config: PiConfig) -> str:
     if config.mode != "black_box" and config.proxy_sampling:
         forced = ", ".join(f"{k}={v}" for k, v in config.proxy_sampling.items())
         return f"sampling forced at the gateway: {forced}; max_tokens {config.max_tokens}"
-    return (f"no sampling forced: Pi sends no temperature, so the engine's default applies (vLLM: 1.0); "
-            f"max_tokens {config.max_tokens}")
+    return (
+        f"no sampling forced: Pi sends no temperature, so the engine's default applies (vLLM: 1.0); "
+        f"max_tokens {config.max_tokens}"
+    )

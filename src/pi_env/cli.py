@@ -10,8 +10,15 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import EXIT_BAD_INPUT, EXIT_INFRA, backend_argument, config_from_args, describe_sampling, \
-    endpoint_arguments, generation_arguments
+from .arguments import (
+    EXIT_BAD_INPUT,
+    EXIT_INFRA,
+    backend_argument,
+    config_from_args,
+    describe_sampling,
+    endpoint_arguments,
+    generation_arguments,
+)
 from .results import EXIT_INFRA_ERROR_KINDS
 
 # Subcommands whose code lives with their room. Each module has `add_arguments(parser)` and
@@ -30,23 +37,39 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="run rollouts of a task file, a JSONL task set or a directory of tasks")
     run.add_argument("tasks", type=Path, help="TASK.json, TASKS.jsonl or a directory of task JSON files")
     endpoint_arguments(run)
-    run.add_argument("--mode", default=None, choices=["black_box", "transparent_proxy"],
-                     help="black_box (default) or transparent_proxy (the default with --sampling)")
+    run.add_argument(
+        "--mode",
+        default=None,
+        choices=["black_box", "transparent_proxy"],
+        help="black_box (default) or transparent_proxy (the default with --sampling)",
+    )
     generation_arguments(run)
     run.add_argument("--max-turns", type=int, default=None, help="model calls per rollout (default 50)")
     run.add_argument("--max-total-tokens", type=int, default=None, help="usage.total_tokens budget per rollout")
     run.add_argument("--trace-dir", default=None, help="where transparent_proxy writes per-turn trace files")
-    run.add_argument("--token-in", action="store_true", default=None,
-                     help="transparent_proxy: the gateway renders and bridges token ids itself, so each rollout is "
-                          "one exact sequence (needs pi-env[token-in] and a token-in engine such as vLLM)")
-    run.add_argument("--renderer", default=None, help="token-in renderer: auto (default), chatml-hermes, a renderers "
-                                                      "name (qwen3, llama-3, ...) or module.Class")
-    run.add_argument("--tokenizer", default=None, help="token-in tokenizer: a directory or model id (default: the model id)")
+    run.add_argument(
+        "--token-in",
+        action="store_true",
+        default=None,
+        help="transparent_proxy: the gateway renders and bridges token ids itself, so each rollout is "
+        "one exact sequence (needs pi-env[token-in] and a token-in engine such as vLLM)",
+    )
+    run.add_argument(
+        "--renderer",
+        default=None,
+        help="token-in renderer: auto (default), chatml-hermes, a renderers name (qwen3, llama-3, ...) or module.Class",
+    )
+    run.add_argument(
+        "--tokenizer", default=None, help="token-in tokenizer: a directory or model id (default: the model id)"
+    )
     run.add_argument("--agent-timeout", type=float, default=None, help="seconds for the agent phase")
     backend_argument(run)
-    run.add_argument("--include-unsupported", action="store_true",
-                     help="run Harbor tasks whose environment this backend cannot honour (their rollouts are "
-                          "never scored: error_kind environment_unsupported)")
+    run.add_argument(
+        "--include-unsupported",
+        action="store_true",
+        help="run Harbor tasks whose environment this backend cannot honour (their rollouts are "
+        "never scored: error_kind environment_unsupported)",
+    )
     run.add_argument("--json", action="store_true", help="print each RolloutResult as JSON on stdout")
     run.add_argument("--out", type=Path, help="write the results as JSON lines to this file")
 
@@ -92,9 +115,17 @@ def _run(args) -> int:
 
     try:
         tasks = load_tasks(args.tasks)
-        config = config_from_args(args, mode=args.mode, max_turns=args.max_turns, agent_timeout_s=args.agent_timeout,
-                         max_total_tokens=args.max_total_tokens, trace_dir=args.trace_dir,
-                         proxy_token_in=args.token_in, proxy_renderer=args.renderer, proxy_tokenizer=args.tokenizer)
+        config = config_from_args(
+            args,
+            mode=args.mode,
+            max_turns=args.max_turns,
+            agent_timeout_s=args.agent_timeout,
+            max_total_tokens=args.max_total_tokens,
+            trace_dir=args.trace_dir,
+            proxy_token_in=args.token_in,
+            proxy_renderer=args.renderer,
+            proxy_tokenizer=args.tokenizer,
+        )
         factory = PiSessionFactory(config)
     except (TaskError, EndpointError, ValidationError, ValueError, NotImplementedError) as error:
         return _bad_input(error)
@@ -115,7 +146,9 @@ def _run(args) -> int:
             except (EndpointError, ValueError) as error:
                 return _bad_input(error)
             except Exception as error:  # noqa: BLE001 - one rollout's failure never loses the others: a bug of ours
-                result = RolloutResult(task_id=task.task_id, error_kind="internal", error=f"{type(error).__name__}: {error}")
+                result = RolloutResult(
+                    task_id=task.task_id, error_kind="internal", error=f"{type(error).__name__}: {error}"
+                )
             infra_failures += result.error_kind in EXIT_INFRA_ERROR_KINDS
             results.append(result)
             line = result.model_dump_json()
@@ -150,12 +183,18 @@ def _environments_not_honoured(tasks, backend: str, include: bool) -> str | None
     if not lines:
         return None
     if include:
-        print(f"pi-env: running {len(lines)} task(s) whose environment the {backend} backend cannot honour; "
-              "they are not scored (environment_unsupported)", file=sys.stderr)
+        print(
+            f"pi-env: running {len(lines)} task(s) whose environment the {backend} backend cannot honour; "
+            "they are not scored (environment_unsupported)",
+            file=sys.stderr,
+        )
         return None
-    return (f"the {backend} backend cannot honour the environment of {len(lines)} task(s):\n" + "\n".join(lines)
-            + "\nRun them on a backend that builds environments (--backend local as root, or --backend podman), "
-              "or pass --include-unsupported to run them unscored.")
+    return (
+        f"the {backend} backend cannot honour the environment of {len(lines)} task(s):\n"
+        + "\n".join(lines)
+        + "\nRun them on a backend that builds environments (--backend local as root, or --backend podman), "
+        "or pass --include-unsupported to run them unscored."
+    )
 
 
 def _print_totals(results) -> None:
@@ -165,8 +204,11 @@ def _print_totals(results) -> None:
         if result.error_kind:
             errors[result.error_kind] = errors.get(result.error_kind, 0) + 1
     mean = f"{sum(scored) / len(scored):.3f}" if scored else "n/a"
-    print(f"{len(results)} rollouts, {len(scored)} scored, mean reward {mean}"
-          + (f", unscored: {errors}" if errors else ""), flush=True)
+    print(
+        f"{len(results)} rollouts, {len(scored)} scored, mean reward {mean}"
+        + (f", unscored: {errors}" if errors else ""),
+        flush=True,
+    )
 
 
 def _print_summary(result) -> None:
@@ -175,7 +217,9 @@ def _print_summary(result) -> None:
     if result.error_kind:
         verdict += f"  error={result.error_kind}: {result.error}"
     tag = " [synthetic]" if result.synthetic else ""
-    print(f"{result.task_id:<24} {verdict}  turns={len(result.proxy_turns)}  wall={result.wall_s:.2f}s{tag}", flush=True)
+    print(
+        f"{result.task_id:<24} {verdict}  turns={len(result.proxy_turns)}  wall={result.wall_s:.2f}s{tag}", flush=True
+    )
 
 
 def _bad_input(error: Exception) -> int:

@@ -171,10 +171,12 @@ class PiConfig(BaseModel):
         return check_sampling(sampling)
 
     @model_validator(mode="after")
-    def _token_in_needs_a_capturing_mode(self) -> "PiConfig":
+    def _token_in_needs_a_capturing_mode(self) -> PiConfig:
         if self.proxy_token_in and self.mode == "black_box":
-            raise ValueError("proxy_token_in renders at the gateway, which black_box never does: use "
-                             "mode='transparent_proxy' (or 'interception_gate')")
+            raise ValueError(
+                "proxy_token_in renders at the gateway, which black_box never does: use "
+                "mode='transparent_proxy' (or 'interception_gate')"
+            )
         return self
 
     @field_validator("endpoint", "base_url", "api_key", "model")
@@ -184,8 +186,9 @@ class PiConfig(BaseModel):
         if value is not None:
             check_text(value, info.field_name)
             if any(ord(char) < 32 and char != "\t" or ord(char) == 127 for char in value):
-                raise ValueError(f"{info.field_name}: holds a control character (a line break, NUL, ...); "
-                                 "give it on one line")
+                raise ValueError(
+                    f"{info.field_name}: holds a control character (a line break, NUL, ...); give it on one line"
+                )
         return value
 
     @field_validator("tools")

@@ -62,15 +62,35 @@ class CatalogEntry:
 
 
 CATALOG: dict[str, CatalogEntry] = {
-    "vllm": CatalogEntry("VLLM_URL", ("VLLM_API_KEY",), "VLLM_MODEL", "http://127.0.0.1:8000/v1", None,
-                         OPEN_SERVER_COMPAT, disable_thinking=True, return_token_ids=None),
-    "openai": CatalogEntry("OPENAI_BASE_URL", ("OPENAI_API_KEY",), "OPENAI_MODEL", "https://api.openai.com/v1",
-                           "gpt-4o-mini", {"supportsDeveloperRole": True, "supportsStore": False,
-                                           "maxTokensField": "max_completion_tokens"}, return_token_ids=False),
-    "hf_router": CatalogEntry("HF_ROUTER_URL", ("HF_ROUTER_API_KEY", "HF_TOKEN"), "HF_ROUTER_MODEL",
-                              "https://router.huggingface.co/v1", None, {"supportsDeveloperRole": False,
-                                                                         "supportsStore": False},
-                              return_token_ids=False, max_top_logprobs=5),  # the router caps at 5
+    "vllm": CatalogEntry(
+        "VLLM_URL",
+        ("VLLM_API_KEY",),
+        "VLLM_MODEL",
+        "http://127.0.0.1:8000/v1",
+        None,
+        OPEN_SERVER_COMPAT,
+        disable_thinking=True,
+        return_token_ids=None,
+    ),
+    "openai": CatalogEntry(
+        "OPENAI_BASE_URL",
+        ("OPENAI_API_KEY",),
+        "OPENAI_MODEL",
+        "https://api.openai.com/v1",
+        "gpt-4o-mini",
+        {"supportsDeveloperRole": True, "supportsStore": False, "maxTokensField": "max_completion_tokens"},
+        return_token_ids=False,
+    ),
+    "hf_router": CatalogEntry(
+        "HF_ROUTER_URL",
+        ("HF_ROUTER_API_KEY", "HF_TOKEN"),
+        "HF_ROUTER_MODEL",
+        "https://router.huggingface.co/v1",
+        None,
+        {"supportsDeveloperRole": False, "supportsStore": False},
+        return_token_ids=False,
+        max_top_logprobs=5,
+    ),  # the router caps at 5
 }
 ORACLE = "oracle"
 
@@ -96,9 +116,14 @@ def resolve_endpoint(config: PiConfig) -> Endpoint:
     if name == ORACLE:
         raise EndpointError("the oracle endpoint is resolved per task (pi_env.oracle)")
     if name.startswith(("http://", "https://")):
-        return Endpoint(name="url", base_url=normalize_base_url(name), api_key=config.api_key,
-                        model=_require_model(config.model, "a raw URL endpoint"), compat=OPEN_SERVER_COMPAT,
-                        disable_thinking=bool(config.proxy_disable_thinking))
+        return Endpoint(
+            name="url",
+            base_url=normalize_base_url(name),
+            api_key=config.api_key,
+            model=_require_model(config.model, "a raw URL endpoint"),
+            compat=OPEN_SERVER_COMPAT,
+            disable_thinking=bool(config.proxy_disable_thinking),
+        )
     entry = CATALOG.get(name)
     if entry is None:
         raise EndpointError(f"unknown endpoint {name!r}; use one of {endpoint_names()} or an http(s) URL")
@@ -107,11 +132,19 @@ def resolve_endpoint(config: PiConfig) -> Endpoint:
     model = config.model or os.environ.get(entry.model_env) or entry.default_model
     if name != "vllm" and not api_key:
         raise EndpointError(f"endpoint {name!r} needs an API key: pass --api-key or set {' or '.join(entry.key_envs)}")
-    disable_thinking = entry.disable_thinking if config.proxy_disable_thinking is None else config.proxy_disable_thinking
-    return Endpoint(name=name, base_url=normalize_base_url(base_url), api_key=api_key,
-                    model=_require_model(model, f"endpoint {name!r} (or set {entry.model_env})"),
-                    compat=entry.compat, disable_thinking=disable_thinking, return_token_ids=entry.return_token_ids,
-                    max_top_logprobs=entry.max_top_logprobs)
+    disable_thinking = (
+        entry.disable_thinking if config.proxy_disable_thinking is None else config.proxy_disable_thinking
+    )
+    return Endpoint(
+        name=name,
+        base_url=normalize_base_url(base_url),
+        api_key=api_key,
+        model=_require_model(model, f"endpoint {name!r} (or set {entry.model_env})"),
+        compat=entry.compat,
+        disable_thinking=disable_thinking,
+        return_token_ids=entry.return_token_ids,
+        max_top_logprobs=entry.max_top_logprobs,
+    )
 
 
 _probed: dict[str, tuple[bool, str, float | None]] = {}  # base URL -> (answer, why, retry after: monotonic)
@@ -147,8 +180,11 @@ def _probe_vllm_version(endpoint: Endpoint) -> tuple[bool, str, float | None]:
         retry = time.monotonic() + PROBE_RETRY_S if error.code >= 500 else None  # a 4xx is an answer
         return False, f"probe of {root}/version answered {error.code}: not a vLLM server, so not asked", retry
     except (OSError, ValueError, AttributeError) as error:
-        return False, (f"probe of {root}/version failed ({error}): not asked; probed again after "
-                       f"{PROBE_RETRY_S:g} s"), time.monotonic() + PROBE_RETRY_S
+        return (
+            False,
+            (f"probe of {root}/version failed ({error}): not asked; probed again after {PROBE_RETRY_S:g} s"),
+            time.monotonic() + PROBE_RETRY_S,
+        )
     numbers = tuple(int(part) for part in re.findall(r"\d+", str(version))[:3])
     if numbers >= MIN_VLLM_FOR_TOKEN_IDS:
         return True, f"probe: vLLM {version} at {root}", None

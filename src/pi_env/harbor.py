@@ -64,8 +64,11 @@ exit $status
 
 def is_harbor_task(path: Path) -> bool:
     """A task.toml beside an instruction.md (or, for a multi-step task, a steps/ dir)."""
-    return path.is_dir() and (path / "task.toml").is_file() and (
-        (path / "instruction.md").is_file() or (path / "steps").is_dir())
+    return (
+        path.is_dir()
+        and (path / "task.toml").is_file()
+        and ((path / "instruction.md").is_file() or (path / "steps").is_dir())
+    )
 
 
 def harbor_task_dirs(path: Path) -> list[Path]:
@@ -95,13 +98,23 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
     rewrite = _rewriter(path_map)
 
     verifier_env = _env_table(verifier, "verifier.env", task_dir, notes)
-    verify = [_VERIFY.format(tests=SANDBOX_TESTS, staged=STAGED_TESTS, workdir=SANDBOX_WORKDIR,
-                             staged_top=STAGED_TESTS.split("/")[0], env="".join(f"{k}={shlex.quote(v)} " for k, v in verifier_env.items()))]
+    verify = [
+        _VERIFY.format(
+            tests=SANDBOX_TESTS,
+            staged=STAGED_TESTS,
+            workdir=SANDBOX_WORKDIR,
+            staged_top=STAGED_TESTS.split("/")[0],
+            env="".join(f"{k}={shlex.quote(v)} " for k, v in verifier_env.items()),
+        )
+    ]
     solution_env = _env_table(solution_cfg, "solution.env", task_dir, notes)
     steps = _steps(config, task_dir, rewrite, unsupported, solution_env)
     if steps:  # multi-step: the task itself is the first step, the others run after it (rollout.py)
-        verify_files, solution, instruction_file = steps[0]["verify_files"], steps[0]["solution"], \
-            task_dir / "steps" / steps[0]["name"] / "instruction.md"
+        verify_files, solution, instruction_file = (
+            steps[0]["verify_files"],
+            steps[0]["solution"],
+            task_dir / "steps" / steps[0]["name"] / "instruction.md",
+        )
         env_files = {**env_files, **steps[0]["files"]}
     else:
         verify_files = _tests(task_dir, rewrite, unsupported)
@@ -123,10 +136,17 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
 
     meta = dict(config.get("metadata") or {})
     package = config.get("task") if isinstance(config.get("task"), dict) else {}
-    meta["harbor"] = {"source": str(task_dir), "path_map": path_map, "unsupported": unsupported, "notes": notes,
-                      "environment": env_info, "artifacts": artifacts, "steps": steps,
-                      "multi_step_reward_strategy": str(config.get("multi_step_reward_strategy") or "mean"),
-                      "schema_version": str(config.get("schema_version") or config.get("version") or "")}
+    meta["harbor"] = {
+        "source": str(task_dir),
+        "path_map": path_map,
+        "unsupported": unsupported,
+        "notes": notes,
+        "environment": env_info,
+        "artifacts": artifacts,
+        "steps": steps,
+        "multi_step_reward_strategy": str(config.get("multi_step_reward_strategy") or "mean"),
+        "schema_version": str(config.get("schema_version") or config.get("version") or ""),
+    }
     data: dict[str, Any] = {
         "task_id": str(package.get("name") or task_dir.name),
         "instruction": rewrite(_read_text(instruction_file)),
@@ -136,9 +156,11 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
         "verify_files": verify_files,
         "solution": solution,
         "metadata": meta,
-        "timeouts": {"agent_s": _seconds(agent, "timeout_sec", task_dir),
-                     "verify_s": _seconds(verifier, "timeout_sec", task_dir) or 600.0,
-                     "setup_s": _seconds(environment, "build_timeout_sec", task_dir)},
+        "timeouts": {
+            "agent_s": _seconds(agent, "timeout_sec", task_dir),
+            "verify_s": _seconds(verifier, "timeout_sec", task_dir) or 600.0,
+            "setup_s": _seconds(environment, "build_timeout_sec", task_dir),
+        },
         "limits": {f"{name}_mb": value for name, value in limits.items() if value is not None},
         "setup_network": setup_network,
         "verify_network": verify_network,
@@ -154,7 +176,9 @@ def _tests(directory: Path, rewrite, unsupported: list[str]) -> dict[str, str]:
     tests_dir = directory / "tests"
     if not (tests_dir / "test.sh").is_file():
         raise TaskError(f"{directory}: tests/test.sh is missing; Harbor runs it as the verifier")
-    return {f"{STAGED_TESTS}/{rel}": rewrite(text) for rel, text in _text_files(tests_dir, "tests", unsupported).items()}
+    return {
+        f"{STAGED_TESTS}/{rel}": rewrite(text) for rel, text in _text_files(tests_dir, "tests", unsupported).items()
+    }
 
 
 def _solution(directory: Path, rewrite, unsupported: list[str], env: dict[str, str]) -> list[dict] | None:
@@ -182,19 +206,30 @@ def _steps(config: dict, task_dir: Path, rewrite, unsupported: list[str], soluti
         # Harbor, before the step's agent: steps/<name>/workdir/ uploaded into the work dir, its
         # setup.sh run there, then the step's healthcheck; after the step: its artifacts.
         workdir = directory / "workdir"
-        files = {rel: rewrite(text) for rel, text in
-                 _text_files(workdir, f"steps/{name}/workdir", unsupported).items()} if workdir.is_dir() else {}
+        files = (
+            {rel: rewrite(text) for rel, text in _text_files(workdir, f"steps/{name}/workdir", unsupported).items()}
+            if workdir.is_dir()
+            else {}
+        )
         healthcheck = _healthcheck(step.get("healthcheck"), f"[[steps]] {name} healthcheck", task_dir)
-        steps.append({"name": name, "instruction": rewrite(_read_text(directory / "instruction.md")),
-                      "verify_files": _tests(directory, rewrite, unsupported),
-                      "solution": _solution(directory, rewrite, unsupported, solution_env),
-                      "agent_s": _seconds(agent, "timeout_sec", task_dir),
-                      "verify_s": _seconds(verifier, "timeout_sec", task_dir),
-                      "min_reward": min_reward, "files": files,
-                      "setup": (["bash setup.sh"] if (workdir / "setup.sh").is_file() else [])
-                               + ([rewrite(healthcheck)] if healthcheck else []),
-                      "artifacts": [rewrite(path) for path in
-                                    _artifacts(step.get("artifacts"), f"[[steps]] {name} artifacts", unsupported, task_dir)]})
+        steps.append(
+            {
+                "name": name,
+                "instruction": rewrite(_read_text(directory / "instruction.md")),
+                "verify_files": _tests(directory, rewrite, unsupported),
+                "solution": _solution(directory, rewrite, unsupported, solution_env),
+                "agent_s": _seconds(agent, "timeout_sec", task_dir),
+                "verify_s": _seconds(verifier, "timeout_sec", task_dir),
+                "min_reward": min_reward,
+                "files": files,
+                "setup": (["bash setup.sh"] if (workdir / "setup.sh").is_file() else [])
+                + ([rewrite(healthcheck)] if healthcheck else []),
+                "artifacts": [
+                    rewrite(path)
+                    for path in _artifacts(step.get("artifacts"), f"[[steps]] {name} artifacts", unsupported, task_dir)
+                ],
+            }
+        )
     return steps
 
 
@@ -213,12 +248,25 @@ def later_steps(task: PiTask) -> list[PiTask]:
     made, files, setup = [], dict(task.files), list(task.setup)
     for step in steps[1:]:
         files, setup = {**files, **(step.get("files") or {})}, [*setup, *(step.get("setup") or [])]
-        made.append(task.model_copy(update={
-            "instruction": step["instruction"], "verify_files": step["verify_files"], "files": files, "setup": setup,
-            "solution": validate_task({"instruction": "x", "solution": step["solution"]}, source=step["name"]).solution,
-            "timeouts": task.timeouts.model_copy(update={"agent_s": step["agent_s"] or task.timeouts.agent_s,
-                                                         "verify_s": step["verify_s"] or task.timeouts.verify_s}),
-        }))
+        made.append(
+            task.model_copy(
+                update={
+                    "instruction": step["instruction"],
+                    "verify_files": step["verify_files"],
+                    "files": files,
+                    "setup": setup,
+                    "solution": validate_task(
+                        {"instruction": "x", "solution": step["solution"]}, source=step["name"]
+                    ).solution,
+                    "timeouts": task.timeouts.model_copy(
+                        update={
+                            "agent_s": step["agent_s"] or task.timeouts.agent_s,
+                            "verify_s": step["verify_s"] or task.timeouts.verify_s,
+                        }
+                    ),
+                }
+            )
+        )
     return made
 
 
@@ -249,25 +297,35 @@ def _network_policy(environment: dict, agent: dict, verifier: dict, notes: list[
     if mode is None and "allow_internet" in environment:
         mode = "public" if environment["allow_internet"] else "no-network"
     mode = mode or "public"
-    for where, value in (("[environment]", mode), ("[verifier]", verifier.get("network_mode")),
-                         ("[agent]", agent.get("network_mode"))):
+    for where, value in (
+        ("[environment]", mode),
+        ("[verifier]", verifier.get("network_mode")),
+        ("[agent]", agent.get("network_mode")),
+    ):
         if value == "allowlist":
-            notes.append(f"{where} network_mode = \"allowlist\": per-host allowlists are not enforced; that phase "
-                         "runs without network")
+            notes.append(
+                f'{where} network_mode = "allowlist": per-host allowlists are not enforced; that phase '
+                "runs without network"
+            )
     if agent.get("network_mode") == "public" or (mode == "public" and agent.get("network_mode") is None):
-        notes.append("the agent reaches only the model gateway, never the internet (Harbor's network_mode for the "
-                     "agent is not granted)")
+        notes.append(
+            "the agent reaches only the model gateway, never the internet (Harbor's network_mode for the "
+            "agent is not granted)"
+        )
     setup = mode == "public"
     if verifier.get("network_mode") is not None:
         return setup, verifier["network_mode"] == "public"
     if mode == "public":
-        notes.append("the verifier runs offline in pi-env (Harbor would give it the environment's network); "
-                     "set [verifier] network_mode = \"public\" if test.sh needs it")
+        notes.append(
+            "the verifier runs offline in pi-env (Harbor would give it the environment's network); "
+            'set [verifier] network_mode = "public" if test.sh needs it'
+        )
     return setup, False
 
 
-def _schema_1_4(config: dict, environment: dict, agent: dict, verifier: dict, unsupported: list[str],
-                notes: list[str]) -> None:
+def _schema_1_4(
+    config: dict, environment: dict, agent: dict, verifier: dict, unsupported: list[str], notes: list[str]
+) -> None:
     """What of task.toml is read but not honoured: refused when it could change the score,
     noted when it cannot."""
     if int(environment.get("gpus") or 0) > 0 or environment.get("gpu_types"):
@@ -279,13 +337,16 @@ def _schema_1_4(config: dict, environment: dict, agent: dict, verifier: dict, un
     if environment.get("mcp_servers"):
         unsupported.append("[environment] mcp_servers: Pi is not given the task's MCP servers")
     if verifier.get("environment") or verifier.get("environment_mode") == "separate":
-        unsupported.append("[verifier] environment / environment_mode = \"separate\": the verifier runs in the "
-                           "agent's sandbox; a separate verifier environment is not built")
+        unsupported.append(
+            '[verifier] environment / environment_mode = "separate": the verifier runs in the '
+            "agent's sandbox; a separate verifier environment is not built"
+        )
     if "cpus" in environment:
         notes.append(f"[environment] cpus = {environment['cpus']!r} is not enforced per task")
     if environment.get("env"):
-        notes.append("[environment] env: not passed (Harbor fills it from the host; pi-env hands no host "
-                     "variable to a sandbox)")
+        notes.append(
+            "[environment] env: not passed (Harbor fills it from the host; pi-env hands no host variable to a sandbox)"
+        )
     for table, name in ((agent, "agent"), (verifier, "verifier")):
         if table.get("user") not in (None, "root", 0):
             notes.append(f"[{name}] user = {table['user']!r}: runs as root (the sandbox's own uid)")
@@ -299,14 +360,16 @@ def _healthcheck(check: Any, where: str, task_dir: Path) -> str | None:
     if check is None:
         return None
     if not isinstance(check, dict) or not isinstance(check.get("command"), str):
-        raise TaskError(f"{task_dir}/task.toml: {where} needs a command = \"...\"")
+        raise TaskError(f'{task_dir}/task.toml: {where} needs a command = "..."')
     retries = int(check.get("retries", 3))
     interval = float(check.get("interval_sec", 5.0))
     timeout = float(check.get("timeout_sec", 30.0))
     start = float(check.get("start_period_sec", 0.0))
-    return (f"sleep {start:g}; for attempt in $(seq {max(1, retries)}); do timeout {timeout:g} bash -c "
-            f"{shlex.quote(check['command'])} && exit 0; sleep {interval:g}; done; "
-            f"echo 'healthcheck never passed: {check['command'][:100]}' >&2; exit 1")
+    return (
+        f"sleep {start:g}; for attempt in $(seq {max(1, retries)}); do timeout {timeout:g} bash -c "
+        f"{shlex.quote(check['command'])} && exit 0; sleep {interval:g}; done; "
+        f"echo 'healthcheck never passed: {check['command'][:100]}' >&2; exit 1"
+    )
 
 
 def _collect_hooks(verifier: dict, unsupported: list[str], task_dir: Path) -> list[str]:
@@ -356,8 +419,10 @@ def unsupported_reasons(task: PiTask, backend: str = "local") -> list[str]:
         return why + [f"{line}: the {backend} backend does not build environments" for line in image + steps]
     if backend == "local":
         if env.get("image"):
-            why.append(f"[environment] docker_image = {env['image']!r}: the local backend builds Dockerfiles into "
-                       "layers and cannot run images")
+            why.append(
+                f"[environment] docker_image = {env['image']!r}: the local backend builds Dockerfiles into "
+                "layers and cannot run images"
+            )
         why += env.get("local_unsupported") or []
     return why
 
@@ -367,8 +432,12 @@ def environment_spec(task: PiTask, backend: str) -> EnvironmentSpec | None:
     env = (task.metadata.get("harbor") or {}).get("environment") or {}
     if backend not in BUILDING_BACKENDS or not env.get("needs_build"):
         return None
-    return EnvironmentSpec(dockerfile=env.get("dockerfile"), context=env.get("context"), image=env.get("image"),
-                           build_timeout_s=float(env.get("build_timeout_s") or 600.0))
+    return EnvironmentSpec(
+        dockerfile=env.get("dockerfile"),
+        context=env.get("context"),
+        image=env.get("image"),
+        build_timeout_s=float(env.get("build_timeout_s") or 600.0),
+    )
 
 
 def is_harbor(task: PiTask) -> bool:
@@ -414,7 +483,7 @@ def _megabytes(table: dict, mb_key: str, size_key: str, task_dir: Path) -> int |
         return None
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(value), re.I)
     if not match or float(match[1]) <= 0:
-        raise TaskError(f"{task_dir}/task.toml: {size_key} = {value!r}; give a size such as \"512M\" or \"4G\"")
+        raise TaskError(f'{task_dir}/task.toml: {size_key} = {value!r}; give a size such as "512M" or "4G"')
     return max(1, round(float(match[1]) * _SIZE_UNITS_MB[match[2].upper()]))
 
 
@@ -455,9 +524,15 @@ def _environment(task_dir: Path, environment: dict, unsupported: list[str], note
             build_only.append(f"{step.where}: {step.kind} {' '.join(step.args)[:200]}")
     for line in plan.approximated:
         notes.append(line)
-    info = {"dockerfile": str(dockerfile), "context": str(env_dir), "base": plan.base,
-            "needs_build": bool(build_only) or bool(plan.unsupported), "build_steps": build_only,
-            "approximated": plan.approximated, "local_unsupported": unsupported_base(plan)}
+    info = {
+        "dockerfile": str(dockerfile),
+        "context": str(env_dir),
+        "base": plan.base,
+        "needs_build": bool(build_only) or bool(plan.unsupported),
+        "build_steps": build_only,
+        "approximated": plan.approximated,
+        "local_unsupported": unsupported_base(plan),
+    }
     return plan.workdir.rstrip("/") or "/", files, info
 
 
@@ -539,8 +614,10 @@ def _solution_steps(files: dict[str, str], env: dict[str, str]) -> list[dict]:
         target = shlex.quote(f"{SANDBOX_SOLUTION}/{rel}")
         encoded = base64.b64encode(text.encode()).decode()
         lines.append(f"mkdir -p $(dirname {target}) && echo {encoded} | base64 -d > {target}")
-    return [{"tool": "bash", "command": "\n".join(lines)},
-            {"tool": "bash", "command": f"{exports}bash {SANDBOX_SOLUTION}/solve.sh"}]
+    return [
+        {"tool": "bash", "command": "\n".join(lines)},
+        {"tool": "bash", "command": f"{exports}bash {SANDBOX_SOLUTION}/solve.sh"},
+    ]
 
 
 # -- what a rollout records -----------------------------------------------------------------
@@ -568,8 +645,9 @@ def collect_artifacts(task: PiTask, sandbox, result, step: int | None = None, *,
         paths, prefix = harbor.get("artifacts") or [], ""
     else:
         steps = harbor.get("steps") or []
-        paths, prefix = (steps[step].get("artifacts") or [], f"steps/{steps[step]['name']}") \
-            if step < len(steps) else ([], "")
+        paths, prefix = (
+            (steps[step].get("artifacts") or [], f"steps/{steps[step]['name']}") if step < len(steps) else ([], "")
+        )
     used = 0
 
     def keep(name: str, data: bytes) -> None:

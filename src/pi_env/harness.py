@@ -50,16 +50,22 @@ from pathlib import Path
 from typing import Any
 
 try:
-    from openenv.core.harness import ResourceSession, ResourceSessionFactory, TraceEntry, TrainingTrace, \
-        TrainingTurn, VerifyResult
+    from openenv.core.harness import (
+        ResourceSession,
+        ResourceSessionFactory,
+        TraceEntry,
+        TrainingTrace,
+        TrainingTurn,
+        VerifyResult,
+    )
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("pi_env.harness needs the openenv package: pip install 'pi-env[openenv]'") from error
 
+from . import rollout
 from .config import Mode, PiConfig
 from .proxy.gateway import TurnRecord
 from .proxy.rewrite import SAMPLING_KEYS
 from .results import RolloutResult
-from . import rollout
 from .rollout import PiSession
 from .sandbox import SandboxBackend
 from .task import PiTask, TaskError, load_tasks
@@ -75,9 +81,15 @@ class HarnessSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["Ha
     `mode=` chose one. `tasks` (PiTasks, task dicts, or a task-set path for `load_tasks`) is
     what `create` chooses from; `sampling` is forced on every model call."""
 
-    def __init__(self, config: PiConfig | None = None, sandbox_backend: str | SandboxBackend | None = None,
-                 mode: Mode | None = None, *, tasks: str | Path | Iterable[PiTask | dict] | None = None,
-                 sampling: Mapping[str, float | int] | None = None):
+    def __init__(
+        self,
+        config: PiConfig | None = None,
+        sandbox_backend: str | SandboxBackend | None = None,
+        mode: Mode | None = None,
+        *,
+        tasks: str | Path | Iterable[PiTask | dict] | None = None,
+        sampling: Mapping[str, float | int] | None = None,
+    ):
         config = config or PiConfig()
         if mode is None and "mode" not in config.model_fields_set:
             mode = "transparent_proxy"
@@ -86,16 +98,18 @@ class HarnessSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["Ha
             tasks = load_tasks(tasks)
         self.tasks: list[PiTask] = [PiTask.coerce(task) for task in tasks or ()]
 
-    def create(self, task: Any = None, seed: int | None = None, episode_id: str | None = None, *,
-               on_event=None) -> "HarnessSession":
+    def create(
+        self, task: Any = None, seed: int | None = None, episode_id: str | None = None, *, on_event=None
+    ) -> HarnessSession:
         """Start one rollout of the task `task` names (see `select_task`). Bad input raises;
         infrastructure failures surface as an unscored rollout (`verify().env_reward` None).
         Returns once the task and endpoint are checked: the sandbox, setup and Pi start in the
         background, so a trainer that stops can close() the session at once (TRL's worker closes
         the sessions it holds on stop, and waits for the rest)."""
         chosen = self.select_task(task, seed)
-        return HarnessSession(super().create(chosen, seed=seed, episode_id=episode_id, on_event=on_event,
-                                             background=True))
+        return HarnessSession(
+            super().create(chosen, seed=seed, episode_id=episode_id, on_event=on_event, background=True)
+        )
 
     def select_task(self, task: Any = None, seed: int | None = None) -> PiTask:
         """The task a `create` argument names. A `PiTask` or a task dict is itself; a dataset
@@ -128,8 +142,10 @@ class HarnessSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["Ha
             if matches:
                 return matches[(seed or 0) % len(matches)]
         if seed is None:
-            raise TaskError(f"the prompt {(task or '')[:80]!r} matches no task id or instruction of the factory's "
-                            f"{len(self.tasks)} tasks, and no seed was given to choose one")
+            raise TaskError(
+                f"the prompt {(task or '')[:80]!r} matches no task id or instruction of the factory's "
+                f"{len(self.tasks)} tasks, and no seed was given to choose one"
+            )
         return self.tasks[seed % len(self.tasks)]
 
     def _by_id(self, task_id: str) -> PiTask:
@@ -210,18 +226,35 @@ class HarnessSession(ResourceSession):
         try:
             result = self.pi_session.wait_for_completion()
         except Exception as error:  # noqa: BLE001 - a failed rollout is unscored, never 0
-            return VerifyResult(env_reward=None, done=True,
-                                metrics={"error_kind": "infra"},
-                                artifacts={"error": f"{type(error).__name__}: {error}", **self._ids()})
+            return VerifyResult(
+                env_reward=None,
+                done=True,
+                metrics={"error_kind": "infra"},
+                artifacts={"error": f"{type(error).__name__}: {error}", **self._ids()},
+            )
         passed = sum(1 for r in result.verify_results if r.passed)
-        metrics = {"error_kind": result.error_kind, "reward_source": result.reward_source,
-                   "stop_reason": result.stop_reason, "budget_exhausted": result.budget_exhausted,
-                   "model_calls": len(result.proxy_turns), "verify_passed": passed,
-                   "verify_total": len(result.verify_results), "agent_exit_code": result.agent_exit_code,
-                   "wall_s": result.wall_s, **{f"time/{k}_s": v for k, v in result.timings.items()}}
-        artifacts = {"error": result.error, "trace_path": result.trace_path, "sandbox_id": result.sandbox_id,
-                     "endpoint": result.endpoint, "model": result.model, "pi_version": result.pi_version,
-                     "synthetic": result.synthetic, **self._ids()}
+        metrics = {
+            "error_kind": result.error_kind,
+            "reward_source": result.reward_source,
+            "stop_reason": result.stop_reason,
+            "budget_exhausted": result.budget_exhausted,
+            "model_calls": len(result.proxy_turns),
+            "verify_passed": passed,
+            "verify_total": len(result.verify_results),
+            "agent_exit_code": result.agent_exit_code,
+            "wall_s": result.wall_s,
+            **{f"time/{k}_s": v for k, v in result.timings.items()},
+        }
+        artifacts = {
+            "error": result.error,
+            "trace_path": result.trace_path,
+            "sandbox_id": result.sandbox_id,
+            "endpoint": result.endpoint,
+            "model": result.model,
+            "pi_version": result.pi_version,
+            "synthetic": result.synthetic,
+            **self._ids(),
+        }
         return VerifyResult(env_reward=result.reward, done=True, metrics=metrics, artifacts=artifacts)
 
     def close(self) -> None:
@@ -234,7 +267,7 @@ class HarnessSession(ResourceSession):
             self._closed = True
         self.pi_session.close()
 
-    def __enter__(self) -> "HarnessSession":
+    def __enter__(self) -> HarnessSession:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -283,11 +316,16 @@ def prompt_text(prompt: Any) -> str:
             if isinstance(content, str):
                 return content
             if isinstance(content, Sequence):
-                return "".join(str(part.get("text", "")) for part in content
-                               if isinstance(part, Mapping) and part.get("type", "text") == "text")
+                return "".join(
+                    str(part.get("text", ""))
+                    for part in content
+                    if isinstance(part, Mapping) and part.get("type", "text") == "text"
+                )
             return ""
-    raise TaskError(f"cannot read a prompt from {type(prompt).__name__}: give a string, a message list, "
-                    f"a dataset row, a task dict or a PiTask")
+    raise TaskError(
+        f"cannot read a prompt from {type(prompt).__name__}: give a string, a message list, "
+        f"a dataset row, a task dict or a PiTask"
+    )
 
 
 # -- openenv records from the gateway's --------------------------------------------------------
@@ -320,10 +358,16 @@ def _training_turn(record: TurnRecord, node_id: str) -> TrainingTurn:
         missing = sum(1 for lp in logprobs if lp is None) + max(0, len(completion) - len(logprobs))
         raise ValueError(f"{where}: {missing} of {len(completion)} completion tokens have no logprob from the engine")
     prompt = list(capture.prompt_token_ids)
-    return TrainingTurn(node_id=node_id, prompt_token_ids=prompt, completion_token_ids=completion,
-                        per_token_logps=[float(lp) for lp in logprobs],
-                        loss_mask=[0] * len(prompt) + [1] * len(completion),
-                        request=dict(capture.request), response=_response(record), metadata=_metadata(record))
+    return TrainingTurn(
+        node_id=node_id,
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        per_token_logps=[float(lp) for lp in logprobs],
+        loss_mask=[0] * len(prompt) + [1] * len(completion),
+        request=dict(capture.request),
+        response=_response(record),
+        metadata=_metadata(record),
+    )
 
 
 def _link_sequences(turns: list[TrainingTurn]) -> None:
@@ -335,7 +379,7 @@ def _link_sequences(turns: list[TrainingTurn]) -> None:
     for turn in turns:
         if previous is not None:
             done = previous.prompt_token_ids + previous.completion_token_ids
-            if turn.prompt_token_ids[:len(done)] == done:
+            if turn.prompt_token_ids[: len(done)] == done:
                 turn.metadata["parent_node_id"] = previous.node_id
         if "parent_node_id" not in turn.metadata:
             sequence += 1
@@ -363,8 +407,11 @@ def _trace_entry(record: TurnRecord, node_id: str) -> dict[str, Any]:
 
 def _response(record: TurnRecord) -> dict[str, Any]:
     capture = record.capture
-    response: dict[str, Any] = {"choices": [{"index": c.index, "message": c.message(), "finish_reason": c.finish_reason}
-                                            for c in capture.choices]}
+    response: dict[str, Any] = {
+        "choices": [
+            {"index": c.index, "message": c.message(), "finish_reason": c.finish_reason} for c in capture.choices
+        ]
+    }
     if capture.usage is not None:
         response["usage"] = dict(capture.usage)
     if capture.model is not None:
@@ -374,13 +421,21 @@ def _response(record: TurnRecord) -> dict[str, Any]:
 
 def _metadata(record: TurnRecord) -> dict[str, Any]:
     capture = record.capture
-    metadata = {"turn": record.turn, "harness": "pi", "upstream_status": record.upstream_status,
-                "latency_s": record.latency_s, "ttfb_s": record.ttfb_s}
+    metadata = {
+        "turn": record.turn,
+        "harness": "pi",
+        "upstream_status": record.upstream_status,
+        "latency_s": record.latency_s,
+        "ttfb_s": record.ttfb_s,
+    }
     if record.upstream_error:
         metadata["upstream_error"] = record.upstream_error[:500]
     if capture is not None:
-        metadata.update(finish_reason=capture.finish_reason, token_ids_source=capture.token_ids_source,
-                        sampling_params={k: capture.request[k] for k in SAMPLING_KEYS if k in capture.request})
+        metadata.update(
+            finish_reason=capture.finish_reason,
+            token_ids_source=capture.token_ids_source,
+            sampling_params={k: capture.request[k] for k in SAMPLING_KEYS if k in capture.request},
+        )
         if capture.token_ids_missing_reason:
             metadata["token_ids_missing_reason"] = capture.token_ids_missing_reason
         if capture.fallback:

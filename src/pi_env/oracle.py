@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 
 from .endpoints import OPEN_SERVER_COMPAT, Endpoint, EndpointError
-from .task import BashStep, EditStep, PiTask, ReadStep, WriteStep
 from .scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn
+from .task import BashStep, EditStep, PiTask, ReadStep, WriteStep
 
 ORACLE_MODEL = "pi-env-oracle"
 FINAL_MESSAGE = "Done: the reference solution has been applied."
@@ -20,15 +20,18 @@ _server_lock = threading.Lock()
 
 def solution_turns(task: PiTask) -> list[ScriptedTurn]:
     if not task.solution:
-        raise EndpointError(f"task {task.task_id!r} has no solution; the oracle endpoint replays a task's "
-                            "`solution` steps, so add one or pick a model endpoint")
+        raise EndpointError(
+            f"task {task.task_id!r} has no solution; the oracle endpoint replays a task's "
+            "`solution` steps, so add one or pick a model endpoint"
+        )
     turns = []
     for index, step in enumerate(task.solution):
         if isinstance(step, WriteStep):
             call = ScriptedToolCall(name="write", arguments={"path": step.path, "content": step.content})
         elif isinstance(step, EditStep):
-            call = ScriptedToolCall(name="edit", arguments={"path": step.path,
-                                                            "edits": [{"oldText": step.old, "newText": step.new}]})
+            call = ScriptedToolCall(
+                name="edit", arguments={"path": step.path, "edits": [{"oldText": step.old, "newText": step.new}]}
+            )
         elif isinstance(step, BashStep):
             call = ScriptedToolCall(name="bash", arguments={"command": step.command})
         elif isinstance(step, ReadStep):
@@ -55,8 +58,15 @@ def oracle_endpoint(task: PiTask) -> Endpoint:
     turns = solution_turns(task)
     server = _shared_server()
     key = server.add_script(turns)
-    return Endpoint(name="oracle", base_url=server.base_url, api_key=key, model=ORACLE_MODEL,
-                    compat=OPEN_SERVER_COMPAT, synthetic=True, return_token_ids=True)
+    return Endpoint(
+        name="oracle",
+        base_url=server.base_url,
+        api_key=key,
+        model=ORACLE_MODEL,
+        compat=OPEN_SERVER_COMPAT,
+        synthetic=True,
+        return_token_ids=True,
+    )
 
 
 def release_oracle(endpoint: Endpoint) -> None:

@@ -116,7 +116,7 @@ class RolloutResult(BaseModel):
     setup_results: list[CommandResult] = Field(default_factory=list)
     verify_results: list[CommandResult] = Field(default_factory=list)
     proxy_turns: list[RolloutTurn] = Field(default_factory=list)
-    training: "TrainingTrace | None" = None  # transparent_proxy: the token-level training view
+    training: TrainingTrace | None = None  # transparent_proxy: the token-level training view
     trace_path: str | None = None  # the gateway's per-turn trace file (transparent_proxy)
     # The conversation as the gateway saw it (OpenAI chat messages; every assistant message is an
     # answer the gateway relayed), in every mode: see pi_env.proxy.conversation.

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import re
 import stat
@@ -23,26 +22,63 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .agent.pi import AGENT_DIR, FORWARDER_PATH, HERMETIC_SETTINGS, PROMPT_PATH, SESSION_DIR, models_json, \
-    parse_session, pi_command, pi_env
+from .agent.pi import (
+    AGENT_DIR,
+    FORWARDER_PATH,
+    HERMETIC_SETTINGS,
+    PROMPT_PATH,
+    SESSION_DIR,
+    models_json,
+    parse_session,
+    pi_command,
+    pi_env,
+)
 from .agent.runtime import SANDBOX_RUNTIME_DIR, PiRuntime, RuntimeInstallError, ensure_runtime
 from .config import Mode, PiConfig
 from .endpoints import OPEN_SERVER_COMPAT, ORACLE, Endpoint, resolve_endpoint, supports_return_token_ids
+from .harbor import (
+    collect_artifacts,
+    combine_step_rewards,
+    environment_spec,
+    harbor_environment_record,
+    is_harbor,
+    later_steps,
+    step_gate,
+    step_own,
+    unsupported_reasons,
+)
 from .oracle import oracle_endpoint, release_oracle
 from .proxy.conversation import gateway_conversation
 from .proxy.gateway import GatewaySession, TurnRecord, Upstream, get_gateway
 from .proxy.policy import SessionLimits
 from .proxy.rewrite import CaptureOptions
 from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, RolloutTurn
-from .sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, SandboxError, SandboxLimits, \
-    SandboxProcess, SandboxSpec, get_backend
-from .harbor import collect_artifacts, combine_step_rewards, environment_spec, harbor_environment_record, \
-    is_harbor, later_steps, step_gate, step_own, unsupported_reasons
+from .sandbox import (
+    SANDBOX_HOME,
+    SANDBOX_WORKDIR,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxLimits,
+    SandboxProcess,
+    SandboxSpec,
+    get_backend,
+)
 from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported
 from .task import PiTask
 from .training import TrainingTrace, build_training_trace
-from .verify import RESERVE_DIR, VERIFY_ENV, put_back, read_reward, record_setup, reserve, set_aside, stage, \
-    startup_mount, verify_env
+from .verify import (
+    RESERVE_DIR,
+    VERIFY_ENV,
+    put_back,
+    read_reward,
+    record_setup,
+    reserve,
+    set_aside,
+    stage,
+    startup_mount,
+    verify_env,
+)
 
 if TYPE_CHECKING:
     from .proxy.gate import GateCompletion, GateRequest
@@ -60,8 +96,14 @@ class PiSessionFactory:
     """Makes `PiSession`s for one config and sandbox backend. The Pi runtime is installed on
     first use (once per machine) and shared by every session."""
 
-    def __init__(self, config: PiConfig | None = None, sandbox_backend: str | SandboxBackend | None = None,
-                 mode: Mode | None = None, *, sampling: Mapping[str, float | int] | None = None):
+    def __init__(
+        self,
+        config: PiConfig | None = None,
+        sandbox_backend: str | SandboxBackend | None = None,
+        mode: Mode | None = None,
+        *,
+        sampling: Mapping[str, float | int] | None = None,
+    ):
         config = config or PiConfig()
         if mode is not None:
             config = config.model_copy(update={"mode": mode})
@@ -77,14 +119,24 @@ class PiSessionFactory:
     def runtime(self) -> PiRuntime:
         with self._runtime_lock:
             if self._runtime is None:
-                self._runtime = ensure_runtime(self.config.pi_package, self.config.pi_version,
-                                               self.config.node_version, self.config.runtime_cache_dir)
+                self._runtime = ensure_runtime(
+                    self.config.pi_package,
+                    self.config.pi_version,
+                    self.config.node_version,
+                    self.config.runtime_cache_dir,
+                )
             return self._runtime
 
-    def create(self, task: str | dict | PiTask, seed: int | None = None, episode_id: str | None = None, *,
-               on_event: Callable[[RolloutEvent], None] | None = None,
-               on_session: Callable[["PiSession"], None] | None = None,
-               background: bool = False) -> "PiSession":
+    def create(
+        self,
+        task: str | dict | PiTask,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        *,
+        on_event: Callable[[RolloutEvent], None] | None = None,
+        on_session: Callable[[PiSession], None] | None = None,
+        background: bool = False,
+    ) -> PiSession:
         """Create the sandbox, stage files, run setup and start the agent. Bad input (a
         malformed task, an unknown endpoint) raises; infrastructure failures are reported by
         `wait_for_completion()` as a result with reward None and an error kind.
@@ -122,8 +174,14 @@ class PiSession:
     process and deletes the sandbox. In interception_gate mode `next_request()`/`deliver()` hand
     each model call to the trainer."""
 
-    def __init__(self, factory: PiSessionFactory, task: PiTask, seed: int | None = None,
-                 episode_id: str | None = None, on_event: Callable[[RolloutEvent], None] | None = None):
+    def __init__(
+        self,
+        factory: PiSessionFactory,
+        task: PiTask,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        on_event: Callable[[RolloutEvent], None] | None = None,
+    ):
         self.factory = factory
         self.config = factory.config
         self.task = task
@@ -211,26 +269,46 @@ class PiSession:
     def _resolve_endpoint(self) -> None:
         config, result = self.config, self._result
         if config.mode == "interception_gate":  # the trainer is the model: no upstream at all
-            self.endpoint = Endpoint(name="interception_gate", base_url="http://interception-gate.invalid/v1",
-                                     model=config.model or "trainer", compat=OPEN_SERVER_COMPAT,
-                                     return_token_ids=False)
+            self.endpoint = Endpoint(
+                name="interception_gate",
+                base_url="http://interception-gate.invalid/v1",
+                model=config.model or "trainer",
+                compat=OPEN_SERVER_COMPAT,
+                return_token_ids=False,
+            )
         else:
             self.endpoint = oracle_endpoint(self.task) if config.endpoint == ORACLE else resolve_endpoint(config)
-        result.endpoint, result.model, result.synthetic = self.endpoint.name, self.endpoint.model, self.endpoint.synthetic
+        result.endpoint, result.model, result.synthetic = (
+            self.endpoint.name,
+            self.endpoint.model,
+            self.endpoint.synthetic,
+        )
         if config.mode != "black_box":  # black_box relays the agent's sampling as sent: nothing is forced
             result.sampling = dict(config.proxy_sampling)
 
     def _open_gateway(self, token_in) -> None:
         config, result = self.config, self._result
         self.gateway_session = get_gateway().open_session(
-            Upstream(self.endpoint.base_url, self.endpoint.api_key, self.endpoint.model,
-                     connect_timeout_s=config.upstream_connect_timeout_s,
-                     read_timeout_s=config.upstream_read_timeout_s),
-            mode=config.mode, max_turns=config.max_turns, max_total_tokens=config.max_total_tokens,
-            max_tokens_cap=config.max_tokens, capture=self._capture_options(), trace_path=self._trace_path(),
-            token_in=token_in, allow_fields=config.gateway_allow_fields,
-            limits=SessionLimits(max_request_bytes=config.gateway_max_request_bytes,
-                                 max_concurrent_calls=config.gateway_max_concurrent_calls))
+            Upstream(
+                self.endpoint.base_url,
+                self.endpoint.api_key,
+                self.endpoint.model,
+                connect_timeout_s=config.upstream_connect_timeout_s,
+                read_timeout_s=config.upstream_read_timeout_s,
+            ),
+            mode=config.mode,
+            max_turns=config.max_turns,
+            max_total_tokens=config.max_total_tokens,
+            max_tokens_cap=config.max_tokens,
+            capture=self._capture_options(),
+            trace_path=self._trace_path(),
+            token_in=token_in,
+            allow_fields=config.gateway_allow_fields,
+            limits=SessionLimits(
+                max_request_bytes=config.gateway_max_request_bytes,
+                max_concurrent_calls=config.gateway_max_concurrent_calls,
+            ),
+        )
         result.trace_path = self.gateway_session.trace_path
         if token_in is not None:
             result.proxy_log_tail += f"\ntoken-in: renderer {token_in.resolved} over tokenizer {token_in.tokenizer}"
@@ -253,14 +331,19 @@ class PiSession:
         config, task = self.config, self.task
         for command in [*config.extra_setup_shell, *task.setup]:
             self._check_open()
-            outcome = self._run(command, task.timeouts.setup_s or config.setup_timeout_s,
-                                "full" if task.setup_network else "none", sandbox=sandbox)
+            outcome = self._run(
+                command,
+                task.timeouts.setup_s or config.setup_timeout_s,
+                "full" if task.setup_network else "none",
+                sandbox=sandbox,
+            )
             self._result.setup_results.append(outcome)
             if not outcome.passed:
                 self._check_open()  # close() killed it: not the task's failure
                 why = "timed out" if outcome.timed_out else f"exited {outcome.exit_code}"
-                self._fail("setup_failed", f"setup command {command!r} {why}: "
-                                           f"{_tail(outcome.stderr or outcome.stdout, 500)}")
+                self._fail(
+                    "setup_failed", f"setup command {command!r} {why}: {_tail(outcome.stderr or outcome.stdout, 500)}"
+                )
                 return False
         return True
 
@@ -275,13 +358,19 @@ class PiSession:
                 return_token_ids, why = config.proxy_return_token_ids, "PiConfig.proxy_return_token_ids"
             result.return_token_ids, result.return_token_ids_reason = return_token_ids, why
             result.proxy_log_tail = f"return_token_ids={return_token_ids} ({why})"
-        disable_thinking = endpoint.disable_thinking if config.proxy_disable_thinking is None \
-            else config.proxy_disable_thinking
+        disable_thinking = (
+            endpoint.disable_thinking if config.proxy_disable_thinking is None else config.proxy_disable_thinking
+        )
         top_logprobs = min(config.proxy_top_logprobs, endpoint.max_top_logprobs)
-        return CaptureOptions(logprobs=config.proxy_logprobs, top_logprobs=top_logprobs,
-                              return_token_ids=return_token_ids, max_tokens_cap=config.proxy_max_tokens_cap,
-                              disable_thinking=disable_thinking, model=endpoint.model,
-                              sampling=dict(config.proxy_sampling))
+        return CaptureOptions(
+            logprobs=config.proxy_logprobs,
+            top_logprobs=top_logprobs,
+            return_token_ids=return_token_ids,
+            max_tokens_cap=config.proxy_max_tokens_cap,
+            disable_thinking=disable_thinking,
+            model=endpoint.model,
+            sampling=dict(config.proxy_sampling),
+        )
 
     def _token_in(self):
         """The session's renderer, and in transparent_proxy a checked token-in endpoint; raises
@@ -291,9 +380,16 @@ class PiSession:
         config, endpoint = self.config, self.endpoint
         spec = load_renderer(config.proxy_renderer, config.proxy_tokenizer or endpoint.model)
         if config.mode == "transparent_proxy":
-            check_endpoint_sync(Upstream(endpoint.base_url, endpoint.api_key, endpoint.model,
-                                         connect_timeout_s=config.upstream_connect_timeout_s,
-                                         read_timeout_s=config.upstream_read_timeout_s), spec)
+            check_endpoint_sync(
+                Upstream(
+                    endpoint.base_url,
+                    endpoint.api_key,
+                    endpoint.model,
+                    connect_timeout_s=config.upstream_connect_timeout_s,
+                    read_timeout_s=config.upstream_read_timeout_s,
+                ),
+                spec,
+            )
         return spec
 
     def _trace_path(self) -> str | None:
@@ -302,8 +398,9 @@ class PiSession:
         # Retention: a trace_dir is kept on purpose (collect puts it in its dataset); without one
         # the trace is scratch in a private dir and deleted by close().
         directory = Path(self.config.trace_dir) if self.config.trace_dir else private_scratch_dir("pi-env-traces")
-        safe_id, safe_episode = (re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80]
-                                 for name in (self.task.task_id, self.episode_id))
+        safe_id, safe_episode = (
+            re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] for name in (self.task.task_id, self.episode_id)
+        )
         return str(directory / f"{safe_id}-{safe_episode}-{uuid.uuid4().hex[:8]}.jsonl")
 
     def _sandbox_spec(self, runtime: PiRuntime, gateway_socket: str) -> SandboxSpec:
@@ -312,10 +409,13 @@ class PiSession:
         return SandboxSpec(
             ro_mounts={SANDBOX_RUNTIME_DIR: runtime.root, FORWARDER_PATH: str(forwarder), **startup_mount()},
             gateway_socket=gateway_socket,
-            limits=SandboxLimits(max_processes=config.max_processes, max_file_bytes=config.max_file_bytes,
-                                 max_memory_bytes=config.max_memory_bytes,
-                                 max_total_memory_bytes=_mb(self.task.limits.memory_mb) or config.max_total_memory_bytes,
-                                 max_disk_bytes=_mb(self.task.limits.storage_mb) or config.max_disk_bytes),
+            limits=SandboxLimits(
+                max_processes=config.max_processes,
+                max_file_bytes=config.max_file_bytes,
+                max_memory_bytes=config.max_memory_bytes,
+                max_total_memory_bytes=_mb(self.task.limits.memory_mb) or config.max_total_memory_bytes,
+                max_disk_bytes=_mb(self.task.limits.storage_mb) or config.max_disk_bytes,
+            ),
             env=dict(config.extra_env),
             # Old Pi has no -na: hide the task's .pi/ so it cannot change Pi's settings.
             agent_masked_paths=(RESERVE_DIR,) if runtime.supports("-na") else (RESERVE_DIR, f"{SANDBOX_WORKDIR}/.pi"),
@@ -327,13 +427,19 @@ class PiSession:
 
     def _start_agent(self, runtime: PiRuntime) -> None:
         sandbox, endpoint = self.sandbox, self.endpoint
-        sandbox.write_file(f"{AGENT_DIR}/models.json",
-                           json.dumps(models_json(self.config, endpoint, self.gateway_session.token)))
+        sandbox.write_file(
+            f"{AGENT_DIR}/models.json", json.dumps(models_json(self.config, endpoint, self.gateway_session.token))
+        )
         sandbox.write_file(f"{AGENT_DIR}/settings.json", json.dumps(HERMETIC_SETTINGS))
         sandbox.write_file(PROMPT_PATH, self.task.instruction)
         self._agent_deadline = time.monotonic() + (self.task.timeouts.agent_s or self.config.agent_timeout_s)
-        self._agent = sandbox.start(pi_command(runtime, self.config, endpoint), cwd=SANDBOX_WORKDIR,
-                                    env=pi_env(runtime), network="gateway", stdin_path=PROMPT_PATH)
+        self._agent = sandbox.start(
+            pi_command(runtime, self.config, endpoint),
+            cwd=SANDBOX_WORKDIR,
+            env=pi_env(runtime),
+            network="gateway",
+            stdin_path=PROMPT_PATH,
+        )
 
     def wait_for_completion(self, timeout_s: float | None = None) -> RolloutResult:
         """Wait for the agent, then verify and collect. Raises TimeoutError if `timeout_s` passes
@@ -356,8 +462,9 @@ class PiSession:
     def _begin_finishing(self) -> None:
         with self._lock:  # held only to start the finishing work, once
             if self._finisher is None:
-                self._finisher = threading.Thread(target=self._finish, name=f"pi-env-finish-{self.episode_id[:8]}",
-                                                  daemon=True)
+                self._finisher = threading.Thread(
+                    target=self._finish, name=f"pi-env-finish-{self.episode_id[:8]}", daemon=True
+                )
                 self._finisher.start()
 
     def _finish(self) -> None:
@@ -401,10 +508,14 @@ class PiSession:
             result.stop_reason = "timeout"
             # Unscored only when the endpoint had not begun its answer to a streamed call (Pi's
             # way): a slow non-streamed call is the agent's choice, which it cannot make a dodge.
-            if not conversation.messages or (last is not None and last.client_disconnected and last.ttfb_s is None
-                                             and last.streamed is not False):
-                return self._fail("agent_timeout", f"the agent's {self._agent_limit():g} s limit passed while the model "
-                                                   "endpoint had not begun its answer (or before Pi called it)")
+            if not conversation.messages or (
+                last is not None and last.client_disconnected and last.ttfb_s is None and last.streamed is not False
+            ):
+                return self._fail(
+                    "agent_timeout",
+                    f"the agent's {self._agent_limit():g} s limit passed while the model "
+                    "endpoint had not begun its answer (or before Pi called it)",
+                )
             # Otherwise the agent spent its own time (a hung tool, a killed or stopped Pi, its own
             # non-streamed call): scored.
         elif getattr(gateway.strategy, "stop_reason", None):  # interception_gate: the trainer never answered
@@ -417,11 +528,15 @@ class PiSession:
         elif last is not None and (last.upstream_error or (last.upstream_status or 0) >= 400):
             status = last.upstream_status
             if status is None or status >= 500 or status in ENDPOINT_FAULT_STATUSES:
-                return self._fail("endpoint_error", f"model endpoint failed ({status or 'unreachable'}): "
-                                                    f"{_tail(last.upstream_error or '', 500)}")
+                return self._fail(
+                    "endpoint_error",
+                    f"model endpoint failed ({status or 'unreachable'}): {_tail(last.upstream_error or '', 500)}",
+                )
             if not conversation.messages:  # refused before the agent ever had a turn: the harness's request
-                return self._fail("agent_error", f"the model endpoint refused the first call ({status}): "
-                                                 f"{_tail(last.upstream_error or '', 500)}")
+                return self._fail(
+                    "agent_error",
+                    f"the model endpoint refused the first call ({status}): {_tail(last.upstream_error or '', 500)}",
+                )
         elif last is None:  # Pi never called the model: it could not start
             message = _tail(outcome.stderr, 500) or f"Pi exited {outcome.exit_code} without calling the model"
             return self._fail("agent_error", message)
@@ -462,8 +577,9 @@ class PiSession:
         sandbox = self.sandbox
         if hasattr(sandbox, "restore_home"):
             # A later step's agent continues in its own home: keep it aside meanwhile.
-            self._agent_home_aside = bool(later_steps(self.task)) if not self._in_later_step \
-                else self._later_steps_left > 0
+            self._agent_home_aside = (
+                bool(later_steps(self.task)) if not self._in_later_step else self._later_steps_left > 0
+            )
             # The reserve stays through the restore (which may not fit if the agent filled its
             # home), then makes room for verify's own files.
             reserved = RESERVE_DIR.removeprefix(f"{SANDBOX_HOME}/")
@@ -472,11 +588,15 @@ class PiSession:
             sandbox.remove(RESERVE_DIR)
             return sandbox
         if not hasattr(sandbox, "export_tree"):
-            raise SandboxError(f"the {self.factory.backend.name!r} backend can neither restore its home "
-                               "(restore_home) nor hand a work dir to a fresh sandbox (export_tree/import_tree): "
-                               "verify would run in the world the agent shaped")
-        trees = {path: sandbox.export_tree(path) for path in (SANDBOX_WORKDIR, *(
-            f"{SANDBOX_HOME}/{name}" for name in AGENT_OUTPUT_DIRS))}
+            raise SandboxError(
+                f"the {self.factory.backend.name!r} backend can neither restore its home "
+                "(restore_home) nor hand a work dir to a fresh sandbox (export_tree/import_tree): "
+                "verify would run in the world the agent shaped"
+            )
+        trees = {
+            path: sandbox.export_tree(path)
+            for path in (SANDBOX_WORKDIR, *(f"{SANDBOX_HOME}/{name}" for name in AGENT_OUTPUT_DIRS))
+        }
         fresh = self.factory.backend.create(self._spec)
         try:
             for path, text in self.task.files.items():
@@ -487,8 +607,10 @@ class PiSession:
             finally:
                 del self._result.setup_results[first_run:]  # the first run's results are the rollout's
             if failed:
-                raise SandboxError(f"setup command {failed.cmd!r} passed before the agent but failed in the "
-                                   f"fresh verify sandbox: {_tail(failed.stderr or failed.stdout, 300)}")
+                raise SandboxError(
+                    f"setup command {failed.cmd!r} passed before the agent but failed in the "
+                    f"fresh verify sandbox: {_tail(failed.stderr or failed.stdout, 300)}"
+                )
             record_setup(fresh, self.task, setup_ran=self._setup_ran(), env=self._spec.env)
             for path, data in trees.items():
                 fresh.import_tree(path, data)
@@ -510,17 +632,23 @@ class PiSession:
                 return self._fail("infra", f"could not give verify a clean world: {type(error).__name__}: {error}")
             for command in task.verify:
                 stage(sandbox, task)  # afresh for each: agent code an earlier command ran may have changed them
-                result.verify_results.append(self._run(command, task.timeouts.verify_s or self.config.verify_timeout_s,
-                                                       "full" if task.verify_network else "none",
-                                                       env=self._verify_env))
+                result.verify_results.append(
+                    self._run(
+                        command,
+                        task.timeouts.verify_s or self.config.verify_timeout_s,
+                        "full" if task.verify_network else "none",
+                        env=self._verify_env,
+                    )
+                )
             sandbox.kill_all()
             self._score_reward()
             put_back(sandbox, task, moved)
             self._score()
 
     def _score(self) -> None:
-        self._read_left -= collect_artifacts(self.task, self.sandbox, self._result, step=self._step_index,
-                                             max_total_bytes=self._read_left)
+        self._read_left -= collect_artifacts(
+            self.task, self.sandbox, self._result, step=self._step_index, max_total_bytes=self._read_left
+        )
         if self._in_later_step:
             return  # _run_later_steps combines the steps' rewards
         if later := later_steps(self.task):
@@ -578,14 +706,19 @@ class PiSession:
             self.sandbox.write_file(path, text)
         for command in own["setup"]:
             self._check_open()
-            outcome = self._run(command, self.task.timeouts.setup_s or self.config.setup_timeout_s,
-                                "full" if self.task.setup_network else "none")
+            outcome = self._run(
+                command,
+                self.task.timeouts.setup_s or self.config.setup_timeout_s,
+                "full" if self.task.setup_network else "none",
+            )
             self._result.setup_results.append(outcome)
             if not outcome.passed:
                 self._check_open()  # close() killed it: not the task's failure
                 why = "timed out" if outcome.timed_out else f"exited {outcome.exit_code}"
-                self._result.agent_log_tail += (f"\n[pi-env] step {own['name']!r}: setup command {command!r} {why}: "
-                                                f"{_tail(outcome.stderr or outcome.stdout, 300)}; later steps skipped")
+                self._result.agent_log_tail += (
+                    f"\n[pi-env] step {own['name']!r}: setup command {command!r} {why}: "
+                    f"{_tail(outcome.stderr or outcome.stdout, 300)}; later steps skipped"
+                )
                 return False
         return True
 
@@ -617,9 +750,14 @@ class PiSession:
         result, config = self._result, self.config
         if self.gateway_session is not None:
             result.proxy_turns = self.fetch_proxy_trace()
-            result.proxy_log_tail = "\n".join([result.proxy_log_tail] + [
-                f"turn {t.turn}: status {t.upstream_status} in {t.latency_s or 0:.3f} s"
-                + (f" error {t.upstream_error[:200]}" if t.upstream_error else "") for t in result.proxy_turns]).strip()
+            result.proxy_log_tail = "\n".join(
+                [result.proxy_log_tail]
+                + [
+                    f"turn {t.turn}: status {t.upstream_status} in {t.latency_s or 0:.3f} s"
+                    + (f" error {t.upstream_error[:200]}" if t.upstream_error else "")
+                    for t in result.proxy_turns
+                ]
+            ).strip()
             if config.mode in ("transparent_proxy", "interception_gate"):
                 result.training = build_training_trace(result.proxy_turns)
         if self.sandbox is not None and config.result_max_files:
@@ -728,23 +866,40 @@ class PiSession:
                 Path(self.gateway_session.trace_path).unlink(missing_ok=True)
                 self._result.trace_path = None
 
-    def __enter__(self) -> "PiSession":
+    def __enter__(self) -> PiSession:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _run(self, command: str, timeout_s: float, network, *, env: dict[str, str] | None = None,
-             sandbox: Sandbox | None = None) -> CommandResult:
+    def _run(
+        self,
+        command: str,
+        timeout_s: float,
+        network,
+        *,
+        env: dict[str, str] | None = None,
+        sandbox: Sandbox | None = None,
+    ) -> CommandResult:
         outcome = (sandbox or self.sandbox).exec(command, timeout_s=timeout_s, network=network, env=env)
-        return CommandResult(cmd=command, exit_code=outcome.exit_code, stdout=outcome.stdout, stderr=outcome.stderr,
-                             duration_s=round(outcome.duration_s, 4), timed_out=outcome.timed_out)
+        return CommandResult(
+            cmd=command,
+            exit_code=outcome.exit_code,
+            stdout=outcome.stdout,
+            stderr=outcome.stderr,
+            duration_s=round(outcome.duration_s, 4),
+            timed_out=outcome.timed_out,
+        )
 
     def _read_tree(self, path: str, max_files: int, max_file_bytes: int) -> dict[str, bytes]:
         """Files the agent may have written, within what is left of the rollout's read budget."""
-        files = self.sandbox.snapshot(path, max_files=max_files, max_file_bytes=min(max_file_bytes, self._read_left),
-                                      max_total_bytes=self._read_left)
+        files = self.sandbox.snapshot(
+            path,
+            max_files=max_files,
+            max_file_bytes=min(max_file_bytes, self._read_left),
+            max_total_bytes=self._read_left,
+        )
         self._read_left -= sum(len(data) for data in files.values())
         return files
 
@@ -772,7 +927,7 @@ class PiSession:
             return
         try:
             self._on_event(RolloutEvent(kind=kind, elapsed_s=round(time.monotonic() - self._started, 4), **fields))
-        except Exception:  # noqa: BLE001 - a listener's bug must not fail the rollout
+        except Exception:
             log.exception("on_event listener failed on %s", kind)
 
 
@@ -793,9 +948,14 @@ class _Phase:
 
 
 def _rollout_turn(record: TurnRecord) -> RolloutTurn:
-    turn = RolloutTurn(turn=record.turn, latency_s=record.latency_s, ttfb_s=record.ttfb_s,
-                       timestamp=record.started_at, upstream_status=record.upstream_status,
-                       upstream_error=record.upstream_error)
+    turn = RolloutTurn(
+        turn=record.turn,
+        latency_s=record.latency_s,
+        ttfb_s=record.ttfb_s,
+        timestamp=record.started_at,
+        upstream_status=record.upstream_status,
+        upstream_error=record.upstream_error,
+    )
     capture = record.capture
     if capture is not None:
         first = capture.choices[0] if capture.choices else None
@@ -821,8 +981,10 @@ def _with_forced_sampling(config: PiConfig, sampling: Mapping[str, float | int],
     mode = config.mode
     if mode == "black_box":
         if explicit_mode or "mode" in config.model_fields_set:
-            raise ValueError("sampling= is forced on model calls by the gateway in transparent_proxy; black_box "
-                             "relays the agent's sampling as sent: use mode='transparent_proxy'")
+            raise ValueError(
+                "sampling= is forced on model calls by the gateway in transparent_proxy; black_box "
+                "relays the agent's sampling as sent: use mode='transparent_proxy'"
+            )
         mode = "transparent_proxy"
     config = config.model_copy()
     config.mode = mode  # validate_assignment: checked like any PiConfig field
@@ -845,9 +1007,13 @@ def _as_text(data: bytes) -> str:
         return f"<binary file, {len(data)} bytes>"
 
 
-def run_rollout(task: str | dict | PiTask | Path, config: PiConfig | None = None,
-                sandbox_backend: str | SandboxBackend | None = None, *,
-                on_event: Callable[[RolloutEvent], None] | None = None) -> RolloutResult:
+def run_rollout(
+    task: str | dict | PiTask | Path,
+    config: PiConfig | None = None,
+    sandbox_backend: str | SandboxBackend | None = None,
+    *,
+    on_event: Callable[[RolloutEvent], None] | None = None,
+) -> RolloutResult:
     """One scored rollout, start to finish. A Path loads a task JSON file."""
     if isinstance(task, Path):
         task = PiTask.from_file(task)
@@ -866,4 +1032,3 @@ def private_scratch_dir(name: str) -> Path:
     if info.st_mode & 0o077:
         directory.chmod(0o700)
     return directory
-

@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -31,8 +31,9 @@ def check_text(value: Any, where: str) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as error:
-                raise ValueError(f"{at}: holds a lone surrogate at character {error.start} (not valid Unicode); "
-                                 "send UTF-8 text") from None
+                raise ValueError(
+                    f"{at}: holds a lone surrogate at character {error.start} (not valid Unicode); send UTF-8 text"
+                ) from None
         elif isinstance(item, dict):
             stack.extend((v, f"{at}[{k!r}]") for k, v in item.items())
             stack.extend((k, f"{at} key {k!r}") for k in item if isinstance(k, str))
@@ -103,8 +104,9 @@ def check_relative_path(path: str, where: str) -> str:
         raise ValueError(f"{where}: {path!r} contains '..'; paths must stay inside the work dir")
     if "\x00" in path:
         raise ValueError(f"{where}: {path!r} contains a NUL byte")
-    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES or \
-            any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in parts):
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES or any(
+        len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in parts
+    ):
         raise ValueError(f"{where}: path too long (at most {MAX_NAME_BYTES} bytes a name, {MAX_PATH_BYTES} in all)")
     if all(part == "." for part in parts):
         raise ValueError(f"{where}: {path!r} names the work dir itself, not a file")
@@ -139,7 +141,7 @@ class ReadStep(_Step):
 
 
 # One tool call per oracle turn (see pi_env.oracle).
-SolutionStep = Annotated[Union[WriteStep, EditStep, BashStep, ReadStep], Field(discriminator="tool")]
+SolutionStep = Annotated[WriteStep | EditStep | BashStep | ReadStep, Field(discriminator="tool")]
 
 
 class PhaseTimeouts(BaseModel):
@@ -231,7 +233,7 @@ class PiTask(BaseModel):
         return commands
 
     @model_validator(mode="after")
-    def _valid_unicode(self) -> "PiTask":
+    def _valid_unicode(self) -> PiTask:
         for name in ("task_id", "instruction", "setup", "verify", "files", "verify_files", "metadata"):
             check_text(getattr(self, name), name)
         for index, step in enumerate(self.solution or []):
@@ -247,7 +249,7 @@ class PiTask(BaseModel):
         return bounds
 
     @model_validator(mode="after")
-    def _default_task_id(self) -> "PiTask":
+    def _default_task_id(self) -> PiTask:
         if not self.task_id:
             self.task_id = "task-" + self.digest()[:12]
         return self
@@ -258,7 +260,7 @@ class PiTask(BaseModel):
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
     @classmethod
-    def coerce(cls, value: "str | dict | PiTask") -> "PiTask":
+    def coerce(cls, value: str | dict | PiTask) -> PiTask:
         """Accept a PiTask, a dict (validated) or a plain instruction string."""
         if isinstance(value, PiTask):
             return value
@@ -269,7 +271,7 @@ class PiTask(BaseModel):
         raise TaskError(f"cannot make a task from {type(value).__name__}; give a str, dict or PiTask")
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "PiTask":
+    def from_file(cls, path: str | Path) -> PiTask:
         path = Path(path)
         data = _read_json(path)
         if not isinstance(data, dict):
@@ -289,7 +291,9 @@ def _describe(error: ValidationError) -> str:
     for item in error.errors():
         message = item["msg"].removeprefix("Value error, ")
         # A whole-task check names its field in the message.
-        lines.append(f"  - {'.'.join(str(part) for part in item['loc'])}: {message}" if item["loc"] else f"  - {message}")
+        lines.append(
+            f"  - {'.'.join(str(part) for part in item['loc'])}: {message}" if item["loc"] else f"  - {message}"
+        )
     return "\n".join(lines)
 
 
@@ -310,8 +314,10 @@ def load_tasks(path: str | Path) -> list[PiTask]:
             from .harbor import harbor_task_dirs, load_harbor_tasks
 
             if not harbor_task_dirs(path):
-                raise TaskError(f"{path}: directory holds no *.json task files and no Harbor task "
-                                "(a directory with instruction.md and task.toml)")
+                raise TaskError(
+                    f"{path}: directory holds no *.json task files and no Harbor task "
+                    "(a directory with instruction.md and task.toml)"
+                )
             tasks = load_harbor_tasks(path)
     elif path.suffix == ".jsonl":
         tasks = _load_jsonl(path)

@@ -64,8 +64,11 @@ def build_training_trace(turns: Iterable[TurnIds]) -> TrainingTrace:
         prompt, completion = list(turn.prompt_token_ids), list(turn.completion_token_ids)
         if not prompt or not completion:
             what = "prompt" if not prompt else "completion"
-            trace.turns.append(TurnAlignment(turn=turn.turn, segment=None, extends_previous=False,
-                                             note=f"no {what} token ids from the engine"))
+            trace.turns.append(
+                TurnAlignment(
+                    turn=turn.turn, segment=None, extends_previous=False, note=f"no {what} token ids from the engine"
+                )
+            )
             current = None
             continue
         logprobs = list(turn.per_token_logps)
@@ -73,7 +76,7 @@ def build_training_trace(turns: Iterable[TurnIds]) -> TrainingTrace:
             logprobs = [None] * len(completion)  # never misalign: unknown stays unknown
         extends = current is not None and prompt[: len(current.token_ids)] == current.token_ids
         if extends:
-            current._extend(prompt[len(current.token_ids):], generated=False)
+            current._extend(prompt[len(current.token_ids) :], generated=False)
             note = None
         else:
             note = None if current is None else "prompt does not extend the previous turn: new sequence"
@@ -85,6 +88,7 @@ def build_training_trace(turns: Iterable[TurnIds]) -> TrainingTrace:
             trace.segments.append(current)
         current._extend(completion, generated=True, logprobs=logprobs)
         current.turns.append(turn.turn)
-        trace.turns.append(TurnAlignment(turn=turn.turn, segment=len(trace.segments) - 1,
-                                         extends_previous=extends, note=note))
+        trace.turns.append(
+            TurnAlignment(turn=turn.turn, segment=len(trace.segments) - 1, extends_previous=extends, note=note)
+        )
     return trace

@@ -39,14 +39,16 @@ def models_json(config: PiConfig, endpoint: Endpoint, session_token: str) -> dic
                 "api": "openai-completions",
                 "apiKey": session_token,
                 "compat": compat,
-                "models": [{
-                    "id": endpoint.model,
-                    "reasoning": bool(config.thinking and config.thinking != "off"),
-                    "input": ["text"],
-                    "contextWindow": config.context_window,
-                    "maxTokens": config.max_tokens,
-                    "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
-                }],
+                "models": [
+                    {
+                        "id": endpoint.model,
+                        "reasoning": bool(config.thinking and config.thinking != "off"),
+                        "input": ["text"],
+                        "contextWindow": config.context_window,
+                        "maxTokens": config.max_tokens,
+                        "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
+                    }
+                ],
             }
         }
     }
@@ -66,13 +68,26 @@ def pi_env(runtime: PiRuntime) -> dict[str, str]:
 
 def pi_command(runtime: PiRuntime, config: PiConfig, endpoint: Endpoint) -> list[str]:
     """Print mode with the prompt on stdin (a file: no argv size limit, EOF at its end)."""
-    command = [runtime.sandbox_node, "--import", FORWARDER_PATH, runtime.sandbox_cli, "-p",
-               "--model", f"{config.provider_name}/{endpoint.model}",
-               "--session-dir", SESSION_DIR,
-               "--tools", ",".join(config.tools) if config.tools else "",
-               "-ne", "-nc", "-ns", "-np", "--no-themes"]
+    command = [
+        runtime.sandbox_node,
+        "--import",
+        FORWARDER_PATH,
+        runtime.sandbox_cli,
+        "-p",
+        "--model",
+        f"{config.provider_name}/{endpoint.model}",
+        "--session-dir",
+        SESSION_DIR,
+        "--tools",
+        ",".join(config.tools) if config.tools else "",
+        "-ne",
+        "-nc",
+        "-ns",
+        "-np",
+        "--no-themes",
+    ]
     if not config.tools:
-        command[command.index("--tools"):command.index("--tools") + 2] = ["--no-tools"]
+        command[command.index("--tools") : command.index("--tools") + 2] = ["--no-tools"]
     for flag in ("-na", "--no-mcp"):  # newer Pi only
         if runtime.supports(flag):
             command.append(flag)

@@ -19,9 +19,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 SANDBOX_RUNTIME_DIR = "/opt/pi-env/runtime"  # where a runtime appears inside every sandbox
 NPM_INSTALL_TIMEOUT_S = 900
@@ -114,8 +114,9 @@ def _load(target: Path) -> PiRuntime | None:
     return runtime if runtime.root == str(target) else None
 
 
-def _install(package: str, version: str, node_version: str, cache: Path, target: Path,
-             progress: Callable[[str], None]) -> PiRuntime:
+def _install(
+    package: str, version: str, node_version: str, cache: Path, target: Path, progress: Callable[[str], None]
+) -> PiRuntime:
     npm = shutil.which("npm")
     if not npm:
         raise RuntimeInstallError("npm is not installed; install Node.js and npm (Debian: apt-get install nodejs npm)")
@@ -131,20 +132,31 @@ def _install(package: str, version: str, node_version: str, cache: Path, target:
         node_in_runtime = not (system_node and _satisfies(system_node, required))
         node_used = system_node or ""
         if node_in_runtime:
-            progress(f"System node {system_node or '(none)'} does not satisfy {required!r}; "
-                     f"installing node-linux-{_node_arch()}@{node_version}...")
+            progress(
+                f"System node {system_node or '(none)'} does not satisfy {required!r}; "
+                f"installing node-linux-{_node_arch()}@{node_version}..."
+            )
             _npm_install(npm, staging / "node", f"node-linux-{_node_arch()}@{node_version}")
             node_used = node_version
             if not _satisfies(node_version, required):
-                raise RuntimeInstallError(f"node {node_version} does not satisfy {package}@{version}'s "
-                                          f"engines.node {required!r}; set PiConfig.node_version")
+                raise RuntimeInstallError(
+                    f"node {node_version} does not satisfy {package}@{version}'s "
+                    f"engines.node {required!r}; set PiConfig.node_version"
+                )
         bin_entry = manifest["bin"]["pi"] if isinstance(manifest.get("bin"), dict) else manifest["bin"]
         cli_relpath = str(Path("pi/node_modules") / package / bin_entry)
         node = (staging / f"node/node_modules/node-linux-{_node_arch()}/bin/node") if node_in_runtime else "node"
         flags = _help_flags(str(node), str(staging / cli_relpath), staging)
-        runtime = PiRuntime(root=str(target), pi_package=package, pi_version=version, node_version=node_used,
-                            node_in_runtime=node_in_runtime, pi_cli_relpath=cli_relpath, flags=flags,
-                            install_s=round(time.monotonic() - started, 2))
+        runtime = PiRuntime(
+            root=str(target),
+            pi_package=package,
+            pi_version=version,
+            node_version=node_used,
+            node_in_runtime=node_in_runtime,
+            pi_cli_relpath=cli_relpath,
+            flags=flags,
+            install_s=round(time.monotonic() - started, 2),
+        )
         (staging / "runtime.json").write_text(json.dumps(asdict(runtime), indent=2))
         os.chmod(staging, 0o755)  # sandboxes run as other uids and must read it
         if target.exists():
@@ -166,38 +178,60 @@ def _mkdir(path: Path) -> Path:
 
 
 def _npm_install(npm: str, prefix: Path, spec: str) -> None:
-    command = [npm, "install", "--prefix", str(prefix), "--save-exact", "--ignore-scripts", "--no-audit",
-               "--no-fund", "--no-update-notifier", "--loglevel=error", spec]
+    command = [
+        npm,
+        "install",
+        "--prefix",
+        str(prefix),
+        "--save-exact",
+        "--ignore-scripts",
+        "--no-audit",
+        "--no-fund",
+        "--no-update-notifier",
+        "--loglevel=error",
+        spec,
+    ]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=NPM_INSTALL_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=NPM_INSTALL_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
-        raise RuntimeInstallError(f"`npm install {spec}` did not finish in {NPM_INSTALL_TIMEOUT_S} s; "
-                                  "is the npm registry reachable?") from None
+        raise RuntimeInstallError(
+            f"`npm install {spec}` did not finish in {NPM_INSTALL_TIMEOUT_S} s; is the npm registry reachable?"
+        ) from None
     if done.returncode != 0:
         head = "\n".join((done.stderr or done.stdout).strip().splitlines()[:6])  # npm puts the cause first
         hint = ""
         if re.search(r"ENOTFOUND|ECONNREFUSED|ETIMEDOUT|EAI_AGAIN|ECONNRESET|network", head, re.I):
-            hint = ("\nThe npm registry is unreachable from this machine: check the network, or set "
-                    "npm_config_registry to a mirror you can reach.")
+            hint = (
+                "\nThe npm registry is unreachable from this machine: check the network, or set "
+                "npm_config_registry to a mirror you can reach."
+            )
         elif re.search(r"E404|ETARGET|No matching version", head):
             hint = f"\n{spec} does not exist in the registry: check the package name and version."
         raise RuntimeInstallError(f"`npm install {spec}` failed (exit {done.returncode}):\n{head}{hint}")
 
 
 def _help_flags(node: str, cli: str, home: Path) -> tuple[str, ...]:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "PI_OFFLINE": "1",
-           "PI_TELEMETRY": "0", "PI_CODING_AGENT_DIR": str(home / ".probe-agent")}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "PI_OFFLINE": "1",
+        "PI_TELEMETRY": "0",
+        "PI_CODING_AGENT_DIR": str(home / ".probe-agent"),
+    }
     try:
-        done = subprocess.run([node, cli, "--help"], capture_output=True, text=True, timeout=60, env=env,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [node, cli, "--help"], capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         raise RuntimeInstallError(f"the installed Pi CLI does not start: {error}") from None
     flags = set(re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", done.stdout + done.stderr))
     shutil.rmtree(home / ".probe-agent", ignore_errors=True)
     if "--print" not in flags:
-        raise RuntimeInstallError(f"the installed Pi CLI does not look like Pi (no --print in --help):\n"
-                                  f"{(done.stdout + done.stderr)[-2000:]}")
+        raise RuntimeInstallError(
+            f"the installed Pi CLI does not look like Pi (no --print in --help):\n{(done.stdout + done.stderr)[-2000:]}"
+        )
     return tuple(sorted(flags))
 
 
@@ -213,7 +247,9 @@ def _system_node_version() -> str | None:
 
 
 def _node_arch() -> str:
-    return {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine().lower(), "x64")
+    return {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(
+        platform.machine().lower(), "x64"
+    )
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

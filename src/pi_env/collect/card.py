@@ -18,12 +18,15 @@ UPLOADED = [RESULTS, "metadata.json", "README.md", "report.png", f"{EXPORTS_DIR}
 
 
 def front_matter(out_dir: Path) -> str:
-    lines = ["---", "configs:", "- config_name: default", "  data_files:", "  - split: train",
-             f"    path: {RESULTS}"]
+    lines = ["---", "configs:", "- config_name: default", "  data_files:", "  - split: train", f"    path: {RESULTS}"]
     for name in EXPORT_FORMATS:
         if (out_dir / EXPORTS_DIR / f"{name}.jsonl").exists():
-            lines += [f"- config_name: {name}", "  data_files:", "  - split: train",
-                      f"    path: {EXPORTS_DIR}/{name}.jsonl"]
+            lines += [
+                f"- config_name: {name}",
+                "  data_files:",
+                "  - split: train",
+                f"    path: {EXPORTS_DIR}/{name}.jsonl",
+            ]
     lines += ["tags:", "- pi-env", "- agent-trajectories", "- tool-calling", "---"]
     return "\n".join(lines)
 
@@ -52,8 +55,11 @@ def build_card(out_dir: Path) -> str:
         f"mode: `{config.get('mode')}`, Pi {', '.join(counts.get('pi_versions') or [str(config.get('pi_version'))])}",
     ]
     if synthetic:
-        body += ["", f"**{synthetic} records are synthetic**: the `oracle` endpoint replayed each task's reference "
-                     "solution through the real Pi; no model wrote them (`synthetic: true`)."]
+        body += [
+            "",
+            f"**{synthetic} records are synthetic**: the `oracle` endpoint replayed each task's reference "
+            "solution through the real Pi; no model wrote them (`synthetic: true`).",
+        ]
     body += [
         "",
         "## Fields",
@@ -95,6 +101,11 @@ def push_to_hub(out_dir: str | Path, repo_id: str, *, private: bool = False, tok
     api = HfApi(token=token)
     api.create_repo(repo_id=repo_id, repo_type="dataset", private=private, exist_ok=True)
     records = sum(1 for line in (out_dir / RESULTS).open("rb") if line.strip())
-    commit = api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, repo_type="dataset",
-                               allow_patterns=UPLOADED, commit_message=f"pi-env collect: {records} records")
+    commit = api.upload_folder(
+        folder_path=str(out_dir),
+        repo_id=repo_id,
+        repo_type="dataset",
+        allow_patterns=UPLOADED,
+        commit_message=f"pi-env collect: {records} records",
+    )
     return str(getattr(commit, "commit_url", commit))

@@ -6,8 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..arguments import EXIT_BAD_INPUT, EXIT_INFRA, backend_argument, config_from_args, describe_sampling, \
-    endpoint_arguments, generation_arguments
+from ..arguments import (
+    EXIT_BAD_INPUT,
+    EXIT_INFRA,
+    backend_argument,
+    config_from_args,
+    describe_sampling,
+    endpoint_arguments,
+    generation_arguments,
+)
 from ..results import EXIT_INFRA_ERROR_KINDS
 
 
@@ -15,26 +22,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("tasks", type=Path, help="TASKS.jsonl, a directory of task JSON files, or Harbor task dir(s)")
     parser.add_argument("--out", type=Path, required=True, help="dataset directory (resumed when it exists)")
     endpoint_arguments(parser)
-    parser.add_argument("--mode", default=None, choices=["black_box", "transparent_proxy"],
-                        help="transparent_proxy (default) records token ids and logprobs for training")
+    parser.add_argument(
+        "--mode",
+        default=None,
+        choices=["black_box", "transparent_proxy"],
+        help="transparent_proxy (default) records token ids and logprobs for training",
+    )
     generation_arguments(parser)
     parser.add_argument("--group-size", type=int, default=1, help="rollouts per task (a GRPO group)")
     parser.add_argument("--concurrency", type=int, default=4, help="rollouts at once")
     parser.add_argument("--limit", type=int, default=None, help="only the first N tasks")
     parser.add_argument("--retries", type=int, default=2, help="extra attempts for infrastructure failures")
-    parser.add_argument("--keep", default="all", help="what results.jsonl keeps: all, scored, reward>=X "
-                                                      "(the rest goes to discarded.jsonl)")
-    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                        help="skip what the store already holds (default); --no-resume refuses a non-empty --out")
-    parser.add_argument("--include-unsupported", action="store_true",
-                        help="also run Harbor tasks whose environment the local backend cannot honour")
+    parser.add_argument(
+        "--keep",
+        default="all",
+        help="what results.jsonl keeps: all, scored, reward>=X (the rest goes to discarded.jsonl)",
+    )
+    parser.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="skip what the store already holds (default); --no-resume refuses a non-empty --out",
+    )
+    parser.add_argument(
+        "--include-unsupported",
+        action="store_true",
+        help="also run Harbor tasks whose environment the local backend cannot honour",
+    )
     parser.add_argument("--executor", default="local", choices=["local", "ray"])
     parser.add_argument("--ray-address", default=None, help="existing Ray cluster (default: start a local one)")
     parser.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs Ray reserves per rollout")
     parser.add_argument("--max-turns", type=int, default=None, help="model calls per rollout (default 50)")
     parser.add_argument("--agent-timeout", type=float, default=None, help="seconds for the agent phase")
-    parser.add_argument("--trace-dir", default=None, help="where transparent_proxy writes per-turn trace files "
-                                                          "(default: OUT/traces, kept with the dataset)")
+    parser.add_argument(
+        "--trace-dir",
+        default=None,
+        help="where transparent_proxy writes per-turn trace files (default: OUT/traces, kept with the dataset)",
+    )
     backend_argument(parser)
     parser.add_argument("--push-to-hub", metavar="REPO", default=None, help="upload the dataset to this Hub repo")
     parser.add_argument("--private", action="store_true", help="create the Hub repo private")
@@ -51,13 +75,29 @@ def run(args) -> int:
     from .runner import CollectError, CollectRunner
 
     try:
-        config = config_from_args(args, mode=args.mode or "transparent_proxy", max_turns=args.max_turns, agent_timeout_s=args.agent_timeout,
-                                  trace_dir=args.trace_dir or str(Path(args.out) / "traces"))
-        runner = CollectRunner(args.tasks, args.out, config, group_size=args.group_size,
-                               concurrency=args.concurrency, limit=args.limit, retries=args.retries, keep=args.keep,
-                               executor=args.executor, ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus,
-                               resume=args.resume, include_unsupported=args.include_unsupported,
-                               progress=not args.quiet)
+        config = config_from_args(
+            args,
+            mode=args.mode or "transparent_proxy",
+            max_turns=args.max_turns,
+            agent_timeout_s=args.agent_timeout,
+            trace_dir=args.trace_dir or str(Path(args.out) / "traces"),
+        )
+        runner = CollectRunner(
+            args.tasks,
+            args.out,
+            config,
+            group_size=args.group_size,
+            concurrency=args.concurrency,
+            limit=args.limit,
+            retries=args.retries,
+            keep=args.keep,
+            executor=args.executor,
+            ray_address=args.ray_address,
+            ray_num_cpus=args.ray_num_cpus,
+            resume=args.resume,
+            include_unsupported=args.include_unsupported,
+            progress=not args.quiet,
+        )
         print(f"pi-env: {describe_sampling(config)}", file=sys.stderr, flush=True)
         summary = runner.run()
     except (TaskError, EndpointError, CollectError, ValidationError, ValueError) as error:

@@ -85,8 +85,11 @@ def run_one(factory, task: PiTask, live: LiveSessions | None = None) -> RolloutR
     except (SandboxError, RuntimeInstallError, OSError) as error:
         return RolloutResult(task_id=task.task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
     except Exception as error:  # noqa: BLE001 - a bug: kept with its traceback, not retried, not a score
-        return RolloutResult(task_id=task.task_id, error_kind="internal",
-                             error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}")
+        return RolloutResult(
+            task_id=task.task_id,
+            error_kind="internal",
+            error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}",
+        )
 
 
 class LocalExecutor:
@@ -153,8 +156,15 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, config: PiConfig, concurrency: int, sandbox_backend=None, *, address: str | None = None,
-                 num_cpus: float = 1.0):
+    def __init__(
+        self,
+        config: PiConfig,
+        concurrency: int,
+        sandbox_backend=None,
+        *,
+        address: str | None = None,
+        num_cpus: float = 1.0,
+    ):
         if address is None or address.split(":")[0] in ("127.0.0.1", "localhost"):
             # Read when ray is imported: keeps a cluster of this machine on loopback (otherwise
             # Ray binds every interface and turns 127.0.0.1 into the machine's public address).
@@ -164,8 +174,13 @@ class RayExecutor:
         self.ray = ray
         self.started_here = not ray.is_initialized()
         if self.started_here:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     ignore_reinit_error=True, configure_logging=False)
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                log_to_driver=False,
+                ignore_reinit_error=True,
+                configure_logging=False,
+            )
         self.remote = ray.remote(num_cpus=num_cpus, max_retries=0)(_ray_rollout)
         # The key must not travel in the task arguments' repr; it does travel to the workers
         # (they call the endpoint), inside the serialised config.
@@ -188,8 +203,9 @@ class RayExecutor:
         try:
             payload = self.ray.get(ref)
         except Exception as error:  # noqa: BLE001 - a worker or node died: infrastructure
-            result = RolloutResult(task_id=job.task.task_id, error_kind="infra",
-                                   error=f"ray: {type(error).__name__}: {str(error)[:2000]}")
+            result = RolloutResult(
+                task_id=job.task.task_id, error_kind="infra", error=f"ray: {type(error).__name__}: {str(error)[:2000]}"
+            )
             return job, result, "ray"
         if "bad_input" in payload:
             return job, BadInput(payload["bad_input"]), payload["worker"]

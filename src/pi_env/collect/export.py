@@ -23,7 +23,9 @@ DEFAULT_KEEP = {"sft": "reward>=1", "grpo": "scored", "atif": "all"}
 ATIF_VERSION = "ATIF-v1.8"
 
 
-def export(out_dir: str | Path, fmt: str, *, keep: str | None = None, path: str | Path | None = None) -> tuple[Path, int, int]:
+def export(
+    out_dir: str | Path, fmt: str, *, keep: str | None = None, path: str | Path | None = None
+) -> tuple[Path, int, int]:
     """Write an export; returns (path, rows written, records used)."""
     from .card import EXPORTS_DIR, write_card
 
@@ -48,8 +50,10 @@ def export(out_dir: str | Path, fmt: str, *, keep: str | None = None, path: str 
                 try:  # a field of the wrong shape deep in a record: name the line, not a traceback
                     lines = [json.dumps(row, ensure_ascii=False, allow_nan=False) for row in build([record])]
                 except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
-                    raise StoreError(f"{where}:{number}: cannot export record {record['id']!r} as {fmt}: "
-                                     f"{type(error).__name__}: {error} (fix or remove that line)") from None
+                    raise StoreError(
+                        f"{where}:{number}: cannot export record {record['id']!r} as {fmt}: "
+                        f"{type(error).__name__}: {error} (fix or remove that line)"
+                    ) from None
                 handle.write("".join(line + "\n" for line in lines))
                 written += len(lines)
     except BaseException:
@@ -63,8 +67,15 @@ def export(out_dir: str | Path, fmt: str, *, keep: str | None = None, path: str 
 
 def sft_rows(records: Iterable[dict]) -> Iterator[dict]:
     for r in records:
-        yield {"messages": r["messages"], "tools": r["tools"], "id": r["id"], "task_id": r["task_id"],
-               "group_index": r["group_index"], "reward": r["reward"], "synthetic": r["synthetic"]}
+        yield {
+            "messages": r["messages"],
+            "tools": r["tools"],
+            "id": r["id"],
+            "task_id": r["task_id"],
+            "group_index": r["group_index"],
+            "reward": r["reward"],
+            "synthetic": r["synthetic"],
+        }
 
 
 def grpo_rows(records: Iterable[dict]) -> Iterator[dict]:
@@ -73,11 +84,20 @@ def grpo_rows(records: Iterable[dict]) -> Iterator[dict]:
             continue  # unscored: masked; no training view: nothing token-level to train on
         for index, segment in enumerate(r["training"]["segments"]):
             start = segment["prompt_length"]
-            yield {"id": f"{r['id']}/{index}", "group_id": r["group_id"], "task_id": r["task_id"],
-                   "group_index": r["group_index"], "segment": index, "reward": r["reward"],
-                   "prompt_ids": segment["token_ids"][:start], "completion_ids": segment["token_ids"][start:],
-                   "logprobs": segment["logprobs"][start:], "loss_mask": segment["loss_mask"][start:],
-                   "turns": segment["turns"], "synthetic": r["synthetic"]}
+            yield {
+                "id": f"{r['id']}/{index}",
+                "group_id": r["group_id"],
+                "task_id": r["task_id"],
+                "group_index": r["group_index"],
+                "segment": index,
+                "reward": r["reward"],
+                "prompt_ids": segment["token_ids"][:start],
+                "completion_ids": segment["token_ids"][start:],
+                "logprobs": segment["logprobs"][start:],
+                "loss_mask": segment["loss_mask"][start:],
+                "turns": segment["turns"],
+                "synthetic": r["synthetic"],
+            }
 
 
 def atif_rows(records: Iterable[dict]) -> Iterator[dict]:
@@ -98,22 +118,36 @@ def atif_trajectory(record: dict) -> dict:
         if role in ("system", "user"):
             steps.append({"step_id": len(steps) + 1, "source": role, "message": message["content"]})
         elif role == "assistant":
-            step: dict = {"step_id": len(steps) + 1, "source": "agent", "model_name": record["model"],
-                          "message": message.get("content", "")}
+            step: dict = {
+                "step_id": len(steps) + 1,
+                "source": "agent",
+                "model_name": record["model"],
+                "message": message.get("content", ""),
+            }
             if message.get("reasoning_content"):
                 step["reasoning_content"] = message["reasoning_content"]
             calls = message.get("tool_calls") or []
             if calls:
-                step["tool_calls"] = [{"tool_call_id": c["id"], "function_name": c["function"]["name"],
-                                       "arguments": _object(c["function"]["arguments"])} for c in calls]
-                results = [{"source_call_id": m.get("tool_call_id"), "content": m.get("content", "")}
-                           for m in _following_tool_results(messages, index)]
+                step["tool_calls"] = [
+                    {
+                        "tool_call_id": c["id"],
+                        "function_name": c["function"]["name"],
+                        "arguments": _object(c["function"]["arguments"]),
+                    }
+                    for c in calls
+                ]
+                results = [
+                    {"source_call_id": m.get("tool_call_id"), "content": m.get("content", "")}
+                    for m in _following_tool_results(messages, index)
+                ]
                 if results:
                     step["observation"] = {"results": results}
             if ids_line_up:
                 turn = turns[answered]
-                metrics = {"prompt_tokens": turn.get("prompt_length") or None,
-                           "completion_tokens": turn.get("completion_tokens")}
+                metrics = {
+                    "prompt_tokens": turn.get("prompt_length") or None,
+                    "completion_tokens": turn.get("completion_tokens"),
+                }
                 if turn.get("completion_token_ids"):
                     metrics["completion_token_ids"] = turn["completion_token_ids"]
                     metrics["logprobs"] = turn.get("logprobs") or []
@@ -129,22 +163,37 @@ def atif_trajectory(record: dict) -> dict:
         "schema_version": ATIF_VERSION,
         "session_id": record["id"],
         "trajectory_id": record["id"],
-        "agent": {"name": "pi", "version": record.get("pi_version") or "unknown", "model_name": record["model"],
-                  "extra": {"harness": "pi-env", "mode": record["mode"], "endpoint": record["endpoint"]}},
+        "agent": {
+            "name": "pi",
+            "version": record.get("pi_version") or "unknown",
+            "model_name": record["model"],
+            "extra": {"harness": "pi-env", "mode": record["mode"], "endpoint": record["endpoint"]},
+        },
         "steps": steps,
-        "final_metrics": {"total_prompt_tokens": prompt, "total_completion_tokens": completion,
-                          "total_steps": len(steps)},
-        "extra": {"task_id": record["task_id"], "group_id": record["group_id"], "group_index": record["group_index"],
-                  "reward": record["reward"], "error_kind": record["error_kind"], "synthetic": record["synthetic"]},
+        "final_metrics": {
+            "total_prompt_tokens": prompt,
+            "total_completion_tokens": completion,
+            "total_steps": len(steps),
+        },
+        "extra": {
+            "task_id": record["task_id"],
+            "group_id": record["group_id"],
+            "group_index": record["group_index"],
+            "reward": record["reward"],
+            "error_kind": record["error_kind"],
+            "synthetic": record["synthetic"],
+        },
     }
     if not ids_line_up and turns:
-        trajectory["notes"] = (f"{len(turns)} answered model calls for {assistant_count} assistant messages: "
-                               "token ids left out rather than attached to the wrong step")
+        trajectory["notes"] = (
+            f"{len(turns)} answered model calls for {assistant_count} assistant messages: "
+            "token ids left out rather than attached to the wrong step"
+        )
     return trajectory
 
 
 def _following_tool_results(messages: list[dict], index: int) -> Iterator[dict]:
-    for message in messages[index + 1:]:
+    for message in messages[index + 1 :]:
         if message["role"] != "tool":
             return
         yield message

@@ -12,8 +12,9 @@ from ..arguments import EXIT_BAD_INPUT
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="the --out directory of pi-env collect")
     parser.add_argument("--format", required=True, choices=["sft", "grpo", "atif"])
-    parser.add_argument("--keep", default=None, help="all, scored or reward>=X (default: sft reward>=1, "
-                                                     "grpo scored, atif all)")
+    parser.add_argument(
+        "--keep", default=None, help="all, scored or reward>=X (default: sft reward>=1, grpo scored, atif all)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="output file (default DIR/exports/FORMAT.jsonl)")
 
 

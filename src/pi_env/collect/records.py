@@ -25,8 +25,15 @@ def record_id(task_id: str, group_index: int) -> str:
     return f"{task_id}#{group_index}"
 
 
-def to_record(result: RolloutResult, *, task, group_index: int, attempt: int,
-              failed_attempts: list[dict] | None = None, worker: str = "") -> dict[str, Any]:
+def to_record(
+    result: RolloutResult,
+    *,
+    task,
+    group_index: int,
+    attempt: int,
+    failed_attempts: list[dict] | None = None,
+    worker: str = "",
+) -> dict[str, Any]:
     messages, tools = sft_messages(result.messages, result.tools)  # the gateway's record, never Pi's file
     return {
         "id": record_id(task.task_id, group_index),
@@ -46,9 +53,16 @@ def to_record(result: RolloutResult, *, task, group_index: int, attempt: int,
         "tools": json.dumps(tools),
         "turns": [_turn(turn) for turn in result.proxy_turns],
         "training": result.training.model_dump() if result.training is not None else None,
-        "verify": [{"cmd": r.cmd[:500], "exit_code": r.exit_code, "duration_s": r.duration_s,
-                    "timed_out": r.timed_out, "output_tail": (r.stdout + r.stderr)[-VERIFY_OUTPUT_CHARS:]}
-                   for r in result.verify_results],
+        "verify": [
+            {
+                "cmd": r.cmd[:500],
+                "exit_code": r.exit_code,
+                "duration_s": r.duration_s,
+                "timed_out": r.timed_out,
+                "output_tail": (r.stdout + r.stderr)[-VERIFY_OUTPUT_CHARS:],
+            }
+            for r in result.verify_results
+        ],
         "verify_notes": result.verify_notes,  # files set aside for verify, a reward file ignored or rejected
         "timings": result.timings,
         "wall_s": result.wall_s,
@@ -68,11 +82,19 @@ def to_record(result: RolloutResult, *, task, group_index: int, attempt: int,
 def _turn(turn) -> dict[str, Any]:
     # Prompt ids grow with every turn (quadratic in the rollout's length); the training view
     # holds each sequence once, so a turn keeps only what it generated.
-    return {"turn": turn.turn, "finish_reason": turn.finish_reason, "completion_tokens": turn.completion_tokens,
-            "prompt_length": len(turn.prompt_token_ids), "completion_token_ids": turn.completion_token_ids,
-            "logprobs": turn.per_token_logps, "token_ids_source": turn.token_ids_source,
-            "token_ids_missing_reason": turn.token_ids_missing_reason, "upstream_status": turn.upstream_status,
-            "latency_s": turn.latency_s, "timestamp": turn.timestamp}
+    return {
+        "turn": turn.turn,
+        "finish_reason": turn.finish_reason,
+        "completion_tokens": turn.completion_tokens,
+        "prompt_length": len(turn.prompt_token_ids),
+        "completion_token_ids": turn.completion_token_ids,
+        "logprobs": turn.per_token_logps,
+        "token_ids_source": turn.token_ids_source,
+        "token_ids_missing_reason": turn.token_ids_missing_reason,
+        "upstream_status": turn.upstream_status,
+        "latency_s": turn.latency_s,
+        "timestamp": turn.timestamp,
+    }
 
 
 def sft_messages(messages: list[dict], tools: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
@@ -94,23 +116,43 @@ def sft_messages(messages: list[dict], tools: list[dict] | None = None) -> tuple
             calls = []
             for call in [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]:
                 function = call.get("function") if isinstance(call.get("function"), dict) else {}
-                calls.append({"id": call.get("id") or "", "type": "function",
-                              "function": {"name": function.get("name") or "",
-                                           "arguments": _arguments(function.get("arguments"))}})
+                calls.append(
+                    {
+                        "id": call.get("id") or "",
+                        "type": "function",
+                        "function": {
+                            "name": function.get("name") or "",
+                            "arguments": _arguments(function.get("arguments")),
+                        },
+                    }
+                )
                 names[calls[-1]["id"]] = calls[-1]["function"]["name"]
             if calls:
                 entry["tool_calls"] = calls
             out.append(entry)
         elif role == "tool":
             call_id = message.get("tool_call_id") or ""
-            out.append({"role": "tool", "tool_call_id": call_id, "name": message.get("name") or names.get(call_id, ""),
-                        "content": _text(message.get("content"))})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "name": message.get("name") or names.get(call_id, ""),
+                    "content": _text(message.get("content")),
+                }
+            )
     schemas = []
     for tool in [t for t in tools or [] if isinstance(t, dict)]:
         function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-        schemas.append({"type": "function", "function": {"name": function.get("name"),
-                                                         "description": function.get("description", ""),
-                                                         "parameters": function.get("parameters", {})}})
+        schemas.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": function.get("name"),
+                    "description": function.get("description", ""),
+                    "parameters": function.get("parameters", {}),
+                },
+            }
+        )
     return out, schemas
 
 

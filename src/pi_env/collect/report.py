@@ -66,9 +66,15 @@ class _Rich(_Quiet):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.stats = _Stats(total, done)
-        self.progress = Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
-                                 console=Console(stderr=True), transient=False)
+        self.progress = Progress(
+            TextColumn("collect"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
         self.progress.start()
         self.bar = self.progress.add_task("collect", total=total, completed=done, info="")
 
@@ -102,13 +108,18 @@ def print_summary(summary) -> None:
     table.add_column("value", justify="right")
     mean = counts.get("mean_reward")
     rows = [
-        ("planned (task x group)", summary.planned), ("already stored", summary.already_stored),
-        ("stored by this run", summary.ran), ("infra retries", summary.retried),
-        ("records in the store", counts.get("records")), ("kept in results.jsonl", counts.get("kept")),
-        ("scored", counts.get("scored")), ("mean reward", "n/a" if mean is None else f"{mean:.3f}"),
+        ("planned (task x group)", summary.planned),
+        ("already stored", summary.already_stored),
+        ("stored by this run", summary.ran),
+        ("infra retries", summary.retried),
+        ("records in the store", counts.get("records")),
+        ("kept in results.jsonl", counts.get("kept")),
+        ("scored", counts.get("scored")),
+        ("mean reward", "n/a" if mean is None else f"{mean:.3f}"),
         ("solved (reward >= 1)", counts.get("solved")),
         ("unscored by kind", ", ".join(f"{k} {v}" for k, v in counts.get("errors", {}).items()) or "none"),
-        ("skipped tasks", len(summary.skipped_tasks)), ("elapsed", f"{summary.elapsed_s:.1f} s"),
+        ("skipped tasks", len(summary.skipped_tasks)),
+        ("elapsed", f"{summary.elapsed_s:.1f} s"),
         ("torn tail repaired", ", ".join(f"{k} ({v} bytes)" for k, v in summary.repaired.items()) or "no"),
     ]
     for what, value in rows:
@@ -117,8 +128,11 @@ def print_summary(summary) -> None:
     console.print(table)
     internal = counts.get("errors", {}).get("internal")
     if internal:
-        console.print(f"[red]internal {internal}[/red]: a bug in pi-env, neither the agent nor the infrastructure "
-                      "(not retried; each record's error holds the traceback): please report it", highlight=False)
+        console.print(
+            f"[red]internal {internal}[/red]: a bug in pi-env, neither the agent nor the infrastructure "
+            "(not retried; each record's error holds the traceback): please report it",
+            highlight=False,
+        )
     for task_id, why in summary.skipped_tasks.items():
         console.print(f"[yellow]skipped[/yellow] {task_id}: {'; '.join(why)}", highlight=False)
 

@@ -45,7 +45,7 @@ class KeepFilter:
     spec: str = "all"
 
     @classmethod
-    def parse(cls, spec: str) -> "KeepFilter":
+    def parse(cls, spec: str) -> KeepFilter:
         spec = spec.strip().replace(" ", "")
         if spec in ("all", "scored") or re.fullmatch(r"reward>=-?\d+(\.\d+)?", spec):
             return cls(spec)
@@ -83,13 +83,26 @@ class CollectRunner:
     """Python API behind `pi-env collect`. `run()` blocks (threads or Ray do the work; no event
     loop is used, so it may be called from inside one); `await arun()` runs it off the loop."""
 
-    def __init__(self, tasks: Iterable[PiTask | dict | str] | str | Path, out_dir: str | Path,
-                 config: PiConfig | None = None, *, group_size: int = 1, concurrency: int = 4,
-                 limit: int | None = None, retries: int = 2, keep: str | KeepFilter = "all",
-                 executor: str = "local", ray_address: str | None = None, ray_num_cpus: float = 1.0,
-                 resume: bool = True, include_unsupported: bool = False, sandbox_backend=None,
-                 progress: bool | Callable[[dict, "CollectSummary"], None] = False,
-                 retry_backoff_s: Iterable[float] = RETRY_BACKOFF_S):
+    def __init__(
+        self,
+        tasks: Iterable[PiTask | dict | str] | str | Path,
+        out_dir: str | Path,
+        config: PiConfig | None = None,
+        *,
+        group_size: int = 1,
+        concurrency: int = 4,
+        limit: int | None = None,
+        retries: int = 2,
+        keep: str | KeepFilter = "all",
+        executor: str = "local",
+        ray_address: str | None = None,
+        ray_num_cpus: float = 1.0,
+        resume: bool = True,
+        include_unsupported: bool = False,
+        sandbox_backend=None,
+        progress: bool | Callable[[dict, CollectSummary], None] = False,
+        retry_backoff_s: Iterable[float] = RETRY_BACKOFF_S,
+    ):
         from ..task import load_tasks
 
         if group_size < 1 or concurrency < 1 or retries < 0 or (limit is not None and limit < 1):
@@ -113,8 +126,11 @@ class CollectRunner:
 
         runnable = []
         for task in self.tasks:
-            backend = self.sandbox_backend if isinstance(self.sandbox_backend, str) else \
-                getattr(self.sandbox_backend, "name", None) or self.config.sandbox_backend
+            backend = (
+                self.sandbox_backend
+                if isinstance(self.sandbox_backend, str)
+                else getattr(self.sandbox_backend, "name", None) or self.config.sandbox_backend
+            )
             why = [] if self.include_unsupported else unsupported_reasons(task, backend)
             if self.config.endpoint == ORACLE and not task.solution:
                 why.append("no solution: the oracle endpoint replays a task's solution")
@@ -127,19 +143,28 @@ class CollectRunner:
     def _check_store(self, store: ResultStore) -> None:
         metadata = _read_json(self.out_dir / METADATA)
         if store.ids and not self.resume:
-            raise CollectError(f"{self.out_dir} already holds {len(store.ids)} records; resume (the default) "
-                               "or collect into a new --out")
+            raise CollectError(
+                f"{self.out_dir} already holds {len(store.ids)} records; resume (the default) "
+                "or collect into a new --out"
+            )
         before = (metadata or {}).get("run", {})
         now = self._run_identity()
         changed = {k: (before.get(k), v) for k, v in now.items() if k in before and before[k] != v}
         if store.ids and changed:
-            raise CollectError(f"{self.out_dir} was collected with other settings {changed} (before, now); "
-                               "resume with the same settings or collect into a new --out")
+            raise CollectError(
+                f"{self.out_dir} was collected with other settings {changed} (before, now); "
+                "resume with the same settings or collect into a new --out"
+            )
 
     def _run_identity(self) -> dict[str, Any]:
         config = self.config
-        return {"endpoint": config.endpoint, "model": config.model, "mode": config.mode,
-                "group_size": self.group_size, "keep": self.keep.spec}
+        return {
+            "endpoint": config.endpoint,
+            "model": config.model,
+            "mode": config.mode,
+            "group_size": self.group_size,
+            "keep": self.keep.spec,
+        }
 
     # -- running -------------------------------------------------------------------------------
     def run(self) -> CollectSummary:
@@ -200,13 +225,26 @@ class CollectRunner:
                 if outcome.error_kind in RETRY_KINDS and job.attempt <= self.retries:
                     summary.retried += 1
                     wait = self.retry_backoff_s[min(job.attempt - 1, len(self.retry_backoff_s) - 1)]
-                    failed = [*job.failed_attempts, {"attempt": job.attempt, "error_kind": outcome.error_kind,
-                                                     "error": (outcome.error or "")[:1000], "worker": worker}]
+                    failed = [
+                        *job.failed_attempts,
+                        {
+                            "attempt": job.attempt,
+                            "error_kind": outcome.error_kind,
+                            "error": (outcome.error or "")[:1000],
+                            "worker": worker,
+                        },
+                    ]
                     retry = Job(job.task, job.group_index, job.attempt + 1, failed)
                     heapq.heappush(delayed, (time.monotonic() + wait, id(retry), retry))
                     continue
-                record = to_record(outcome, task=job.task, group_index=job.group_index, attempt=job.attempt,
-                                   failed_attempts=job.failed_attempts, worker=worker)
+                record = to_record(
+                    outcome,
+                    task=job.task,
+                    group_index=job.group_index,
+                    attempt=job.attempt,
+                    failed_attempts=job.failed_attempts,
+                    worker=worker,
+                )
                 store.append(record, kept=self.keep(record))
                 summary.ran += 1
                 view.update(record)
@@ -233,10 +271,17 @@ class CollectRunner:
         previous = _read_json(self.out_dir / METADATA) or {}
         runs = previous.get("runs", [])
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        this_run = {"started_at": self._started_at,
-                    "status": status, "executor": self.executor_name, "concurrency": self.concurrency,
-                    "planned": summary.planned, "already_stored": summary.already_stored, "ran": summary.ran,
-                    "retried": summary.retried, "elapsed_s": round(time.monotonic() - started, 3)}
+        this_run = {
+            "started_at": self._started_at,
+            "status": status,
+            "executor": self.executor_name,
+            "concurrency": self.concurrency,
+            "planned": summary.planned,
+            "already_stored": summary.already_stored,
+            "ran": summary.ran,
+            "retried": summary.retried,
+            "elapsed_s": round(time.monotonic() - started, 3),
+        }
         if status != "running":
             this_run["finished_at"] = now
             minutes = this_run["elapsed_s"] / 60
@@ -306,8 +351,9 @@ def _resolved(config: PiConfig) -> PiConfig:
     if config.endpoint == ORACLE or config.mode == "interception_gate":
         return config
     endpoint = resolve_endpoint(config)
-    return config.model_copy(update={"base_url": endpoint.base_url, "api_key": endpoint.api_key,
-                                     "model": endpoint.model})
+    return config.model_copy(
+        update={"base_url": endpoint.base_url, "api_key": endpoint.api_key, "model": endpoint.model}
+    )
 
 
 def _read_json(path: Path) -> dict | None:

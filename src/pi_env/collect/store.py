@@ -37,14 +37,17 @@ class ResultStore:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise StoreError(f"{self.directory}: another pi-env collect is writing this store; "
-                             "wait for it or choose another --out") from None
+            raise StoreError(
+                f"{self.directory}: another pi-env collect is writing this store; wait for it or choose another --out"
+            ) from None
         self.repaired: dict[str, int] = {}  # file name -> bytes of a torn tail cut off
         self.ids: dict[str, str] = {}  # record id -> file it is in
         for name in (RESULTS, DISCARDED):
             self._load(name)
-        self._fds = {name: os.open(self.directory / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                     for name in (RESULTS, DISCARDED)}
+        self._fds = {
+            name: os.open(self.directory / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            for name in (RESULTS, DISCARDED)
+        }
 
     def _load(self, name: str) -> None:
         path = self.directory / name
@@ -63,8 +66,10 @@ class ResultStore:
 
     def _remember(self, record: dict, name: str, path: Path, number: int) -> None:
         if record["id"] in self.ids:
-            raise StoreError(f"{path}:{number}: record {record['id']!r} is already in {self.ids[record['id']]}; "
-                             "remove one of the two lines")
+            raise StoreError(
+                f"{path}:{number}: record {record['id']!r} is already in {self.ids[record['id']]}; "
+                "remove one of the two lines"
+            )
         self.ids[record["id"]] = name
 
     def __contains__(self, record_id: str) -> bool:
@@ -99,7 +104,7 @@ class ResultStore:
         self._fds = {}
         os.close(self._lock_fd)
 
-    def __enter__(self) -> "ResultStore":
+    def __enter__(self) -> ResultStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -127,8 +132,10 @@ def read_numbered_records(directory: str | Path, *, kept_only: bool = True) -> I
                     continue
                 record = parse_record(line, path, number)
                 if record["id"] in seen:
-                    raise StoreError(f"{path}:{number}: record {record['id']!r} is already in {seen[record['id']]}; "
-                                     "remove one of the two lines")
+                    raise StoreError(
+                        f"{path}:{number}: record {record['id']!r} is already in {seen[record['id']]}; "
+                        "remove one of the two lines"
+                    )
                 seen[record["id"]] = name
                 yield record, path, number
 
@@ -136,15 +143,23 @@ def read_numbered_records(directory: str | Path, *, kept_only: bool = True) -> I
 MAX_RECORD_BYTES = 256 << 20
 # What every record has, and its JSON type (None allowed where a rollout may lack it).
 RECORD_FIELDS: dict[str, tuple[type, ...]] = {
-    "id": (str,), "task_id": (str,), "group_id": (str,), "group_index": (int,), "messages": (list,),
-    "reward": (int, float, type(None)), "synthetic": (bool,)}
+    "id": (str,),
+    "task_id": (str,),
+    "group_id": (str,),
+    "group_index": (int,),
+    "messages": (list,),
+    "reward": (int, float, type(None)),
+    "synthetic": (bool,),
+}
 
 
 def parse_record(line: bytes, path: Path, number: int) -> dict:
     """One stored line as a record, or a StoreError saying at which file and line and what is wrong."""
+
     def damaged(why: str) -> StoreError:
-        return StoreError(f"{path}:{number}: {why}; the store is damaged (fix or remove that line, or collect "
-                          "into a new --out)")
+        return StoreError(
+            f"{path}:{number}: {why}; the store is damaged (fix or remove that line, or collect into a new --out)"
+        )
 
     try:
         record = json.loads(line, parse_constant=_no_constant)
@@ -155,7 +170,9 @@ def parse_record(line: bytes, path: Path, number: int) -> dict:
     except ValueError as error:
         raise damaged(f"not a JSON record ({error})") from None
     if not isinstance(record, dict) or not isinstance(record.get("id"), str):
-        raise damaged("not a pi-env record" + ("" if isinstance(record, dict) else f" (a JSON {type(record).__name__})"))
+        raise damaged(
+            "not a pi-env record" + ("" if isinstance(record, dict) else f" (a JSON {type(record).__name__})")
+        )
     return record
 
 
@@ -165,12 +182,13 @@ def check_record_fields(record: dict, path: Path, number: int) -> None:
         value = record.get(field, ...)
         if value is ... or not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             what = "is missing" if value is ... else f"is a {type(value).__name__}"
-            raise StoreError(f"{path}:{number}: field {field!r} {what}: not a pi-env record (fix or remove that "
-                             "line)")
+            raise StoreError(f"{path}:{number}: field {field!r} {what}: not a pi-env record (fix or remove that line)")
     for index, message in enumerate(record["messages"]):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise StoreError(f"{path}:{number}: messages[{index}] is not a message (an object with a role): not "
-                             "a pi-env record (fix or remove that line)")
+            raise StoreError(
+                f"{path}:{number}: messages[{index}] is not a message (an object with a role): not "
+                "a pi-env record (fix or remove that line)"
+            )
 
 
 def _no_constant(name: str):

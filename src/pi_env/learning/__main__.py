@@ -26,11 +26,17 @@ def main(argv: list[str] | None = None) -> int:
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=dataclasses.MISSING)
         elif f.name in ("families", "rl_families"):
-            parser.add_argument(flag, default=None, help="comma-separated coding families (default: all; for RL: the probe's pick)")
+            parser.add_argument(
+                flag, default=None, help="comma-separated coding families (default: all; for RL: the probe's pick)"
+            )
         elif kind in (int, float, Path, str) or f.name in ("sft_limit", "eval_limit"):
             convert = int if f.name in ("sft_limit", "eval_limit") else kind
-            parser.add_argument(flag, type=convert, required=f.name == "run_dir",
-                                default=None if f.name == "run_dir" else dataclasses.MISSING)
+            parser.add_argument(
+                flag,
+                type=convert,
+                required=f.name == "run_dir",
+                default=None if f.name == "run_dir" else dataclasses.MISSING,
+            )
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so a stage's engine is stopped and its stores closed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -41,7 +41,9 @@ class LeakError(RuntimeError):
 @dataclass
 class LearnConfig:
     run_dir: Path
-    base_model: Path = Path(os.environ.get("PI_ENV_ENGINES_DIR") or ROOT / ".engines") / "models" / "smollm2-135m-instruct"
+    base_model: Path = (
+        Path(os.environ.get("PI_ENV_ENGINES_DIR") or ROOT / ".engines") / "models" / "smollm2-135m-instruct"
+    )
     seed: int = 0
     n_train: int = 200
     n_eval: int = 50
@@ -56,7 +58,9 @@ class LearnConfig:
     concurrency: int = 4
     max_turns: int = 8
     max_tokens: int = 256  # per model call (the longest oracle call is ~200 tokens)
-    agent_timeout_s: float = 600  # generous: on a loaded machine generation is slow; budgets are max_turns and max_tokens
+    agent_timeout_s: float = (
+        600  # generous: on a loaded machine generation is slow; budgets are max_turns and max_tokens
+    )
     eval_temperature: float = 0.0  # the secondary greedy eval (eval_limit tasks)
     base_max_turns: int = 4  # the base model runs every turn to its token limit: its eval is capped
     # Token-in (docs/token-in.md): the gateway renders and bridges ids, so a rollout is one
@@ -81,7 +85,9 @@ class LearnConfig:
     rl_tasks_per_step: int = 4
     group_size: int = 8
     rl_lr: float = 1e-5
-    rl_warmup_steps: int = 3  # lr ramps linearly over the first steps (a fresh Adam's first step moves every weight by lr)
+    rl_warmup_steps: int = (
+        3  # lr ramps linearly over the first steps (a fresh Adam's first step moves every weight by lr)
+    )
     rl_updates: int = 1  # optimizer steps per batch of rollouts (>1: PPO epochs under the clip)
     rl_temperature: float = 1.0
     rl_train_layers: int = 10  # RL trains only the top N decoder layers (embeddings, LM head frozen; 0: all)
@@ -149,24 +155,38 @@ def stage_tasks(cfg: LearnConfig) -> dict:
     if paths["rl"].is_file():
         fresh = read_tasks(paths["rl"])
     else:
-        fresh = generate_coding_tasks(cfg.n_rl, split="rl", seed=cfg.seed, families=cfg.families,
-                                      exclude={task.digest() for task in train + evaluation})
+        fresh = generate_coding_tasks(
+            cfg.n_rl,
+            split="rl",
+            seed=cfg.seed,
+            families=cfg.families,
+            exclude={task.digest() for task in train + evaluation},
+        )
         _write_tasks(paths["rl"], fresh)
     # The paired held-out eval's pool: n_heldout of every family, so whichever families the probe
     # picks for RL, n_heldout of their tasks are there (families take turns in the file).
     if paths["heldout"].is_file():
         heldout = read_tasks(paths["heldout"])
     else:
-        heldout = generate_coding_tasks(cfg.n_heldout * len(cfg.families or CODING_FAMILIES), split="heldout",
-                                        seed=cfg.seed, families=cfg.families,
-                                        exclude={task.digest() for task in train + evaluation + fresh})
+        heldout = generate_coding_tasks(
+            cfg.n_heldout * len(cfg.families or CODING_FAMILIES),
+            split="heldout",
+            seed=cfg.seed,
+            families=cfg.families,
+            exclude={task.digest() for task in train + evaluation + fresh},
+        )
         _write_tasks(paths["heldout"], heldout)
     check_disjoint(train=train, eval=evaluation, rl=fresh, heldout=heldout)
     counts: dict[str, int] = {}
     for task in evaluation:
         counts[task.metadata["family"]] = counts.get(task.metadata["family"], 0) + 1
-    return {"train": len(train), "eval": len(evaluation), "rl": len(fresh), "heldout": len(heldout),
-            "eval_families": counts}
+    return {
+        "train": len(train),
+        "eval": len(evaluation),
+        "rl": len(fresh),
+        "heldout": len(heldout),
+        "eval_families": counts,
+    }
 
 
 def _write_tasks(path: Path, tasks: list[PiTask]) -> None:
@@ -188,8 +208,10 @@ def training_instances(cfg: LearnConfig) -> dict[str, str]:
         used |= {r["task_id"] for r in read_records(step_dir)}
     missing = sorted(used - set(known))
     if missing:
-        raise LeakError(f"trained on task ids that are in no task file of {cfg.run_dir}: {missing[:5]}; "
-                        f"cannot prove the eval is held out")
+        raise LeakError(
+            f"trained on task ids that are in no task file of {cfg.run_dir}: {missing[:5]}; "
+            f"cannot prove the eval is held out"
+        )
     return {known[task_id].digest(): task_id for task_id in used}
 
 
@@ -198,8 +220,10 @@ def check_held_out(cfg: LearnConfig, eval_tasks: list[PiTask]) -> int:
     trained = training_instances(cfg)
     leaks = [(task.task_id, trained[task.digest()]) for task in eval_tasks if task.digest() in trained]
     if leaks:
-        raise LeakError(f"{len(leaks)} eval task(s) were trained on, e.g. eval {leaks[0][0]!r} = trained "
-                        f"{leaks[0][1]!r}; the eval split must be held out")
+        raise LeakError(
+            f"{len(leaks)} eval task(s) were trained on, e.g. eval {leaks[0][0]!r} = trained "
+            f"{leaks[0][1]!r}; the eval split must be held out"
+        )
     return len(trained)
 
 
@@ -222,20 +246,41 @@ class Engine:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         started = time.monotonic()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # The dev endpoints (/collective_rpc, /reset_prefix_cache) are what `load` calls; the
         # engine binds 127.0.0.1, which no sandboxed agent can reach.
-        env = {**os.environ, "ENGINE_MODEL_NAME": "policy", "VLLM_SERVER_DEV_MODE": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-        out = subprocess.run(["bash", str(ROOT / "scripts" / "engines" / "serve_vllm.sh"), "--model-dir",
-                              str(self.model_dir), "--port", str(self.port), "--log", str(self.log_path),
-                              "--timeout", str(self.timeout_s), "--", "--worker-extension-cls", self.WORKER_EXTENSION,
-                              # logprobs of the distribution sampled from (after temperature), which
-                              # is what the trainer scores; vLLM's default is the raw model's
-                              "--logprobs-mode", "processed_logprobs"],
-                             stdout=subprocess.PIPE, text=True, env=env)
+        env = {
+            **os.environ,
+            "ENGINE_MODEL_NAME": "policy",
+            "VLLM_SERVER_DEV_MODE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+        }
+        out = subprocess.run(
+            [
+                "bash",
+                str(ROOT / "scripts" / "engines" / "serve_vllm.sh"),
+                "--model-dir",
+                str(self.model_dir),
+                "--port",
+                str(self.port),
+                "--log",
+                str(self.log_path),
+                "--timeout",
+                str(self.timeout_s),
+                "--",
+                "--worker-extension-cls",
+                self.WORKER_EXTENSION,
+                # logprobs of the distribution sampled from (after temperature), which
+                # is what the trainer scores; vLLM's default is the raw model's
+                "--logprobs-mode",
+                "processed_logprobs",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"vLLM did not start on {self.model_dir} (log {self.log_path})")
         self.pid = int(out.stdout.strip().splitlines()[-1])
@@ -247,15 +292,23 @@ class Engine:
         loaded in place and the prefix cache, computed with the old ones, is dropped. Seconds taken."""
         started = time.monotonic()
         root = f"http://127.0.0.1:{self.port}"
-        for path, body in (("/collective_rpc", {"method": "load_checkpoint", "args": [str(model_dir)]}),
-                           ("/reset_prefix_cache", None)):
-            request = urllib.request.Request(root + path, data=json.dumps(body).encode() if body else b"",
-                                             headers={"Content-Type": "application/json"}, method="POST")
+        for path, body in (
+            ("/collective_rpc", {"method": "load_checkpoint", "args": [str(model_dir)]}),
+            ("/reset_prefix_cache", None),
+        ):
+            request = urllib.request.Request(
+                root + path,
+                data=json.dumps(body).encode() if body else b"",
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
             try:
                 urllib.request.urlopen(request, timeout=self.timeout_s).read()
             except urllib.error.HTTPError as error:
-                raise RuntimeError(f"vLLM could not load {model_dir}: {path} answered {error.code} "
-                                   f"{error.read()[:500]!r} (log {self.log_path})") from None
+                raise RuntimeError(
+                    f"vLLM could not load {model_dir}: {path} answered {error.code} "
+                    f"{error.read()[:500]!r} (log {self.log_path})"
+                ) from None
         self.model_dir = Path(model_dir)
         return time.monotonic() - started
 
@@ -278,8 +331,12 @@ class Engines:
         """The engine serving `model_dir` (`rewritten`: the directory was saved again since it
         was loaded, as RL's policy/ after each step) and what that cost."""
         if self.engine is None:
-            engine = Engine(model_dir, self.cfg.engine_port, self.cfg.path("logs", f"vllm-{log_name}.log"),
-                            self.cfg.engine_timeout_s)
+            engine = Engine(
+                model_dir,
+                self.cfg.engine_port,
+                self.cfg.path("logs", f"vllm-{log_name}.log"),
+                self.cfg.engine_timeout_s,
+            )
             self.engine = engine.__enter__()
             return self.engine, {"engine_start": round(self.engine.start_s, 1)}
         if Path(model_dir).resolve() == self.engine.model_dir.resolve() and not rewritten:
@@ -291,7 +348,7 @@ class Engines:
             self.engine.__exit__(None, None, None)
             self.engine = None
 
-    def __enter__(self) -> "Engines":
+    def __enter__(self) -> Engines:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -299,12 +356,24 @@ class Engines:
 
 
 def rollout_config(cfg: LearnConfig, engine: Engine, temperature: float, max_turns: int | None = None) -> PiConfig:
-    token_in = {"proxy_token_in": True, "proxy_renderer": "chatml-hermes",
-                "proxy_tokenizer": str(engine.model_dir)} if cfg.token_in else {}
-    return PiConfig(endpoint="vllm", base_url=engine.base_url, model="policy", api_key="none",
-                    mode="transparent_proxy", max_turns=max_turns or cfg.max_turns, proxy_max_tokens_cap=cfg.max_tokens,
-                    agent_timeout_s=cfg.agent_timeout_s, proxy_return_token_ids=True,
-                    proxy_sampling={"temperature": temperature, "top_p": 1.0}, **token_in)
+    token_in = (
+        {"proxy_token_in": True, "proxy_renderer": "chatml-hermes", "proxy_tokenizer": str(engine.model_dir)}
+        if cfg.token_in
+        else {}
+    )
+    return PiConfig(
+        endpoint="vllm",
+        base_url=engine.base_url,
+        model="policy",
+        api_key="none",
+        mode="transparent_proxy",
+        max_turns=max_turns or cfg.max_turns,
+        proxy_max_tokens_cap=cfg.max_tokens,
+        agent_timeout_s=cfg.agent_timeout_s,
+        proxy_return_token_ids=True,
+        proxy_sampling={"temperature": temperature, "top_p": 1.0},
+        **token_in,
+    )
 
 
 def collect(tasks: list[PiTask], out: Path, config: PiConfig, *, group_size: int, concurrency: int):
@@ -324,13 +393,19 @@ def score_records(records: list[dict]) -> dict:
     for r in records:
         families.setdefault(r["task_id"].split("-", 3)[-1], []).append(r.get("reward") or 0.0)
     passed = sum(1 for r in rewards if r >= 1.0)
-    return {"count": len(records), "scored": len(rewards), "passed": passed,
-            "pass_rate": round(passed / len(records), 4) if records else None,
-            # unscored (infra) rollouts are left out of the mean, never counted as 0
-            "mean_reward": round(sum(rewards) / len(rewards), 4) if rewards else None,
-            "unscored": len(records) - len(rewards),
-            "tool_calls": sum(1 for r in records for m in r["messages"] if m["role"] == "assistant" and m.get("tool_calls")),
-            "per_family_pass": {f: f"{sum(1 for v in vs if v >= 1.0)}/{len(vs)}" for f, vs in sorted(families.items())}}
+    return {
+        "count": len(records),
+        "scored": len(rewards),
+        "passed": passed,
+        "pass_rate": round(passed / len(records), 4) if records else None,
+        # unscored (infra) rollouts are left out of the mean, never counted as 0
+        "mean_reward": round(sum(rewards) / len(rewards), 4) if rewards else None,
+        "unscored": len(records) - len(rewards),
+        "tool_calls": sum(
+            1 for r in records for m in r["messages"] if m["role"] == "assistant" and m.get("tool_calls")
+        ),
+        "per_family_pass": {f: f"{sum(1 for v in vs if v >= 1.0)}/{len(vs)}" for f, vs in sorted(families.items())},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,8 +419,13 @@ def stage_oracle(cfg: LearnConfig) -> dict:
     if done:
         return done
     train = read_tasks(cfg.path("tasks", "train.jsonl"))
-    records, wall = collect(train, cfg.path("oracle"), PiConfig(endpoint="oracle", mode="black_box"),
-                            group_size=1, concurrency=cfg.concurrency)
+    records, wall = collect(
+        train,
+        cfg.path("oracle"),
+        PiConfig(endpoint="oracle", mode="black_box"),
+        group_size=1,
+        concurrency=cfg.concurrency,
+    )
     scores = score_records(records)
     if scores["passed"] != len(train):
         failed = [r["task_id"] for r in records if (r.get("reward") or 0) < 1][:5]
@@ -362,8 +442,10 @@ def rl_families(cfg: LearnConfig) -> list[str]:
         return list(cfg.rl_families)
     probe = _read_json(cfg.path("probe", "summary.json"))
     if not probe:
-        raise RuntimeError(f"no {cfg.path('probe', 'summary.json')}: run the probe stage first (it picks the RL "
-                           "families that RL and the held-out eval use), or give --rl-families")
+        raise RuntimeError(
+            f"no {cfg.path('probe', 'summary.json')}: run the probe stage first (it picks the RL "
+            "families that RL and the held-out eval use), or give --rl-families"
+        )
     return probe["rl_families"]
 
 
@@ -373,9 +455,11 @@ def heldout_tasks(cfg: LearnConfig) -> list[PiTask]:
     families = set(rl_families(cfg))
     tasks = [t for t in read_tasks(cfg.path("tasks", "heldout.jsonl")) if t.metadata["family"] in families]
     if len(tasks) < cfg.n_heldout:
-        raise RuntimeError(f"tasks/heldout.jsonl has {len(tasks)} tasks of {sorted(families)}, fewer than "
-                           f"n_heldout={cfg.n_heldout}: remove it and run the tasks stage again")
-    return tasks[:cfg.n_heldout]
+        raise RuntimeError(
+            f"tasks/heldout.jsonl has {len(tasks)} tasks of {sorted(families)}, fewer than "
+            f"n_heldout={cfg.n_heldout}: remove it and run the tasks stage again"
+        )
+    return tasks[: cfg.n_heldout]
 
 
 def stage_eval(cfg: LearnConfig, name: str, model_dir: Path, engines: Engines) -> dict:
@@ -388,22 +472,33 @@ def stage_eval(cfg: LearnConfig, name: str, model_dir: Path, engines: Engines) -
     started = time.monotonic()
     sets = {}
     if name != "sft_retest":  # the retest is a control of the paired eval only
-        sets["greedy"] = (read_tasks(cfg.path("tasks", "eval.jsonl"))[:cfg.eval_limit or None], cfg.eval_temperature)
+        sets["greedy"] = (read_tasks(cfg.path("tasks", "eval.jsonl"))[: cfg.eval_limit or None], cfg.eval_temperature)
     if name != "base":
         sets["heldout"] = (heldout_tasks(cfg), cfg.rl_temperature)
     trained = check_held_out(cfg, [task for tasks, _ in sets.values() for task in tasks])
     engine, engine_time = engines.serve(model_dir, f"eval_{name}")
-    summary = {"stage": name, "model_dir": str(model_dir), "held_out_checked_against": trained,
-               "time_s": dict(engine_time)}
+    summary = {
+        "stage": name,
+        "model_dir": str(model_dir),
+        "held_out_checked_against": trained,
+        "time_s": dict(engine_time),
+    }
     for kind, (tasks, temperature) in sets.items():
         # The base model runs every turn to its token limit: its turns are capped (said in the report).
         max_turns = cfg.base_max_turns if name == "base" else cfg.max_turns
-        records, wall = collect(tasks, cfg.path(f"eval_{name}", kind), rollout_config(cfg, engine, temperature, max_turns),
-                                group_size=1, concurrency=cfg.concurrency)
+        records, wall = collect(
+            tasks,
+            cfg.path(f"eval_{name}", kind),
+            rollout_config(cfg, engine, temperature, max_turns),
+            group_size=1,
+            concurrency=cfg.concurrency,
+        )
         summary[kind] = {**score_records(records), "temperature": temperature, "max_turns": max_turns}
         summary["time_s"][kind] = round(wall, 1)
-        log(f"eval {name} {kind}: {summary[kind]['passed']}/{summary[kind]['count']} passed, "
-            f"mean reward {summary[kind]['mean_reward']}")
+        log(
+            f"eval {name} {kind}: {summary[kind]['passed']}/{summary[kind]['count']} passed, "
+            f"mean reward {summary[kind]['mean_reward']}"
+        )
     summary["wall_s"] = round(time.monotonic() - started, 1)
     _write_json(cfg.path(f"eval_{name}", "summary.json"), summary)
     return summary
@@ -424,10 +519,15 @@ def stage_probe(cfg: LearnConfig, engines: Engines) -> dict:
         _write_json(cfg.path("probe", "summary.json"), summary)
         return summary
     by_family = _rl_pool(cfg)
-    tasks = [task for family in sorted(by_family) for task in by_family[family][:cfg.probe_tasks_per_family]]
+    tasks = [task for family in sorted(by_family) for task in by_family[family][: cfg.probe_tasks_per_family]]
     engine, engine_time = engines.serve(cfg.path("sft", "policy"), "probe")
-    records, wall = collect(tasks, cfg.path("probe", "rollouts"), rollout_config(cfg, engine, cfg.rl_temperature),
-                            group_size=cfg.probe_samples, concurrency=cfg.concurrency)
+    records, wall = collect(
+        tasks,
+        cfg.path("probe", "rollouts"),
+        rollout_config(cfg, engine, cfg.rl_temperature),
+        group_size=cfg.probe_samples,
+        concurrency=cfg.concurrency,
+    )
     table = {}
     for family in sorted(by_family):
         mine = [r for r in records if r["task_id"] in {t.task_id for t in by_family[family]}]
@@ -435,14 +535,24 @@ def stage_probe(cfg: LearnConfig, engines: Engines) -> dict:
         groups: dict[str, list] = {}
         for r in mine:
             groups.setdefault(r["group_id"], []).append(r.get("reward"))
-        table[family] = {"rollouts": scores["count"], "passed": scores["passed"],
-                         "pass_rate": round(scores["passed"] / scores["scored"], 3) if scores["scored"] else 0.0,
-                         "mean_reward": scores["mean_reward"], "unscored": scores["unscored"],
-                         "mixed_groups": f"{sum(not flat(g) for g in groups.values())}/{len(groups)}"}
+        table[family] = {
+            "rollouts": scores["count"],
+            "passed": scores["passed"],
+            "pass_rate": round(scores["passed"] / scores["scored"], 3) if scores["scored"] else 0.0,
+            "mean_reward": scores["mean_reward"],
+            "unscored": scores["unscored"],
+            "mixed_groups": f"{sum(not flat(g) for g in groups.values())}/{len(groups)}",
+        }
     families = choose_families({f: row["pass_rate"] for f, row in table.items()})
-    summary = {"table": table, "rl_families": families, "band": [0.2, 0.8], "temperature": cfg.rl_temperature,
-               "probed_tasks": [t.task_id for t in tasks],
-               "time_s": {**engine_time, "rollouts": round(wall, 1)}, "wall_s": round(time.monotonic() - started, 1)}
+    summary = {
+        "table": table,
+        "rl_families": families,
+        "band": [0.2, 0.8],
+        "temperature": cfg.rl_temperature,
+        "probed_tasks": [t.task_id for t in tasks],
+        "time_s": {**engine_time, "rollouts": round(wall, 1)},
+        "wall_s": round(time.monotonic() - started, 1),
+    }
     _write_json(cfg.path("probe", "summary.json"), summary)
     log(f"probe: {json.dumps({f: row['pass_rate'] for f, row in table.items()})} -> RL families {families}")
     return summary
@@ -470,27 +580,47 @@ def stage_sft(cfg: LearnConfig) -> dict:
     model, tokenizer = trainer.load_policy(cfg.base_model)
     trained_parameters = trainer.train_top_layers(model, cfg.train_layers)
     rows = []
-    data = [json.loads(line) for line in cfg.path("oracle", "exports", "sft.jsonl").read_text().splitlines() if line.strip()]
-    data = data[:cfg.sft_limit] if cfg.sft_limit else data
+    data = [
+        json.loads(line) for line in cfg.path("oracle", "exports", "sft.jsonl").read_text().splitlines() if line.strip()
+    ]
+    data = data[: cfg.sft_limit] if cfg.sft_limit else data
     for item in data:
         rows += trainer.render_sft_rows(item["messages"], json.loads(item["tools"]), tokenizer)
-    log(f"sft: {len(data)} conversations -> {len(rows)} rows, {sum(len(r.token_ids) for r in rows)} tokens, "
-        f"{sum(sum(r.loss_mask) for r in rows)} trained")
+    log(
+        f"sft: {len(data)} conversations -> {len(rows)} rows, {sum(len(r.token_ids) for r in rows)} tokens, "
+        f"{sum(sum(r.loss_mask) for r in rows)} trained"
+    )
     history_path = cfg.path("sft", "history.jsonl")
     history_path.parent.mkdir(parents=True, exist_ok=True)
     with history_path.open("w") as handle:
+
         def note(entry: dict) -> None:
             handle.write(json.dumps(entry) + "\n")
             handle.flush()
             log(f"sft step {entry['step']}: loss {entry['loss']:.4f} ({entry['wall_s']} s)")
-        history = trainer.sft_train(model, rows, epochs=cfg.sft_epochs, batch_size=cfg.sft_batch,
-                                    learning_rate=cfg.sft_lr, seed=cfg.seed, micro_batch=cfg.micro_batch, log=note)
+
+        history = trainer.sft_train(
+            model,
+            rows,
+            epochs=cfg.sft_epochs,
+            batch_size=cfg.sft_batch,
+            learning_rate=cfg.sft_lr,
+            seed=cfg.seed,
+            micro_batch=cfg.micro_batch,
+            log=note,
+        )
     trainer.save_policy(model, tokenizer, cfg.base_model, cfg.path("sft", "policy"))
-    summary = {"conversations": len(data), "rows": len(rows), "steps": len(history),
-               "trained_parameters": trained_parameters, "train_layers": cfg.train_layers or "all",
-               "loss_first": history[0]["loss"] if history else None,
-               "loss_last": history[-1]["loss"] if history else None,
-               "train_s": round(sum(h["wall_s"] for h in history), 1), "wall_s": round(time.monotonic() - started, 1)}
+    summary = {
+        "conversations": len(data),
+        "rows": len(rows),
+        "steps": len(history),
+        "trained_parameters": trained_parameters,
+        "train_layers": cfg.train_layers or "all",
+        "loss_first": history[0]["loss"] if history else None,
+        "loss_last": history[-1]["loss"] if history else None,
+        "train_s": round(sum(h["wall_s"] for h in history), 1),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
     _write_json(cfg.path("sft", "summary.json"), summary)
     return summary
 
@@ -515,8 +645,10 @@ def stage_rl(cfg: LearnConfig, engines: Engines) -> dict:
     policy_dir = cfg.path(cfg.rl_name, "policy")
     if len(steps) >= cfg.rl_steps:
         if not policy_dir.is_dir():
-            raise RuntimeError(f"{steps_path} records {len(steps)} finished steps but {policy_dir} is missing: "
-                               "remove the steps file (RL starts again from the SFT checkpoint)")
+            raise RuntimeError(
+                f"{steps_path} records {len(steps)} finished steps but {policy_dir} is missing: "
+                "remove the steps file (RL starts again from the SFT checkpoint)"
+            )
         return {"steps": len(steps)}
     plan = rl_plan(cfg)
     source = policy_dir if steps else cfg.path("sft", "policy")
@@ -532,8 +664,10 @@ def stage_rl(cfg: LearnConfig, engines: Engines) -> dict:
         with steps_path.open("a") as handle:
             handle.write(json.dumps(entry) + "\n")
         steps.append(entry)
-        log(f"{cfg.rl_name} step {step}: mean reward {entry['mean_reward']}, pass {entry['pass_rate']}, "
-            f"kl {entry.get('kl_after')} ({entry['kl_guard']}), {entry['time_s']}")
+        log(
+            f"{cfg.rl_name} step {step}: mean reward {entry['mean_reward']}, pass {entry['pass_rate']}, "
+            f"kl {entry.get('kl_after')} ({entry['kl_guard']}), {entry['time_s']}"
+        )
         _, engine_time = engines.serve(policy_dir, cfg.rl_name, rewritten=True)
     return {"steps": len(steps)}
 
@@ -544,8 +678,17 @@ def _lr(cfg: LearnConfig, step: int, steps: list[dict]) -> tuple[float, float]:
     return cfg.rl_lr * min(1.0, (step + 1) / max(1, cfg.rl_warmup_steps)) * scale, scale
 
 
-def _rl_step(cfg: LearnConfig, plan: list[list[str]], step: int, steps: list[dict], engine: Engine, model, tokenizer,
-             optimizer, engine_time: dict) -> dict:
+def _rl_step(
+    cfg: LearnConfig,
+    plan: list[list[str]],
+    step: int,
+    steps: list[dict],
+    engine: Engine,
+    model,
+    tokenizer,
+    optimizer,
+    engine_time: dict,
+) -> dict:
     """One step: group rollouts of the step's planned tasks against the engine (serving the
     current weights; a revisit of a task whose first group was flat is skipped), `rl_updates`
     updates (GRPO or RAFT) on their exact traces under the KL guard, the checkpoint saved.
@@ -562,15 +705,24 @@ def _rl_step(cfg: LearnConfig, plan: list[list[str]], step: int, steps: list[dic
     if cfg.skip_flat_revisits:
         for task_id in planned:
             earlier = first_visit(plan, step, task_id)
-            if earlier is not None and flat([r.get("reward") for r in read_records(cfg.path(cfg.rl_name, f"step_{earlier}"))
-                                             if r["task_id"] == task_id]):
+            if earlier is not None and flat(
+                [
+                    r.get("reward")
+                    for r in read_records(cfg.path(cfg.rl_name, f"step_{earlier}"))
+                    if r["task_id"] == task_id
+                ]
+            ):
                 skipped.append(task_id)
     tasks = [tasks_by_id[t] for t in planned if t not in skipped]
     records, rollouts_s = [], 0.0
     if tasks:
-        records, rollouts_s = collect(tasks, cfg.path(cfg.rl_name, f"step_{step}"),
-                                      rollout_config(cfg, engine, cfg.rl_temperature),
-                                      group_size=cfg.group_size, concurrency=cfg.concurrency)
+        records, rollouts_s = collect(
+            tasks,
+            cfg.path(cfg.rl_name, f"step_{step}"),
+            rollout_config(cfg, engine, cfg.rl_temperature),
+            group_size=cfg.group_size,
+            concurrency=cfg.concurrency,
+        )
     lr, scale = _lr(cfg, step, steps)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -578,14 +730,29 @@ def _rl_step(cfg: LearnConfig, plan: list[list[str]], step: int, steps: list[dic
     train_started = time.monotonic()
     updates = []
     if cfg.rl_algorithm == "raft":
-        step_fn = functools.partial(trainer.nll_step, model, optimizer, rows, micro_batch=cfg.micro_batch,
-                                    temperature=cfg.rl_temperature)
+        step_fn = functools.partial(
+            trainer.nll_step, model, optimizer, rows, micro_batch=cfg.micro_batch, temperature=cfg.rl_temperature
+        )
     else:
-        step_fn = functools.partial(trainer.grpo_step, model, optimizer, rows, clip_eps=cfg.clip_eps,
-                                    micro_batch=cfg.micro_batch, temperature=cfg.rl_temperature)
+        step_fn = functools.partial(
+            trainer.grpo_step,
+            model,
+            optimizer,
+            rows,
+            clip_eps=cfg.clip_eps,
+            micro_batch=cfg.micro_batch,
+            temperature=cfg.rl_temperature,
+        )
     for _ in range(cfg.rl_updates):
-        update = trainer.guarded_step(model, optimizer, step_fn, kl_soft=cfg.kl_soft, kl_hard=cfg.kl_hard,
-                                      micro_batch=cfg.micro_batch, temperature=cfg.rl_temperature)
+        update = trainer.guarded_step(
+            model,
+            optimizer,
+            step_fn,
+            kl_soft=cfg.kl_soft,
+            kl_hard=cfg.kl_hard,
+            micro_batch=cfg.micro_batch,
+            temperature=cfg.rl_temperature,
+        )
         updates.append(update)
         if update["kl_guard"] != "ok" or not update["rows"]:
             break
@@ -604,34 +771,65 @@ def _rl_step(cfg: LearnConfig, plan: list[list[str]], step: int, steps: list[dic
     for r in records:
         groups.setdefault(r["task_id"], []).append(r.get("reward"))
     first = updates[0] if updates else {}
-    return {"step": step, "algorithm": cfg.rl_algorithm,
-            "visit": "revisit" if first_visit(plan, step, planned[0]) is not None else "first",
-            "tasks": [t.task_id for t in tasks], "skipped_flat_revisits": skipped,
-            "mean_reward": scores["mean_reward"], "pass_rate": scores["pass_rate"], "unscored": scores["unscored"],
-            "group_rewards": groups, "groups_with_signal": sum(not flat(g) for g in groups.values()),
-            "entropy_sampled": sampled_entropy(records),
-            "rows_per_rollout": [len((r.get("training") or {}).get("segments") or []) for r in records],
-            "generated_tokens": sum(t.get("completion_tokens") or 0 for r in records for t in r.get("turns") or []),
-            "lr": lr, "kl_guard": guard, "kl_after": kl, "lr_scale_next": scale,
-            **{k: first[k] for k in _UPDATE_STATS if k in first}, "trained_rows": first.get("rows", 0),
-            "skipped_update": first.get("skipped"), "updates": updates,
-            "time_s": {**engine_time, "rollouts": round(rollouts_s, 1), "generation_summed": round(generation, 1),
-                       "pi_and_sandbox_summed": round(rollout_walls - generation, 1),
-                       "train": round(train_s, 1), "kl_guard": round(sum(u.get("guard_s") or 0 for u in updates), 1),
-                       "save": round(save_s, 1),
-                       "total": round(time.monotonic() - started, 1)}}
+    return {
+        "step": step,
+        "algorithm": cfg.rl_algorithm,
+        "visit": "revisit" if first_visit(plan, step, planned[0]) is not None else "first",
+        "tasks": [t.task_id for t in tasks],
+        "skipped_flat_revisits": skipped,
+        "mean_reward": scores["mean_reward"],
+        "pass_rate": scores["pass_rate"],
+        "unscored": scores["unscored"],
+        "group_rewards": groups,
+        "groups_with_signal": sum(not flat(g) for g in groups.values()),
+        "entropy_sampled": sampled_entropy(records),
+        "rows_per_rollout": [len((r.get("training") or {}).get("segments") or []) for r in records],
+        "generated_tokens": sum(t.get("completion_tokens") or 0 for r in records for t in r.get("turns") or []),
+        "lr": lr,
+        "kl_guard": guard,
+        "kl_after": kl,
+        "lr_scale_next": scale,
+        **{k: first[k] for k in _UPDATE_STATS if k in first},
+        "trained_rows": first.get("rows", 0),
+        "skipped_update": first.get("skipped"),
+        "updates": updates,
+        "time_s": {
+            **engine_time,
+            "rollouts": round(rollouts_s, 1),
+            "generation_summed": round(generation, 1),
+            "pi_and_sandbox_summed": round(rollout_walls - generation, 1),
+            "train": round(train_s, 1),
+            "kl_guard": round(sum(u.get("guard_s") or 0 for u in updates), 1),
+            "save": round(save_s, 1),
+            "total": round(time.monotonic() - started, 1),
+        },
+    }
 
 
-_UPDATE_STATS = ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "clip_fraction", "kl_old_new_k3",
-                 "old_logprobs_missing", "tokens")
+_UPDATE_STATS = (
+    "loss",
+    "grad_norm",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "clip_fraction",
+    "kl_old_new_k3",
+    "old_logprobs_missing",
+    "tokens",
+)
 
 
 def sampled_entropy(records: list[dict]) -> float | None:
     """Mean -logprob of the tokens the policy sampled (the engine's logprobs, of the distribution
     it sampled from): a Monte-Carlo estimate of the policy's per-token entropy on its own
     rollouts. A collapse shows as a fall towards 0."""
-    values = [-lp for r in records for s in (r.get("training") or {}).get("segments") or []
-              for lp, m in zip(s["logprobs"], s["loss_mask"]) if m and lp is not None]
+    values = [
+        -lp
+        for r in records
+        for s in (r.get("training") or {}).get("segments") or []
+        for lp, m in zip(s["logprobs"], s["loss_mask"])
+        if m and lp is not None
+    ]
     return round(sum(values) / len(values), 4) if values else None
 
 
@@ -651,21 +849,38 @@ def _arms(cfg: LearnConfig) -> list[str]:
 
 def stage_status(cfg: LearnConfig) -> dict[str, str]:
     """done / in progress / not started, per stage (and RL arm), from the run directory's outputs."""
-    done = {"tasks": cfg.path("tasks", "heldout.jsonl"), "oracle": cfg.path("oracle", "summary.json"),
-            "sft": cfg.path("sft", "summary.json"), "probe": cfg.path("probe", "summary.json"),
-            "retest_sft": cfg.path("eval_sft_retest", "summary.json")}
+    done = {
+        "tasks": cfg.path("tasks", "heldout.jsonl"),
+        "oracle": cfg.path("oracle", "summary.json"),
+        "sft": cfg.path("sft", "summary.json"),
+        "probe": cfg.path("probe", "summary.json"),
+        "retest_sft": cfg.path("eval_sft_retest", "summary.json"),
+    }
     status = {}
     for stage in ("tasks", "oracle", "eval_base", "sft", "probe", "eval_sft", "retest_sft"):
         marker = done.get(stage, cfg.path(stage, "summary.json"))
-        status[stage] = "done" if marker.exists() else \
-            "in progress or stopped" if marker.parent.exists() and stage != "tasks" else "not started"
+        status[stage] = (
+            "done"
+            if marker.exists()
+            else "in progress or stopped"
+            if marker.parent.exists() and stage != "tasks"
+            else "not started"
+        )
     for arm in _arms(cfg):
         finished = len(_jsonl(cfg.path(arm, "steps.jsonl")))
-        status[arm] = ("done" if finished >= cfg.rl_steps else f"{finished}/{cfg.rl_steps} steps") \
-            if cfg.path(arm).exists() else "not started"
+        status[arm] = (
+            ("done" if finished >= cfg.rl_steps else f"{finished}/{cfg.rl_steps} steps")
+            if cfg.path(arm).exists()
+            else "not started"
+        )
         eval_dir = cfg.path(f"eval_{arm}")
-        status[f"eval_{arm}"] = "done" if (eval_dir / "summary.json").exists() else \
-            "in progress or stopped" if eval_dir.exists() else "not started"
+        status[f"eval_{arm}"] = (
+            "done"
+            if (eval_dir / "summary.json").exists()
+            else "in progress or stopped"
+            if eval_dir.exists()
+            else "not started"
+        )
     return status
 
 
@@ -675,9 +890,15 @@ def _eval_summary(cfg: LearnConfig, name: str) -> dict | None:
     done = _read_json(cfg.path(f"eval_{name}", "summary.json"))
     if done:
         return done
-    partial = {kind: {"partial": True, **score_records(_jsonl(cfg.path(f"eval_{name}", kind, "results.jsonl"))),
-                      "error_kinds": _error_kinds(cfg.path(f"eval_{name}", kind, "results.jsonl"))}
-               for kind in ("greedy", "heldout") if cfg.path(f"eval_{name}", kind, "results.jsonl").is_file()}
+    partial = {
+        kind: {
+            "partial": True,
+            **score_records(_jsonl(cfg.path(f"eval_{name}", kind, "results.jsonl"))),
+            "error_kinds": _error_kinds(cfg.path(f"eval_{name}", kind, "results.jsonl")),
+        }
+        for kind in ("greedy", "heldout")
+        if cfg.path(f"eval_{name}", kind, "results.jsonl").is_file()
+    }
     return {"partial": True, **partial} if partial else None
 
 
@@ -685,8 +906,11 @@ def heldout_rewards(cfg: LearnConfig, name: str) -> dict[str, float]:
     """Task id -> reward of a finished eval's held-out rollouts (unscored ones left out)."""
     if not cfg.path(f"eval_{name}", "summary.json").is_file():
         return {}
-    return {r["task_id"]: r["reward"] for r in _jsonl(cfg.path(f"eval_{name}", "heldout", "results.jsonl"))
-            if r.get("reward") is not None}
+    return {
+        r["task_id"]: r["reward"]
+        for r in _jsonl(cfg.path(f"eval_{name}", "heldout", "results.jsonl"))
+        if r.get("reward") is not None
+    }
 
 
 def revisit_gain(steps: list[dict]) -> dict | None:
@@ -714,12 +938,16 @@ def revisit_gain(steps: list[dict]) -> dict | None:
     def points(result):
         return {"mean": round(100 * result["mean"], 1), "ci95": [round(100 * v, 1) for v in result["ci95"]]}
 
-    return {"tasks": len(pairs),
-            "pass_points": points(paired_bootstrap([rate(a) for a, _ in pairs], [rate(b) for _, b in pairs])),
-            "reward_points": points(paired_bootstrap([sum(a) / len(a) for a, _ in pairs], [sum(b) / len(b) for _, b in pairs])),
-            "note": "in-distribution: the same RL tasks before and after the steps between two visits, which trained "
-                    "on them; only tasks whose first group was mixed are revisited (skip_flat_revisits), a selection "
-                    "on the first visit's outcome, so read it as a trend, not a held-out gain"}
+    return {
+        "tasks": len(pairs),
+        "pass_points": points(paired_bootstrap([rate(a) for a, _ in pairs], [rate(b) for _, b in pairs])),
+        "reward_points": points(
+            paired_bootstrap([sum(a) / len(a) for a, _ in pairs], [sum(b) / len(b) for _, b in pairs])
+        ),
+        "note": "in-distribution: the same RL tasks before and after the steps between two visits, which trained "
+        "on them; only tasks whose first group was mixed are revisited (skip_flat_revisits), a selection "
+        "on the first visit's outcome, so read it as a trend, not a held-out gain",
+    }
 
 
 def collapse_check(steps: list[dict]) -> dict:
@@ -746,8 +974,15 @@ def collapse_check(steps: list[dict]) -> dict:
         diff = paired_bootstrap([before for before, _, _ in pairs], [after for _, _, after in pairs])
         since = min(k for _, k, _ in pairs)
         acted = any(s.get("kl_guard") not in (None, "ok") for s in steps if since <= s["step"] <= step["step"])
-        revisits.append({"step": step["step"], "tasks": len(pairs), "reward_points": round(100 * diff["mean"], 1),
-                         "ci95": [round(100 * v, 1) for v in diff["ci95"]], "kl_guard_acted": acted})
+        revisits.append(
+            {
+                "step": step["step"],
+                "tasks": len(pairs),
+                "reward_points": round(100 * diff["mean"], 1),
+                "ci95": [round(100 * v, 1) for v in diff["ci95"]],
+                "kl_guard_acted": acted,
+            }
+        )
     falls = [r for r in revisits if r["ci95"][1] < 0]
     return {"revisits": revisits, "falls": falls, "collapsed": any(not f["kl_guard_acted"] for f in falls)}
 
@@ -758,8 +993,12 @@ def _sequences(cfg: LearnConfig, arms: list[str]) -> dict:
     records = [r for arm in arms for d in sorted(cfg.path(arm).glob("step_*")) for r in _jsonl(d / "results.jsonl")]
     records += [r for d in sorted(cfg.path().glob("eval_*/heldout")) for r in _jsonl(d / "results.jsonl")]
     traced = [len((r.get("training") or {}).get("segments") or []) for r in records if r.get("training")]
-    return {"rollouts": len(records), "one_sequence": sum(n == 1 for n in traced), "with_trace": len(traced),
-            "unscored": sum(r.get("reward") is None for r in records)}
+    return {
+        "rollouts": len(records),
+        "one_sequence": sum(n == 1 for n in traced),
+        "with_trace": len(traced),
+        "unscored": sum(r.get("reward") is None for r in records),
+    }
 
 
 def stage_report(cfg: LearnConfig) -> dict:
@@ -769,8 +1008,11 @@ def stage_report(cfg: LearnConfig) -> dict:
 
     arms = _arms(cfg)
     sft_rewards = heldout_rewards(cfg, "sft")
-    comparisons = {arm: compare_paired(sft_rewards, heldout_rewards(cfg, arm), seed=cfg.seed)
-                   for arm in arms if sft_rewards and heldout_rewards(cfg, arm)}
+    comparisons = {
+        arm: compare_paired(sft_rewards, heldout_rewards(cfg, arm), seed=cfg.seed)
+        for arm in arms
+        if sft_rewards and heldout_rewards(cfg, arm)
+    }
     # The control: the SFT checkpoint evaluated again on the same tasks, new samples. Its
     # difference is the paired eval's own noise; its CI should hold 0.
     retest = heldout_rewards(cfg, "sft_retest")
@@ -779,11 +1021,19 @@ def stage_report(cfg: LearnConfig) -> dict:
     rl = {}
     for arm in arms:
         steps = _jsonl(cfg.path(arm, "steps.jsonl"))
-        rl[arm] = {"algorithm": steps[0]["algorithm"] if steps else cfg.rl_algorithm, "steps": steps,
-                   "eval": _eval_summary(cfg, arm), "vs_sft_heldout": comparisons.get(arm),
-                   "revisit_gain": revisit_gain(steps), "collapse_check": collapse_check(steps),
-                   "kl_guard_acted": [{"step": s["step"], "action": s["kl_guard"], "kl_after": s["kl_after"]}
-                                      for s in steps if s.get("kl_guard") not in (None, "ok")]}
+        rl[arm] = {
+            "algorithm": steps[0]["algorithm"] if steps else cfg.rl_algorithm,
+            "steps": steps,
+            "eval": _eval_summary(cfg, arm),
+            "vs_sft_heldout": comparisons.get(arm),
+            "revisit_gain": revisit_gain(steps),
+            "collapse_check": collapse_check(steps),
+            "kl_guard_acted": [
+                {"step": s["step"], "action": s["kl_guard"], "kl_after": s["kl_after"]}
+                for s in steps
+                if s.get("kl_guard") not in (None, "ok")
+            ],
+        }
     paired_stages = ["eval_sft", *[name for arm in arms for name in (arm, f"eval_{arm}")]]
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
@@ -792,8 +1042,11 @@ def stage_report(cfg: LearnConfig) -> dict:
         "stages": {
             "base": _eval_summary(cfg, "base"),
             "oracle": _read_json(cfg.path("oracle", "summary.json")),
-            "sft": {"train": _read_json(cfg.path("sft", "summary.json")), "eval": _eval_summary(cfg, "sft"),
-                    "history": _jsonl(cfg.path("sft", "history.jsonl"))},
+            "sft": {
+                "train": _read_json(cfg.path("sft", "summary.json")),
+                "eval": _eval_summary(cfg, "sft"),
+                "history": _jsonl(cfg.path("sft", "history.jsonl")),
+            },
             "probe": _read_json(cfg.path("probe", "summary.json")),
             "sft_retest": {"eval": _eval_summary(cfg, "sft_retest"), "vs_sft_heldout": control},
             **rl,
@@ -801,18 +1054,23 @@ def stage_report(cfg: LearnConfig) -> dict:
         "stage_wall_s": stage_times,
         "stage_load_average": _read_json(cfg.path("stage_load.json")),
         "training_sequences": _sequences(cfg, arms),
-        "rl_and_paired_evals_wall_s": round(sum(stage_times.get(s, 0) for s in paired_stages), 1) if stage_times else None,
+        "rl_and_paired_evals_wall_s": round(sum(stage_times.get(s, 0) for s in paired_stages), 1)
+        if stage_times
+        else None,
         "total_wall_s": round(sum(stage_times.values()), 1) if stage_times else None,
         "targets": _targets(cfg, comparisons),
     }
-    report["targets"]["sft_retest_minus_sft_pass"] = \
+    report["targets"]["sft_retest_minus_sft_pass"] = (
         {k: control["pass_points"][k] for k in ("mean", "ci95")} if control else None
+    )
     arm = rl.get("rl")
     if arm and arm["steps"]:
         # No collapse: no revisit fell below its first visit, and the held-out reward did not fall
         # (CI below 0), unless the KL guard acted.
         fell = (comparisons.get("rl") or {}).get("reward_points", {}).get("ci95", [0, 0])[1] < 0
-        report["targets"]["no_collapse"] = not arm["collapse_check"]["collapsed"] and not (fell and not arm["kl_guard_acted"])
+        report["targets"]["no_collapse"] = not arm["collapse_check"]["collapsed"] and not (
+            fell and not arm["kl_guard_acted"]
+        )
     _write_json(cfg.path("report.json"), report)
     try:
         plot(report, cfg.path("learning_curve.png"))
@@ -832,19 +1090,28 @@ def _error_kinds(path: Path) -> dict[str, int]:
 def _targets(cfg: LearnConfig, comparisons: dict) -> dict:
     """The claims in a form a script can check. RL > SFT is claimed only when the paired 95 % CI
     of the held-out pass-rate difference lies above 0 (`rl_target_met`), never on a point estimate."""
+
     def greedy(name):
         summary = _read_json(cfg.path(f"eval_{name}", "summary.json"))
         return summary["greedy"]["pass_rate"] if summary else None
 
     base, sft = greedy("base"), greedy("sft")
-    targets = {"sft_minus_base_greedy_points": round(100 * (sft - base), 1) if None not in (sft, base) else None,
-               "sft_target_met": (sft - base) >= 0.20 if None not in (sft, base) else None}
+    targets = {
+        "sft_minus_base_greedy_points": round(100 * (sft - base), 1) if None not in (sft, base) else None,
+        "sft_target_met": (sft - base) >= 0.20 if None not in (sft, base) else None,
+    }
     for arm, name in (("rl", "rl"), ("rl_raft", "raft")):
         comparison = comparisons.get(arm)
         if arm == "rl" or comparison:
-            targets[f"{name}_minus_sft_pass"] = {k: comparison["pass_points"][k] for k in ("mean", "ci95")} if comparison else None
-            targets[f"{name}_minus_sft_reward"] = {k: comparison["reward_points"][k] for k in ("mean", "ci95")} if comparison else None
-            targets[f"{name}_mcnemar_p" if name != "rl" else "mcnemar_p"] = comparison["mcnemar"]["p"] if comparison else None
+            targets[f"{name}_minus_sft_pass"] = (
+                {k: comparison["pass_points"][k] for k in ("mean", "ci95")} if comparison else None
+            )
+            targets[f"{name}_minus_sft_reward"] = (
+                {k: comparison["reward_points"][k] for k in ("mean", "ci95")} if comparison else None
+            )
+            targets[f"{name}_mcnemar_p" if name != "rl" else "mcnemar_p"] = (
+                comparison["mcnemar"]["p"] if comparison else None
+            )
             targets[f"{name}_target_met"] = comparison["pass_points"]["ci95"][0] > 0 if comparison else None
             if arm == "rl":
                 targets["heldout_tasks"] = comparison["tasks"] if comparison else 0
@@ -860,23 +1127,30 @@ def plot(report: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     stages = report["stages"]
     arms = [(name, stages[name]) for name in ("rl", "rl_raft") if name in stages]
-    checkpoints = [("base", stages["base"]), ("SFT", stages["sft"]["eval"])] + \
-        [({"rl": "SFT+GRPO", "rl_raft": "SFT+RAFT"}[n], a["eval"]) for n, a in arms]
+    checkpoints = [("base", stages["base"]), ("SFT", stages["sft"]["eval"])] + [
+        ({"rl": "SFT+GRPO", "rl_raft": "SFT+RAFT"}[n], a["eval"]) for n, a in arms
+    ]
     width = 0.38
-    for offset, kind, color, legend in ((-width / 2, "heldout", "#4c72b0", "held-out, sampled (paired, primary)"),
-                                        (width / 2, "greedy", "#bbbbbb", "greedy, 20 eval tasks (secondary)")):
+    for offset, kind, color, legend in (
+        (-width / 2, "heldout", "#4c72b0", "held-out, sampled (paired, primary)"),
+        (width / 2, "greedy", "#bbbbbb", "greedy, 20 eval tasks (secondary)"),
+    ):
         xs, rates, labels = [], [], []
         for x, (_, summary) in enumerate(checkpoints):
             result = (summary or {}).get(kind)
             if result and result.get("count"):
                 xs.append(x + offset)
                 rates.append(100 * (result["pass_rate"] or 0))
-                labels.append(f"{result['passed']}/{result['count']}" + (" partial" if result.get("partial") else "")
-                              + (f"\n{result['unscored']} unscored" if result["unscored"] else ""))
+                labels.append(
+                    f"{result['passed']}/{result['count']}"
+                    + (" partial" if result.get("partial") else "")
+                    + (f"\n{result['unscored']} unscored" if result["unscored"] else "")
+                )
         drawn = left.bar(xs, rates, width, color=color, label=legend)
         for bar, label in zip(drawn, labels):
-            left.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                          fontsize=8)
+            left.annotate(
+                label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8
+            )
     left.set_xticks(range(len(checkpoints)), [name for name, _ in checkpoints])
     left.legend(fontsize=8, loc="upper left")
     targets = report["targets"]
@@ -892,7 +1166,7 @@ def plot(report: dict, path: Path) -> None:
     sft_history = stages["sft"]["history"]
     if not steps and sft_history:  # no RL yet: the SFT loss is the curve there is
         right.plot([h["step"] for h in sft_history], [h["loss"] for h in sft_history], marker="o")
-        right.set_xlabel("SFT step (batch of %d)" % sft_history[0]["rows"])
+        right.set_xlabel(f"SFT step (batch of {sft_history[0]['rows']:d})")
         right.set_ylabel("loss (mean NLL of assistant tokens)")
         right.set_title("SFT warm-up")
     if steps:

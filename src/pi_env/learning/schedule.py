@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 
-def choose_families(pass_rates: Mapping[str, float], *, low: float = 0.2, high: float = 0.8,
-                    at_least: int = 2) -> list[str]:
+def choose_families(
+    pass_rates: Mapping[str, float], *, low: float = 0.2, high: float = 0.8, at_least: int = 2
+) -> list[str]:
     """The families whose pass rate is in [low, high]; if fewer than `at_least` are, the
     `at_least` families nearest 0.5 among those with a pass rate strictly between 0 and 1 (a
     family never or always solved gives no signal at all), else nearest 0.5. Sorted by name."""
@@ -27,8 +28,9 @@ def choose_families(pass_rates: Mapping[str, float], *, low: float = 0.2, high: 
     return sorted(nearest[:at_least])
 
 
-def rl_schedule(tasks_by_family: Mapping[str, Sequence[str]], families: Sequence[str], *, steps: int,
-                per_step: int) -> list[list[str]]:
+def rl_schedule(
+    tasks_by_family: Mapping[str, Sequence[str]], families: Sequence[str], *, steps: int, per_step: int
+) -> list[list[str]]:
     """Task ids per step: the first ceil(steps / 2) steps take fresh tasks round-robin over
     `families` (in the given order, each family's tasks in theirs), `per_step` a step; the
     remaining steps visit the same tasks again in the same order. Raises if a family runs out."""
@@ -43,12 +45,14 @@ def rl_schedule(tasks_by_family: Mapping[str, Sequence[str]], families: Sequence
         family = families[i % len(families)]
         pool = tasks_by_family.get(family) or []
         if taken[family] >= len(pool):
-            raise ValueError(f"family {family!r} has {len(pool)} RL tasks; the schedule needs more "
-                             f"(use a larger --n-rl or fewer --rl-steps)")
+            raise ValueError(
+                f"family {family!r} has {len(pool)} RL tasks; the schedule needs more "
+                f"(use a larger --n-rl or fewer --rl-steps)"
+            )
         fresh.append(pool[taken[family]])
         taken[family] += 1
-    first = [fresh[k * per_step:(k + 1) * per_step] for k in range(fresh_steps)]
-    return first + first[:steps - fresh_steps]
+    first = [fresh[k * per_step : (k + 1) * per_step] for k in range(fresh_steps)]
+    return first + first[: steps - fresh_steps]
 
 
 def first_visit(schedule: Sequence[Sequence[str]], step: int, task_id: str) -> int | None:

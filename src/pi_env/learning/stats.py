@@ -15,8 +15,9 @@ import random
 from collections.abc import Sequence
 
 
-def paired_bootstrap(before: Sequence[float], after: Sequence[float], *, resamples: int = 10_000,
-                     seed: int = 0) -> dict:
+def paired_bootstrap(
+    before: Sequence[float], after: Sequence[float], *, resamples: int = 10_000, seed: int = 0
+) -> dict:
     """Mean of `after[i] - before[i]` and its 95 % percentile-bootstrap CI (tasks resampled with
     replacement; deterministic for `seed`)."""
     if len(before) != len(after):
@@ -40,7 +41,7 @@ def mcnemar_exact(before: Sequence[bool], after: Sequence[bool]) -> dict:
     up = sum(1 for a, b in zip(before, after) if b and not a)
     down = sum(1 for a, b in zip(before, after) if a and not b)
     flips = up + down
-    tail = sum(math.comb(flips, k) for k in range(min(up, down) + 1)) / 2 ** flips
+    tail = sum(math.comb(flips, k) for k in range(min(up, down) + 1)) / 2**flips
     return {"up": up, "down": down, "p": min(1.0, 2 * tail)}
 
 
@@ -59,7 +60,12 @@ def compare_paired(before: dict[str, float], after: dict[str, float], *, pass_at
     def points(result: dict) -> dict:
         return {"mean": round(100 * result["mean"], 1), "ci95": [round(100 * v, 1) for v in result["ci95"]]}
 
-    return {"tasks": len(tasks), "unpaired": len(set(before) ^ set(after)),
-            "pass_before": sum(passed_before), "pass_after": sum(passed_after),
-            "pass_points": points(rate), "reward_points": points(reward),
-            "mcnemar": mcnemar_exact(passed_before, passed_after)}
+    return {
+        "tasks": len(tasks),
+        "unpaired": len(set(before) ^ set(after)),
+        "pass_before": sum(passed_before),
+        "pass_after": sum(passed_after),
+        "pass_points": points(rate),
+        "reward_points": points(reward),
+        "mcnemar": mcnemar_exact(passed_before, passed_after),
+    }

@@ -49,7 +49,7 @@ def train_top_layers(model, count: int | None) -> int:
             raise ValueError(f"train_layers: {count}; the model has {len(layers)} decoder layers")
         for parameter in model.parameters():
             parameter.requires_grad_(False)
-        for module in [*layers[len(layers) - count:], model.get_decoder().norm]:
+        for module in [*layers[len(layers) - count :], model.get_decoder().norm]:
             for parameter in module.parameters():
                 parameter.requires_grad_(True)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -116,12 +116,13 @@ def render_sft_rows(messages: list[dict], tools: list[dict], tokenizer) -> list[
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = tokenizer.apply_chat_template(messages[:index], tools=tools or None, tokenize=False,
-                                               add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages[:index + 1], tools=tools or None, tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            messages[:index], tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
+        full = tokenizer.apply_chat_template(messages[: index + 1], tools=tools or None, tokenize=False)
         if full.startswith(prompt):
-            completion = full[len(prompt):]
-            completion = completion[:completion.rindex(tokenizer.eos_token)]
+            completion = full[len(prompt) :]
+            completion = completion[: completion.rindex(tokenizer.eos_token)]
         else:  # an empty answer renders without the generation prompt's newline
             completion = ""
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -150,8 +151,15 @@ def _shared_prefix(rows: Sequence[Row]) -> int:
     return max(length, 0)
 
 
-def backward_rows(model, rows: Sequence[Row], loss_fn: Callable, *, micro_batch: int = 2,
-                  normaliser: float = 1.0, temperature: float = 1.0) -> dict:
+def backward_rows(
+    model,
+    rows: Sequence[Row],
+    loss_fn: Callable,
+    *,
+    micro_batch: int = 2,
+    normaliser: float = 1.0,
+    temperature: float = 1.0,
+) -> dict:
     """Score `rows` with gradients (shared prefix once), call `loss_fn(row, logprobs)` per row
     (logprobs of the row's trained tokens, in order) for a scalar, back-propagate
     sum(loss) / normaliser. Returns {"loss": ..., "prefix_tokens": ..., "tokens": ...}.
@@ -169,17 +177,20 @@ def backward_rows(model, rows: Sequence[Row], loss_fn: Callable, *, micro_batch:
         for layer in range(len(cache)):
             key, value = _layer_kv(cache, layer)
             prefix_out += [key, value]
-            leaves += [key.detach().requires_grad_(key.requires_grad), value.detach().requires_grad_(value.requires_grad)]
+            leaves += [
+                key.detach().requires_grad_(key.requires_grad),
+                value.detach().requires_grad_(value.requires_grad),
+            ]
     for start in range(0, len(rows), micro_batch):
-        chunk = rows[start:start + micro_batch]
+        chunk = rows[start : start + micro_batch]
         width = max(len(r.token_ids) for r in chunk) - prefix_len
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         attention = torch.zeros(len(chunk), prefix_len + width, dtype=torch.long)
         attention[:, :prefix_len] = 1
         for b, row in enumerate(chunk):
             suffix = row.token_ids[prefix_len:]
-            ids[b, :len(suffix)] = torch.tensor(suffix)
-            attention[b, prefix_len:prefix_len + len(suffix)] = 1
+            ids[b, : len(suffix)] = torch.tensor(suffix)
+            attention[b, prefix_len : prefix_len + len(suffix)] = 1
         cache = None
         if prefix_len:
             cache = DynamicCache()
@@ -187,8 +198,13 @@ def backward_rows(model, rows: Sequence[Row], loss_fn: Callable, *, micro_batch:
                 key, value = leaves[2 * layer], leaves[2 * layer + 1]
                 cache.update(key.expand(len(chunk), -1, -1, -1), value.expand(len(chunk), -1, -1, -1), layer)
         positions = torch.arange(prefix_len, prefix_len + width).unsqueeze(0).expand(len(chunk), -1)
-        hidden = body(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                      use_cache=cache is not None).last_hidden_state
+        hidden = body(
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=cache is not None,
+        ).last_hidden_state
         loss = hidden.new_zeros(())
         for b, row in enumerate(chunk):
             targets = [t for t in range(prefix_len, len(row.token_ids)) if row.loss_mask[t]]
@@ -203,7 +219,9 @@ def backward_rows(model, rows: Sequence[Row], loss_fn: Callable, *, micro_batch:
             (loss / normaliser).backward()
         total += float(loss.detach())
     if prefix_len:
-        pairs = [(out, leaf.grad) for out, leaf in zip(prefix_out, leaves) if out.requires_grad and leaf.grad is not None]
+        pairs = [
+            (out, leaf.grad) for out, leaf in zip(prefix_out, leaves) if out.requires_grad and leaf.grad is not None
+        ]
         if pairs:  # frozen bottom layers' keys/values have no graph to go back through
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
     return {"loss": total / normaliser, "prefix_tokens": prefix_len, "tokens": tokens}
@@ -219,35 +237,53 @@ def _layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 # SFT
 
 
-def sft_train(model, rows: list[Row], *, epochs: int, batch_size: int, learning_rate: float, seed: int = 0,
-              micro_batch: int = 2, log: Callable[[dict], None] = print) -> list[dict]:
+def sft_train(
+    model,
+    rows: list[Row],
+    *,
+    epochs: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int = 0,
+    micro_batch: int = 2,
+    log: Callable[[dict], None] = print,
+) -> list[dict]:
     """Full fine-tune, AdamW, linear warm-up then cosine; loss = mean NLL over trained tokens."""
     generator = torch.Generator().manual_seed(seed)
     steps_per_epoch = math.ceil(len(rows) / batch_size)
     total_steps = max(1, steps_per_epoch * epochs)
     optimizer = torch.optim.AdamW(trainable(model), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, total_steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / total_steps)))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps))))
+    )
     model.train()
     history = []
     step = 0
     for epoch in range(epochs):
         order = torch.randperm(len(rows), generator=generator).tolist()
         for start in range(0, len(order), batch_size):
-            batch = [rows[i] for i in order[start:start + batch_size]]
+            batch = [rows[i] for i in order[start : start + batch_size]]
             started = time.monotonic()
             trained = sum(sum(r.loss_mask) for r in batch)
-            stats = backward_rows(model, batch, lambda row, logprobs, _: -logprobs.sum(),
-                                  micro_batch=micro_batch, normaliser=trained)
+            stats = backward_rows(
+                model, batch, lambda row, logprobs, _: -logprobs.sum(), micro_batch=micro_batch, normaliser=trained
+            )
             torch.nn.utils.clip_grad_norm_(trainable(model), 1.0)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            entry = {"step": step, "epoch": epoch, "loss": round(stats["loss"], 5), "rows": len(batch),
-                     "tokens": sum(len(r.token_ids) for r in batch), "trained_tokens": trained,
-                     "prefix_tokens": stats["prefix_tokens"], "wall_s": round(time.monotonic() - started, 2)}
+            entry = {
+                "step": step,
+                "epoch": epoch,
+                "loss": round(stats["loss"], 5),
+                "rows": len(batch),
+                "tokens": sum(len(r.token_ids) for r in batch),
+                "trained_tokens": trained,
+                "prefix_tokens": stats["prefix_tokens"],
+                "wall_s": round(time.monotonic() - started, 2),
+            }
             history.append(entry)
             log(entry)
     model.eval()
@@ -260,17 +296,26 @@ def sft_train(model, rows: list[Row], *, epochs: int, batch_size: int, learning_
 
 def _checked_temperature(temperature: float) -> float:
     if not temperature > 0:
-        raise ValueError(f"temperature {temperature}: RL samples and scores at a temperature > 0 "
-                         "(greedy decoding has no sampling distribution to train)")
+        raise ValueError(
+            f"temperature {temperature}: RL samples and scores at a temperature > 0 "
+            "(greedy decoding has no sampling distribution to train)"
+        )
     return temperature
 
 
-def _update(model, optimizer, rows: list[Row], loss_fn: Callable, *, micro_batch: int, normaliser: float,
-            temperature: float) -> tuple[dict, float]:
+def _update(
+    model, optimizer, rows: list[Row], loss_fn: Callable, *, micro_batch: int, normaliser: float, temperature: float
+) -> tuple[dict, float]:
     """Back-propagate `loss_fn` over `rows` at `temperature`, clip, step: one optimizer update."""
     model.train()
-    stats = backward_rows(model, rows, loss_fn, micro_batch=micro_batch, normaliser=normaliser,
-                          temperature=_checked_temperature(temperature))
+    stats = backward_rows(
+        model,
+        rows,
+        loss_fn,
+        micro_batch=micro_batch,
+        normaliser=normaliser,
+        temperature=_checked_temperature(temperature),
+    )
     grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable(model), 1.0))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -278,8 +323,9 @@ def _update(model, optimizer, rows: list[Row], loss_fn: Callable, *, micro_batch
     return stats, grad_norm
 
 
-def grpo_step(model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro_batch: int = 2,
-              temperature: float = 1.0) -> dict:
+def grpo_step(
+    model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro_batch: int = 2, temperature: float = 1.0
+) -> dict:
     """One policy-gradient step on rows carrying advantages (`weight`) and the engine's sampled
     logprobs: PPO-clipped ratio objective, token-level mean (DAPO/TRL's `loss_type="dapo"`
     normalisation), no reference-model KL term (beta = 0, TRL's default); the statistics of
@@ -309,17 +355,26 @@ def grpo_step(model, optimizer, rows: list[Row], *, clip_eps: float = 0.2, micro
         unclipped, clipped = ratio * row.weight, ratio.clamp(1 - clip_eps, 1 + clip_eps) * row.weight
         return -torch.minimum(unclipped, clipped).sum()
 
-    stats, grad_norm = _update(model, optimizer, rows, loss_fn, micro_batch=micro_batch, normaliser=trained,
-                               temperature=temperature)
+    stats, grad_norm = _update(
+        model, optimizer, rows, loss_fn, micro_batch=micro_batch, normaliser=trained, temperature=temperature
+    )
     ratio = torch.cat(ratios)
     log_ratio = ratio.log()
-    return {"rows": len(rows), "loss": round(stats["loss"], 6), "tokens": trained,
-            "prefix_tokens": stats["prefix_tokens"], "grad_norm": round(grad_norm, 4),
-            "ratio_mean": round(float(ratio.mean()), 5), "ratio_min": round(float(ratio.min()), 5),
-            "ratio_max": round(float(ratio.max()), 5),
-            "clip_fraction": round(float(((ratio < 1 - clip_eps) | (ratio > 1 + clip_eps)).float().mean()), 5),
-            "kl_old_new_k3": round(float((ratio - 1 - log_ratio).mean()), 6),
-            "old_logprobs_missing": missing, "_rows": rows, "_before": before}
+    return {
+        "rows": len(rows),
+        "loss": round(stats["loss"], 6),
+        "tokens": trained,
+        "prefix_tokens": stats["prefix_tokens"],
+        "grad_norm": round(grad_norm, 4),
+        "ratio_mean": round(float(ratio.mean()), 5),
+        "ratio_min": round(float(ratio.min()), 5),
+        "ratio_max": round(float(ratio.max()), 5),
+        "clip_fraction": round(float(((ratio < 1 - clip_eps) | (ratio > 1 + clip_eps)).float().mean()), 5),
+        "kl_old_new_k3": round(float((ratio - 1 - log_ratio).mean()), 6),
+        "old_logprobs_missing": missing,
+        "_rows": rows,
+        "_before": before,
+    }
 
 
 def nll_step(model, optimizer, rows: list[Row], *, micro_batch: int = 2, temperature: float = 1.0) -> dict:
@@ -335,11 +390,18 @@ def nll_step(model, optimizer, rows: list[Row], *, micro_batch: int = 2, tempera
         before.append(logprobs.detach())
         return -logprobs.sum()
 
-    stats, grad_norm = _update(model, optimizer, rows, loss_fn, micro_batch=micro_batch, normaliser=trained,
-                               temperature=temperature)
-    return {"rows": len(rows), "loss": round(stats["loss"], 6), "tokens": trained,
-            "prefix_tokens": stats["prefix_tokens"], "grad_norm": round(grad_norm, 4),
-            "_rows": rows, "_before": before}
+    stats, grad_norm = _update(
+        model, optimizer, rows, loss_fn, micro_batch=micro_batch, normaliser=trained, temperature=temperature
+    )
+    return {
+        "rows": len(rows),
+        "loss": round(stats["loss"], 6),
+        "tokens": trained,
+        "prefix_tokens": stats["prefix_tokens"],
+        "grad_norm": round(grad_norm, 4),
+        "_rows": rows,
+        "_before": before,
+    }
 
 
 def kl_after(model, update: dict, *, micro_batch: int = 2, temperature: float = 1.0) -> float:
@@ -358,8 +420,16 @@ def kl_after(model, update: dict, *, micro_batch: int = 2, temperature: float = 
     return float((log_ratio.exp() - 1 - log_ratio).mean())
 
 
-def guarded_step(model, optimizer, step: Callable[[], dict], *, kl_soft: float, kl_hard: float,
-                 micro_batch: int = 2, temperature: float = 1.0) -> dict:
+def guarded_step(
+    model,
+    optimizer,
+    step: Callable[[], dict],
+    *,
+    kl_soft: float,
+    kl_hard: float,
+    micro_batch: int = 2,
+    temperature: float = 1.0,
+) -> dict:
     """Run `step` (one `grpo_step` or `nll_step` on `model`/`optimizer`) under the KL guard:
     measure KL(before || after) of the update on the tokens it trained; above `kl_hard` put the
     weights and the optimizer's state back as they were ("rolled_back"), above `kl_soft` keep
@@ -383,8 +453,10 @@ def guarded_step(model, optimizer, step: Callable[[], dict], *, kl_soft: float, 
 
 def snapshot(model, optimizer) -> dict:
     """The trainable weights and the optimizer's state, in memory (what `restore` puts back)."""
-    return {"weights": [p.detach().clone() for p in trainable(model)],
-            "optimizer": copy.deepcopy(optimizer.state_dict())}
+    return {
+        "weights": [p.detach().clone() for p in trainable(model)],
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+    }
 
 
 def restore(model, optimizer, saved: dict) -> None:

@@ -104,8 +104,10 @@ class ChoiceCapture:
 
     def decoded_top_logprobs(self) -> list[list[dict[str, Any]]]:
         """Per token, its alternatives as {"token", "logprob"} (one decode call for all)."""
-        return [[{"token": top.token, "logprob": top.logprob} for top in tops or ()]
-                for tops in _top_logprobs.decode(self.top_logprobs)]
+        return [
+            [{"token": top.token, "logprob": top.logprob} for top in tops or ()]
+            for tops in _top_logprobs.decode(self.top_logprobs)
+        ]
 
     def message(self) -> dict[str, Any]:
         """The assembled assistant message (OpenAI shape)."""
@@ -358,8 +360,10 @@ class Assembler:
         if entries and len(entries) != len(ids):
             # One side lost tokens (vLLM's streaming tool parser once dropped ids): which one is
             # unknowable, so the chunk's logprobs become null and no ids are claimed.
-            choice.alignment_error = (f"a chunk carried {len(ids)} token ids but {len(entries)} logprobs; "
-                                      "its logprobs are recorded as null and the turn's ids are not claimed")
+            choice.alignment_error = (
+                f"a chunk carried {len(ids)} token ids but {len(entries)} logprobs; "
+                "its logprobs are recorded as null and the turn's ids are not claimed"
+            )
             choice.ids_complete = False
             entries = []
         choice.token_ids.extend(ids)
@@ -384,15 +388,18 @@ class Assembler:
         if first is None:
             capture.token_ids_missing_reason = "the upstream answer had no choices"
         elif capture.malformed_chunks and (first.token_ids or first.tokens):
-            capture.token_ids_missing_reason = (f"{capture.malformed_chunks} chunk(s) of the answer could not be read; "
-                                                "the token ids may have gaps there, so none are claimed")
+            capture.token_ids_missing_reason = (
+                f"{capture.malformed_chunks} chunk(s) of the answer could not be read; "
+                "the token ids may have gaps there, so none are claimed"
+            )
         elif first.alignment_error:
             capture.token_ids_missing_reason = first.alignment_error
         elif first.token_ids and first.ids_complete:
             capture.token_ids_source = "logprob_tokens" if first.ids_from_logprobs else "token_ids"
         elif first.tokens:
-            capture.token_ids_missing_reason = ("the engine sent logprobs with text tokens but no token ids "
-                                                "(it does not support return_token_ids)")
+            capture.token_ids_missing_reason = (
+                "the engine sent logprobs with text tokens but no token ids (it does not support return_token_ids)"
+            )
         else:
             capture.token_ids_missing_reason = "the engine sent neither token ids nor logprobs"
         if first is not None and not capture.prompt_token_ids and not capture.token_ids_missing_reason:
@@ -429,11 +436,10 @@ def json_array(items: list[msgspec.Raw]) -> msgspec.Raw:
 def _token_id(token: Any) -> int | None:
     if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
         try:
-            return int(token[len(TOKEN_ID_PREFIX):])
+            return int(token[len(TOKEN_ID_PREFIX) :])
         except ValueError:
             return None
     return None
-
 
 
 def sse_from_capture(capture: TurnCapture, *, include_usage: bool) -> bytes:

@@ -89,8 +89,12 @@ class CaptureWorker:
             return self._process
         self._stop()
         # -P: the working directory is not put on sys.path (a user's struct.py must not shadow ours)
-        self._process = subprocess.Popen([sys.executable, "-P", "-c", _CHILD, __file__], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, close_fds=True)
+        self._process = subprocess.Popen(
+            [sys.executable, "-P", "-c", _CHILD, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            close_fds=True,
+        )
         for pipe in (self._process.stdin, self._process.stdout):
             try:  # a large answer goes across in one write, not in 64 KB turns of both processes
                 fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)

@@ -49,11 +49,15 @@ TEMPLATE_SHA256 = "98a2464688c20b2329538a776a37275033efe058705c627948657b5104549
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-TOOLS_HEADER = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
-TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-                "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+TOOLS_HEADER = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 
 
 class ChatMLHermesConfig(BaseRendererConfig):
@@ -73,8 +77,11 @@ def content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(part["text"] if isinstance(part, dict) else str(part) for part in content
-                         if isinstance(part, str) or (isinstance(part, dict) and isinstance(part.get("text"), str)))
+        return "\n".join(
+            part["text"] if isinstance(part, dict) else str(part)
+            for part in content
+            if isinstance(part, str) or (isinstance(part, dict) and isinstance(part.get("text"), str))
+        )
     return ""
 
 
@@ -82,7 +89,9 @@ def tool_call_text(call: dict[str, Any]) -> str:
     function = call.get("function") if isinstance(call.get("function"), dict) else call
     arguments = function.get("arguments", {})
     arguments = arguments if isinstance(arguments, str) else tojson(arguments)
-    return '\n<tool_call>\n{"name": "' + str(function.get("name", "")) + '", "arguments": ' + arguments + "}\n</tool_call>"
+    return (
+        '\n<tool_call>\n{"name": "' + str(function.get("name", "")) + '", "arguments": ' + arguments + "}\n</tool_call>"
+    )
 
 
 class _Text:
@@ -120,8 +129,10 @@ class ChatMLHermesRenderer:
     def _special_id(self, token: str) -> int:
         token_id = self._tokenizer.convert_tokens_to_ids(token)
         if not isinstance(token_id, int) or token_id == getattr(self._tokenizer, "unk_token_id", None):
-            raise ValueError(f"chatml-hermes needs {token!r} in the tokenizer's vocabulary "
-                             f"({getattr(self._tokenizer, 'name_or_path', '?')} has no such token)")
+            raise ValueError(
+                f"chatml-hermes needs {token!r} in the tokenizer's vocabulary "
+                f"({getattr(self._tokenizer, 'name_or_path', '?')} has no such token)"
+            )
         return token_id
 
     @property
@@ -131,8 +142,9 @@ class ChatMLHermesRenderer:
 
     # -- rendering
 
-    def render(self, messages: list[Message], *, tools: list[ToolSpec] | None = None,
-               add_generation_prompt: bool = False) -> RenderedTokens:
+    def render(
+        self, messages: list[Message], *, tools: list[ToolSpec] | None = None, add_generation_prompt: bool = False
+    ) -> RenderedTokens:
         out = _Text()
         if messages and messages[0].get("role") == "system":
             system_text, rest, offset = content_text(messages[0].get("content")), messages[1:], 1
@@ -166,7 +178,9 @@ class ChatMLHermesRenderer:
             if role == "assistant":
                 out.add(IM_START + "assistant", owner)
                 body = content_text(message.get("content"))
-                body = ("\n" + body if body else "") + "".join(tool_call_text(call) for call in message.get("tool_calls") or [])
+                body = ("\n" + body if body else "") + "".join(
+                    tool_call_text(call) for call in message.get("tool_calls") or []
+                )
                 if body:
                     out.add("\n", owner)  # the generation prompt's newline: not sampled
                     out.add(body[1:], owner, sampled=True)
@@ -187,8 +201,11 @@ class ChatMLHermesRenderer:
         token by its first character; without character offsets only the ids are given."""
         ids, offsets = self._tokenize(out.text())
         base = base or []
-        rendered = RenderedTokens(token_ids=base + ids, message_roles=[m.get("role") or "" for m in messages],
-                                  message_tool_names=extract_message_tool_names(messages))
+        rendered = RenderedTokens(
+            token_ids=base + ids,
+            message_roles=[m.get("role") or "" for m in messages],
+            message_tool_names=extract_message_tool_names(messages),
+        )
         if offsets is not None:
             starts = [span[0] for span in out.spans]
             owners, sampled = [], []
@@ -213,8 +230,9 @@ class ChatMLHermesRenderer:
         except (TypeError, KeyError, NotImplementedError, ValueError):
             return self._tokenizer.encode(text, add_special_tokens=False), None
 
-    def render_ids(self, messages: list[Message], *, tools: list[ToolSpec] | None = None,
-                   add_generation_prompt: bool = False) -> list[int]:
+    def render_ids(
+        self, messages: list[Message], *, tools: list[ToolSpec] | None = None, add_generation_prompt: bool = False
+    ) -> list[int]:
         return self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt).token_ids
 
     def get_stop_token_ids(self) -> list[int]:
@@ -222,8 +240,9 @@ class ChatMLHermesRenderer:
 
     # -- parsing
 
-    def parse_response(self, token_ids: list[int], *, tools: list[ToolSpec] | None = None,
-                       prompt_ids: list[int] | None = None) -> ParsedResponse:
+    def parse_response(
+        self, token_ids: list[int], *, tools: list[ToolSpec] | None = None, prompt_ids: list[int] | None = None
+    ) -> ParsedResponse:
         ids = list(token_ids)
         while ids and ids[-1] in self._stop_ids:
             ids.pop()
@@ -239,12 +258,19 @@ class ChatMLHermesRenderer:
 
     # -- bridging
 
-    def bridge_to_next_turn(self, previous_prompt_ids: list[int], previous_completion_ids: list[int],
-                            new_messages: list[Message], *, tools: list[ToolSpec] | None = None) -> RenderedTokens | None:
+    def bridge_to_next_turn(
+        self,
+        previous_prompt_ids: list[int],
+        previous_completion_ids: list[int],
+        new_messages: list[Message],
+        *,
+        tools: list[ToolSpec] | None = None,
+    ) -> RenderedTokens | None:
         if not previous_prompt_ids or not new_messages or reject_assistant_in_extension(new_messages):
             return None
-        previous = trim_to_turn_close(previous_prompt_ids, previous_completion_ids, {self._im_end},
-                                      synthesize_close=self._im_end)
+        previous = trim_to_turn_close(
+            previous_prompt_ids, previous_completion_ids, {self._im_end}, synthesize_close=self._im_end
+        )
         if previous is None:
             return None
         out = _Text()
@@ -282,7 +308,7 @@ def _before_block(text: str) -> str:
 
 
 def _parse_block(raw: str) -> ParsedToolCall:
-    inner = raw[len(CALL_OPEN):-len(CALL_CLOSE)]
+    inner = raw[len(CALL_OPEN) : -len(CALL_CLOSE)]
     body = inner[1:] if inner.startswith("\n") else inner
     body = body[:-1] if body.endswith("\n") else body
     call, refused = load_call_json(body)
@@ -328,7 +354,7 @@ class HermesCallStream:
             if self._block is None:
                 start = window.find(CALL_OPEN, position)
                 if start < 0:
-                    self._carry = window[max(position, len(window) - len(CALL_OPEN) + 1):]
+                    self._carry = window[max(position, len(window) - len(CALL_OPEN) + 1) :]
                     return calls
                 self._block, self._block_chars = [], 0
                 block_start = block_from = start
@@ -339,7 +365,7 @@ class HermesCallStream:
                 self._block_chars += len(window) - block_from
                 if self._block_chars > self._BLOCK_LIMIT:  # never a call: stop holding it
                     self._block, self.done = None, True
-                self._carry = window[max(block_start, len(window) - len(CALL_CLOSE) + 1):]
+                self._carry = window[max(block_start, len(window) - len(CALL_CLOSE) + 1) :]
                 return calls
             position = close + len(CALL_CLOSE)
             self._block.append(window[block_from:position])

@@ -37,8 +37,13 @@ def gateway_conversation(records) -> GatewayConversation:
         capture = record.capture
         request = capture.request if capture is not None and isinstance(capture.request, dict) else {}
         sent = [m for m in request.get("messages") or [] if isinstance(m, dict)]
-        answered = capture is not None and capture.choices and not capture.synthetic_answer \
-            and (record.upstream_status or 0) < 400 and record.upstream_error is None
+        answered = (
+            capture is not None
+            and capture.choices
+            and not capture.synthetic_answer
+            and (record.upstream_status or 0) < 400
+            and record.upstream_error is None
+        )
         if not answered:
             if record.upstream_status is not None or record.upstream_error:
                 conversation.stop_reason = "error"
@@ -49,9 +54,9 @@ def gateway_conversation(records) -> GatewayConversation:
             conversation.tools = [t for t in tools if isinstance(t, dict)] if isinstance(tools, list) else []
         else:
             last = max((i for i, m in enumerate(sent) if m.get("role") == "assistant"), default=-1)
-            if not _continues(sent[:last + 1], answers):
+            if not _continues(sent[: last + 1], answers):
                 conversation.rewritten_turns.append(record.turn)
-            conversation.messages += sent[last + 1:]
+            conversation.messages += sent[last + 1 :]
         answer = capture.choices[0].message()
         answers.append(answer)
         conversation.messages.append(answer)
@@ -68,8 +73,9 @@ def _continues(history: list[dict[str, Any]], answers: list[dict[str, Any]]) -> 
 def _same(sent: dict[str, Any], answer: dict[str, Any]) -> bool:
     """Same text and same tool calls (name, arguments as JSON), whatever the client's encoding
     (content parts or a string, null or "", re-serialised arguments)."""
-    return _text(sent.get("content")) == _text(answer.get("content")) and \
-        _calls(sent.get("tool_calls")) == _calls(answer.get("tool_calls"))
+    return _text(sent.get("content")) == _text(answer.get("content")) and _calls(sent.get("tool_calls")) == _calls(
+        answer.get("tool_calls")
+    )
 
 
 def _text(content: Any) -> str:

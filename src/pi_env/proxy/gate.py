@@ -39,11 +39,26 @@ from aiohttp import web
 
 from pi_env._aio import background_loop
 from pi_env.proxy.capture import ChoiceCapture, TurnCapture, sse_from_capture
-from pi_env.proxy.gateway import Call, GatewaySession, RelayedResponse, TurnRecord, agent_request, describe, \
-    not_a_json_object
+from pi_env.proxy.gateway import (
+    Call,
+    GatewaySession,
+    RelayedResponse,
+    TurnRecord,
+    agent_request,
+    describe,
+    not_a_json_object,
+)
 from pi_env.proxy.rewrite import SAMPLING_KEYS, CaptureOptions
-from pi_env.proxy.tool_json import CALL_CLOSE, CALL_OPEN, MAX_TOOL_CALL_CHARS, MAX_TOOL_CALL_DEPTH, hermes_blocks, \
-    json_too_deep, load_call_json, nests_deeper
+from pi_env.proxy.tool_json import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    MAX_TOOL_CALL_CHARS,
+    MAX_TOOL_CALL_DEPTH,
+    hermes_blocks,
+    json_too_deep,
+    load_call_json,
+    nests_deeper,
+)
 
 MAX_ARGUMENTS_DEPTH = MAX_TOOL_CALL_DEPTH - 1  # a call's arguments sit one level inside the call
 
@@ -120,13 +135,15 @@ class GateCompletion:
         if isinstance(value, dict):
             unknown = sorted(set(value) - set(cls.__dataclass_fields__))
             if unknown:
-                raise CompletionInvalid(f"unknown completion fields {unknown}; "
-                                        f"allowed: {sorted(cls.__dataclass_fields__)}")
+                raise CompletionInvalid(
+                    f"unknown completion fields {unknown}; allowed: {sorted(cls.__dataclass_fields__)}"
+                )
             return cls(**value)
         raise CompletionInvalid(f"a completion is a GateCompletion, a dict or a str, not {type(value).__name__}")
 
 
 # --------------------------------------------------------------------------- text parsing
+
 
 def parse_hermes(text: str) -> dict[str, Any]:
     """A message from generated text, the way vLLM's `hermes` tool parser (Qwen2.5/3, Hermes)
@@ -145,7 +162,7 @@ def parse_hermes(text: str) -> dict[str, Any]:
     for start, end in hermes_blocks(text):
         if end < 0:  # never closed: text
             break
-        call, _ = load_call_json(text[start + len(CALL_OPEN):end - len(CALL_CLOSE)].strip())
+        call, _ = load_call_json(text[start + len(CALL_OPEN) : end - len(CALL_CLOSE)].strip())
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             continue
         arguments = call.get("arguments", call.get("parameters", {}))
@@ -200,7 +217,9 @@ def _tool_call(call: Any, position: int) -> dict[str, Any]:
     as_text = "the limit of a tool call; deliver such output as text, where it stays the assistant's content"
     if isinstance(arguments, str):
         if len(arguments) > MAX_TOOL_CALL_CHARS:
-            raise CompletionInvalid(f"{where}: arguments are larger than {MAX_TOOL_CALL_CHARS:,} characters ({as_text})")
+            raise CompletionInvalid(
+                f"{where}: arguments are larger than {MAX_TOOL_CALL_CHARS:,} characters ({as_text})"
+            )
         if json_too_deep(arguments, MAX_ARGUMENTS_DEPTH):
             raise CompletionInvalid(f"{where}: arguments nest deeper than {MAX_ARGUMENTS_DEPTH} levels ({as_text})")
         try:
@@ -217,8 +236,9 @@ def _tool_call(call: Any, position: int) -> dict[str, Any]:
         except (TypeError, ValueError) as error:
             raise CompletionInvalid(f"{where}: arguments must be JSON-serialisable: {error}") from None
         if len(arguments) > MAX_TOOL_CALL_CHARS:
-            raise CompletionInvalid(f"{where}: arguments are larger than {MAX_TOOL_CALL_CHARS:,} characters as "
-                                    f"JSON ({as_text})")
+            raise CompletionInvalid(
+                f"{where}: arguments are larger than {MAX_TOOL_CALL_CHARS:,} characters as JSON ({as_text})"
+            )
     else:
         raise CompletionInvalid(f"{where}: arguments must be a dict or a JSON object string")
     call_id = call.get("id") or f"call_{secrets.token_hex(12)}"
@@ -271,12 +291,19 @@ def build_capture(body: dict[str, Any], completion: GateCompletion) -> TurnCaptu
         raise CompletionInvalid("model must be a string or None")
     if usage is None and ids:
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
-    choice = ChoiceCapture(index=0, content=_text_field(message, "content"),
-                           reasoning_content=_text_field(message, "reasoning_content"),
-                           reasoning=_text_field(message, "reasoning"), tool_calls=tool_calls,
-                           finish_reason=finish, token_ids=ids, logprobs=logprobs)
-    capture = TurnCapture(request=body, choices=[choice], prompt_token_ids=prompt, usage=usage,
-                          model=completion.model or _model(body))
+    choice = ChoiceCapture(
+        index=0,
+        content=_text_field(message, "content"),
+        reasoning_content=_text_field(message, "reasoning_content"),
+        reasoning=_text_field(message, "reasoning"),
+        tool_calls=tool_calls,
+        finish_reason=finish,
+        token_ids=ids,
+        logprobs=logprobs,
+    )
+    capture = TurnCapture(
+        request=body, choices=[choice], prompt_token_ids=prompt, usage=usage, model=completion.model or _model(body)
+    )
     if not ids:
         capture.token_ids_missing_reason = "the trainer delivered no completion token ids"
     else:
@@ -292,8 +319,13 @@ def _model(body: dict) -> str | None:
 
 def stop_capture(body: dict[str, Any], reason: str, note: str) -> TurnCapture:
     """The gateway's own clean, empty final answer (the agent stops), marked as such."""
-    return TurnCapture(request=body, choices=[ChoiceCapture(index=0, finish_reason="stop")], model=_model(body),
-                       synthetic_answer=reason, token_ids_missing_reason=note)
+    return TurnCapture(
+        request=body,
+        choices=[ChoiceCapture(index=0, finish_reason="stop")],
+        model=_model(body),
+        synthetic_answer=reason,
+        token_ids_missing_reason=note,
+    )
 
 
 def request_sampling(body: dict[str, Any], options: CaptureOptions) -> dict[str, Any]:
@@ -314,12 +346,16 @@ def request_sampling(body: dict[str, Any], options: CaptureOptions) -> dict[str,
 def answer_body(capture: TurnCapture) -> bytes:
     """A non-streamed chat.completion for an agent that did not ask for a stream."""
     choice = capture.choices[0]
-    return msgspec.json.encode({
-        "id": f"pi-env-gate-{secrets.token_hex(6)}", "object": "chat.completion", "created": int(time.time()),
-        "model": capture.model or "", "choices": [{"index": 0, "message": choice.message(),
-                                                   "finish_reason": choice.finish_reason or "stop"}],
-        **({"usage": capture.usage} if capture.usage else {}),
-    })
+    return msgspec.json.encode(
+        {
+            "id": f"pi-env-gate-{secrets.token_hex(6)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": capture.model or "",
+            "choices": [{"index": 0, "message": choice.message(), "finish_reason": choice.finish_reason or "stop"}],
+            **({"usage": capture.usage} if capture.usage else {}),
+        }
+    )
 
 
 # --------------------------------------------------------------------------- the strategy
@@ -382,14 +418,25 @@ class InterceptionGate:
         if self.ledger is not None:
             plan = await self.ledger.aplan(request.get("messages") or [], request.get("tools") or None)
         now = time.time()
-        held = _Held(GateRequest(
-            request_id=f"gate-{secrets.token_hex(12)}", session_id=self.session.id, turn=turn.turn,
-            messages=mine.get("messages") or [], tools=mine.get("tools"),
-            sampling=request_sampling(mine, self.session.capture_options), body=mine,
-            stream=mine.get("stream") is True, received_at=now, expires_at=now + self.timeout_s,
-            prompt_token_ids=list(plan.token_ids) if plan else None,
-            token_in=plan.record(self.session.token_in) if plan else None,
-        ), request, asyncio.get_running_loop(), plan)
+        held = _Held(
+            GateRequest(
+                request_id=f"gate-{secrets.token_hex(12)}",
+                session_id=self.session.id,
+                turn=turn.turn,
+                messages=mine.get("messages") or [],
+                tools=mine.get("tools"),
+                sampling=request_sampling(mine, self.session.capture_options),
+                body=mine,
+                stream=mine.get("stream") is True,
+                received_at=now,
+                expires_at=now + self.timeout_s,
+                prompt_token_ids=list(plan.token_ids) if plan else None,
+                token_in=plan.record(self.session.token_in) if plan else None,
+            ),
+            request,
+            asyncio.get_running_loop(),
+            plan,
+        )
         # Until it is settled (delivered, expired, withdrawn, released) the call is the trainer's,
         # not in flight for wait_idle(): whoever settles it makes it in flight again.
         self.session.set_waiting(True)
@@ -397,7 +444,7 @@ class InterceptionGate:
             self._offer(held)
             try:
                 await asyncio.wait_for(asyncio.shield(held.future), self.timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if not self._settle(held, GATE_TIMEOUT):
                     await held.future  # delivered (or closed) just now: the wake-up is on its way
         except asyncio.CancelledError:
@@ -411,7 +458,8 @@ class InterceptionGate:
             self.stop_reason = GATE_TIMEOUT
             self.stop_message = turn.upstream_error = (
                 f"interception_gate: the trainer did not deliver request {held.request.request_id} "
-                f"(turn {turn.turn}) within {self.timeout_s:g} s; the agent was answered with a stop")
+                f"(turn {turn.turn}) within {self.timeout_s:g} s; the agent was answered with a stop"
+            )
             capture = stop_capture(request, GATE_TIMEOUT, self.stop_message)
         else:  # closed while held
             turn.upstream_error = f"interception_gate: the session ended ({held.state}) while the call was held"
@@ -471,8 +519,9 @@ class InterceptionGate:
 
     # -- the trainer's side (any thread)
 
-    def next_request(self, timeout_s: float | None = None, *,
-                     alive: Callable[[], bool] | None = None) -> GateRequest | None:
+    def next_request(
+        self, timeout_s: float | None = None, *, alive: Callable[[], bool] | None = None
+    ) -> GateRequest | None:
         """The next held call, oldest first. None once the session ended or `alive()` says the
         agent is gone; TimeoutError when `timeout_s` passes first (nothing is lost: call again)."""
         try:
@@ -494,8 +543,9 @@ class InterceptionGate:
                     wait = ALIVE_POLL_S if wait is None else min(wait, ALIVE_POLL_S)
                 self._ready.wait(wait)
 
-    async def anext_request(self, timeout_s: float | None = None, *,
-                            alive: Callable[[], bool] | None = None) -> GateRequest | None:
+    async def anext_request(
+        self, timeout_s: float | None = None, *, alive: Callable[[], bool] | None = None
+    ) -> GateRequest | None:
         """`next_request` for async code, on any event loop."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -514,7 +564,7 @@ class InterceptionGate:
                 wait = ALIVE_POLL_S if wait is None else min(wait, ALIVE_POLL_S)
             try:
                 await asyncio.wait_for(waiter, wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             finally:
                 self._forget(waiter)
@@ -554,8 +604,10 @@ class InterceptionGate:
         except GateError:
             raise
         except Exception as error:  # noqa: BLE001 - whatever the trainer sends, it learns what to fix
-            raise CompletionInvalid(f"the completion cannot be turned into an answer ({type(error).__name__}: "
-                                    f"{str(error)[:300]}); see GateCompletion for what each field takes") from None
+            raise CompletionInvalid(
+                f"the completion cannot be turned into an answer ({type(error).__name__}: "
+                f"{str(error)[:300]}); see GateCompletion for what each field takes"
+            ) from None
         with self._lock:
             self._check_pending(request, request_id)
             held.capture = capture
@@ -572,27 +624,47 @@ class InterceptionGate:
     def _token_in_capture(self, held: _Held, completion: GateCompletion) -> TurnCapture:
         """With a renderer: the trainer's ids, parsed by the same renderer into the agent's answer."""
         if completion.text is not None or completion.message is not None:
-            raise CompletionInvalid("this session renders (token-in): deliver token_ids (and logprobs); the "
-                                    "renderer parses them, so text and message must be left out")
+            raise CompletionInvalid(
+                "this session renders (token-in): deliver token_ids (and logprobs); the "
+                "renderer parses them, so text and message must be left out"
+            )
         ids = _int_list(completion.token_ids, "token_ids")
         if not ids:
             raise CompletionInvalid("token_ids is empty: a token-in completion is its ids")
         plan = held.plan
-        if completion.prompt_token_ids is not None and _int_list(completion.prompt_token_ids,
-                                                                 "prompt_token_ids") != plan.token_ids:
-            raise CompletionInvalid("prompt_token_ids differ from the request's: generate from "
-                                    "GateRequest.prompt_token_ids (or leave prompt_token_ids out)")
+        if (
+            completion.prompt_token_ids is not None
+            and _int_list(completion.prompt_token_ids, "prompt_token_ids") != plan.token_ids
+        ):
+            raise CompletionInvalid(
+                "prompt_token_ids differ from the request's: generate from "
+                "GateRequest.prompt_token_ids (or leave prompt_token_ids out)"
+            )
         message, unparsed, parse_error = self.ledger.parse(ids, plan.token_ids, held.request.tools)
         stops = set(self.ledger.renderer.get_stop_token_ids())
-        finish = completion.finish_reason or ("tool_calls" if message.get("tool_calls") else
-                                              "stop" if ids[-1] in stops else "length")
-        capture = build_capture(held.record_body, GateCompletion(
-            token_ids=ids, logprobs=completion.logprobs, message=message, finish_reason=finish,
-            prompt_token_ids=plan.token_ids, usage=completion.usage, model=completion.model))
-        capture.token_in = {**plan.record(self.session.token_in), **({"unparsed_tool_calls": unparsed} if unparsed else {})}
+        finish = completion.finish_reason or (
+            "tool_calls" if message.get("tool_calls") else "stop" if ids[-1] in stops else "length"
+        )
+        capture = build_capture(
+            held.record_body,
+            GateCompletion(
+                token_ids=ids,
+                logprobs=completion.logprobs,
+                message=message,
+                finish_reason=finish,
+                prompt_token_ids=plan.token_ids,
+                usage=completion.usage,
+                model=completion.model,
+            ),
+        )
+        capture.token_in = {
+            **plan.record(self.session.token_in),
+            **({"unparsed_tool_calls": unparsed} if unparsed else {}),
+        }
         if parse_error:
-            capture.token_in["parse_error"] = f"the renderer could not parse the ids ({parse_error}); the agent got " \
-                                              "their decoded text"
+            capture.token_in["parse_error"] = (
+                f"the renderer could not parse the ids ({parse_error}); the agent got their decoded text"
+            )
         return capture
 
     def _check_pending(self, request: Any, request_id: str) -> _Held:
@@ -600,13 +672,15 @@ class InterceptionGate:
         if held is None:
             owner = getattr(request, "session_id", None)
             elsewhere = f" (it belongs to session {owner})" if owner and owner != self.session.id else ""
-            raise RequestNotPending(request_id, "unknown",
-                                    f"request {request_id!r} is not one of session {self.session.id}'s{elsewhere}")
+            raise RequestNotPending(
+                request_id, "unknown", f"request {request_id!r} is not one of session {self.session.id}'s{elsewhere}"
+            )
         if not held.pending:
-            why = {_DELIVERED: "was already delivered",
-                   GATE_TIMEOUT: f"expired after {self.timeout_s:g} s; the agent was answered with a stop",
-                   "agent_disconnected": "was withdrawn: the agent hung up",
-                   }.get(held.state, f"was released when the session ended ({held.state})")
+            why = {
+                _DELIVERED: "was already delivered",
+                GATE_TIMEOUT: f"expired after {self.timeout_s:g} s; the agent was answered with a stop",
+                "agent_disconnected": "was withdrawn: the agent hung up",
+            }.get(held.state, f"was released when the session ended ({held.state})")
             reason = "expired" if held.state == GATE_TIMEOUT else held.state
             raise RequestNotPending(request_id, reason, f"request {request_id} (turn {held.request.turn}) {why}")
         return held

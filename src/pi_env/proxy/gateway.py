@@ -48,8 +48,16 @@ from yarl import URL
 
 from pi_env._aio import run_sync
 from pi_env.proxy.capture import TurnCapture
-from pi_env.proxy.policy import PolicyError, SessionLimits, check_allow_fields, police_request, \
-    relayed_request_headers, scrub, secrets_of, upstream_path
+from pi_env.proxy.policy import (
+    PolicyError,
+    SessionLimits,
+    check_allow_fields,
+    police_request,
+    relayed_request_headers,
+    scrub,
+    secrets_of,
+    upstream_path,
+)
 from pi_env.proxy.rewrite import CaptureOptions
 from pi_env.sandbox.hostdir import discard_host_dir, make_owned_dir, sweep_stale_host_dirs
 
@@ -141,9 +149,9 @@ class TurnRecord:
 class Strategy(Protocol):
     """How a session answers the agent's chat/completions calls (one per mode)."""
 
-    def __init__(self, session: "GatewaySession") -> None: ...
+    def __init__(self, session: GatewaySession) -> None: ...
 
-    async def chat_completions(self, call: "Call", body: bytes, turn: TurnRecord) -> web.StreamResponse: ...
+    async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse: ...
 
 
 class BlackBox:
@@ -152,10 +160,10 @@ class BlackBox:
     gateway, never from the agent's own files (see transparent.assemble_after: a small answer
     is parsed inline, a large one in a worker)."""
 
-    def __init__(self, session: "GatewaySession"):
+    def __init__(self, session: GatewaySession):
         self.session = session
 
-    async def chat_completions(self, call: "Call", body: bytes, turn: TurnRecord) -> web.StreamResponse:
+    async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse:
         from pi_env.proxy.transparent import assemble_after  # parses: loaded only when used
 
         request = agent_request(body)
@@ -173,7 +181,7 @@ class BlackBox:
         return await assemble_after(call, answer, capture, turn, request.get("stream") is True, finish=False)
 
 
-def _transparent_proxy(session: "GatewaySession") -> Strategy:
+def _transparent_proxy(session: GatewaySession) -> Strategy:
     if session.token_in is not None:  # the gateway renders: ids in, ids out (proxy/token_in.py)
         from pi_env.proxy.token_in import TokenIn
 
@@ -183,13 +191,13 @@ def _transparent_proxy(session: "GatewaySession") -> Strategy:
     return TransparentProxy(session)
 
 
-def _interception_gate(session: "GatewaySession") -> Strategy:
+def _interception_gate(session: GatewaySession) -> Strategy:
     from pi_env.proxy.gate import InterceptionGate  # loaded only when used
 
     return InterceptionGate(session)
 
 
-STRATEGIES: dict[str, Callable[["GatewaySession"], Strategy]] = {
+STRATEGIES: dict[str, Callable[[GatewaySession], Strategy]] = {
     "black_box": BlackBox,
     "transparent_proxy": _transparent_proxy,
     "interception_gate": _interception_gate,
@@ -201,10 +209,19 @@ class GatewaySession:
 
     base_url_path = BASE_URL_PATH
 
-    def __init__(self, upstream: Upstream, mode: str, max_turns: int | None, trace_path: str | None,
-                 capture: CaptureOptions | None = None, max_total_tokens: int | None = None,
-                 token_in: "TokenInSpec | None" = None, max_tokens_cap: int | None = None,
-                 limits: SessionLimits | None = None, allow_fields: Iterable[str] = ()):
+    def __init__(
+        self,
+        upstream: Upstream,
+        mode: str,
+        max_turns: int | None,
+        trace_path: str | None,
+        capture: CaptureOptions | None = None,
+        max_total_tokens: int | None = None,
+        token_in: TokenInSpec | None = None,
+        max_tokens_cap: int | None = None,
+        limits: SessionLimits | None = None,
+        allow_fields: Iterable[str] = (),
+    ):
         if mode not in STRATEGIES:
             raise ValueError(f"unknown gateway mode {mode!r}; supported: {sorted(STRATEGIES)}")
         self.id = secrets.token_hex(8)
@@ -310,7 +327,7 @@ class GatewaySession:
         if self.on_record is not None:
             try:
                 self.on_record(turn)
-            except Exception:  # noqa: BLE001 - a listener's bug must not break the agent's call
+            except Exception:
                 log.exception("on_record listener failed for turn %s", turn.turn)
 
     def set_waiting(self, waiting: bool) -> None:
@@ -408,9 +425,7 @@ class Gateway:
     def __init__(self, *, connect_timeout_s: float = 30.0, read_timeout_s: float = 600.0):
         # read_timeout_s bounds each wait for upstream bytes, headers included: long enough for
         # a slow prefill, short enough that a dead upstream frees the agent.
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
-        )
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self._sessions: dict[str, GatewaySession] = {}
         self._dir: str | None = None
         self._runner: web.AppRunner | None = None
@@ -438,7 +453,7 @@ class Gateway:
         trace_path: str | None = None,
         capture: CaptureOptions | None = None,
         max_total_tokens: int | None = None,
-        token_in: "TokenInSpec | None" = None,
+        token_in: TokenInSpec | None = None,
         max_tokens_cap: int | None = None,
         limits: SessionLimits | None = None,
         allow_fields: Iterable[str] = (),
@@ -446,8 +461,18 @@ class Gateway:
         """`limits`: the session's body budget, calls in flight and body time limit (None: the
         defaults of policy.SessionLimits); `allow_fields`: policy.RESTRICTED_FIELDS its calls
         may carry."""
-        session = GatewaySession(upstream, mode, max_turns, trace_path, capture, max_total_tokens, token_in,
-                                 max_tokens_cap, limits, allow_fields)
+        session = GatewaySession(
+            upstream,
+            mode,
+            max_turns,
+            trace_path,
+            capture,
+            max_total_tokens,
+            token_in,
+            max_tokens_cap,
+            limits,
+            allow_fields,
+        )
         self._sessions[session.token] = session
         return session
 
@@ -526,13 +551,21 @@ class Gateway:
         if path is None:
             # The token must not unlock the rest of the upstream API (files, fine-tuning, ...)
             # with the real key, nor reach another host or path through an odd request target.
-            return json_error(403, "pi-env gateway: only POST /v1/chat/completions and GET /v1/models "
-                                   "(exactly, without a query) are relayed", "route_not_allowed")
+            return json_error(
+                403,
+                "pi-env gateway: only POST /v1/chat/completions and GET /v1/models "
+                "(exactly, without a query) are relayed",
+                "route_not_allowed",
+            )
         if not session.open_call():
             limit = session.limits.max_concurrent_calls
-            return json_error(429, f"pi-env gateway: this session already has {limit} calls open, its limit; "
-                                   "wait for one to end before making another", "too_many_concurrent_calls",
-                              headers={"Retry-After": "1"})
+            return json_error(
+                429,
+                f"pi-env gateway: this session already has {limit} calls open, its limit; "
+                "wait for one to end before making another",
+                "too_many_concurrent_calls",
+                headers={"Retry-After": "1"},
+            )
         body_bytes = 0
         try:
             if path == "/models":
@@ -547,13 +580,16 @@ class Gateway:
         finally:
             session.close_call(body_bytes)
 
-    async def _chat_completions(self, session: GatewaySession, request: web.Request,
-                                body: bytes) -> web.StreamResponse:
+    async def _chat_completions(self, session: GatewaySession, request: web.Request, body: bytes) -> web.StreamResponse:
         received, refusal, streamed = len(body), None, None
         try:
-            body, allowed, streamed = police_request(body, cap=session.max_tokens_cap,
-                                                     budget_left=session.tokens_left(),
-                                                     model=session.upstream.model, allow_fields=session.allow_fields)
+            body, allowed, streamed = police_request(
+                body,
+                cap=session.max_tokens_cap,
+                budget_left=session.tokens_left(),
+                model=session.upstream.model,
+                allow_fields=session.allow_fields,
+            )
         except PolicyError as error:
             allowed, body, refusal = 0, None, error
         index = session.claim_turn(reserve=allowed)  # no await since tokens_left(): one step
@@ -617,33 +653,51 @@ async def read_body(request: web.Request, session: GatewaySession) -> bytes | we
         body = b"".join(chunks)
         return body
     except TimeoutError:
-        return json_error(408, f"pi-env gateway: the request body was not all received within "
-                               f"{limits.body_timeout_s:g} s ({received} bytes arrived); send it at once",
-                          "request_body_timeout")
+        return json_error(
+            408,
+            f"pi-env gateway: the request body was not all received within "
+            f"{limits.body_timeout_s:g} s ({received} bytes arrived); send it at once",
+            "request_body_timeout",
+        )
     except (HttpProcessingError, OSError) as exc:
-        return json_error(400, f"pi-env gateway: the request body could not be read: {describe(exc)}",
-                          "invalid_request")
+        return json_error(
+            400, f"pi-env gateway: the request body could not be read: {describe(exc)}", "invalid_request"
+        )
     finally:  # keep the charge for what is returned, no more
         session.body_bytes_held -= held - (len(body) if body is not None else 0)
 
 
 def _body_too_large(what: str, budget: int) -> web.Response:
-    return json_error(413, f"pi-env gateway: the request body {what}; a session's calls in flight may hold "
-                           f"{budget} bytes of request bodies together (PiConfig.gateway_max_request_bytes)",
-                      "request_too_large")
+    return json_error(
+        413,
+        f"pi-env gateway: the request body {what}; a session's calls in flight may hold "
+        f"{budget} bytes of request bodies together (PiConfig.gateway_max_request_bytes)",
+        "request_too_large",
+    )
 
 
 def _budget_in_use(session: GatewaySession, size: int) -> web.Response:
-    return json_error(429, f"pi-env gateway: this body ({size} bytes so far) does not fit in what the session's "
-                           f"other calls in flight leave of its {session.limits.max_request_bytes} bytes of request "
-                           "bodies; retry when one has ended", "request_budget_in_use", headers={"Retry-After": "1"})
+    return json_error(
+        429,
+        f"pi-env gateway: this body ({size} bytes so far) does not fit in what the session's "
+        f"other calls in flight leave of its {session.limits.max_request_bytes} bytes of request "
+        "bodies; retry when one has ended",
+        "request_budget_in_use",
+        headers={"Retry-After": "1"},
+    )
 
 
 class Call:
     """One agent call in flight: how a strategy talks to the upstream and answers the agent."""
 
-    def __init__(self, gateway: Gateway, session: GatewaySession, request: web.Request, started: float,
-                 path: str = "/chat/completions"):
+    def __init__(
+        self,
+        gateway: Gateway,
+        session: GatewaySession,
+        request: web.Request,
+        started: float,
+        path: str = "/chat/completions",
+    ):
         self.gateway, self.session, self.request, self.started = gateway, session, request, started
         self.path = path  # on the upstream, after its base URL (see policy.ALLOWED_ROUTES)
         self.finishing: asyncio.Task | None = None  # see finish_record_later
@@ -681,7 +735,7 @@ class Call:
             timeout = upstream.timeout() or self.gateway._timeout
             return await self.gateway._client.request(request.method, url, data=body, headers=headers,
                                                        allow_redirects=False, timeout=timeout)  # fmt: skip
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             turn.upstream_error = f"upstream {upstream.host} unreachable: {describe(exc)}"
             return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_unreachable")
 
@@ -691,7 +745,7 @@ class Call:
             body = await answer.content.readexactly(ERROR_RELAY_LIMIT)
         except asyncio.IncompleteReadError as short:
             body = short.partial
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             body = f"(error body unreadable: {describe(exc)})".encode()
         finally:
             answer.close()
@@ -700,8 +754,9 @@ class Call:
         turn.upstream_error = body[:ERROR_BODY_LIMIT].decode(errors="replace") or f"HTTP {answer.status} (empty body)"
         return body
 
-    async def stream(self, answer: aiohttp.ClientResponse, turn: TurnRecord, *, keep: bytearray | None = None,
-                     finish: bool = False) -> web.StreamResponse:
+    async def stream(
+        self, answer: aiohttp.ClientResponse, turn: TurnRecord, *, keep: bytearray | None = None, finish: bool = False
+    ) -> web.StreamResponse:
         """Stream the answer back per upstream read, filling `turn`; `keep` collects the raw
         bytes; `finish` ends the agent's response here rather than after the handler returns
         (so work done afterwards does not delay the agent)."""
@@ -742,7 +797,7 @@ class Call:
             if finish:
                 await response.write_eof()
             return response
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             if request.transport is None or request.transport.is_closing():
                 turn.client_disconnected = True
             else:
@@ -772,16 +827,28 @@ def budget_answer(body: bytes, reason: str) -> web.Response:
         streaming = isinstance(request, dict) and request.get("stream") is True
     except msgspec.DecodeError:
         streaming = False
-    envelope = {"id": f"pi-env-budget-{secrets.token_hex(6)}", "created": int(time.time()), "model": "pi-env-gateway",
-                "system_fingerprint": f"pi-env-budget:{reason}"}
+    envelope = {
+        "id": f"pi-env-budget-{secrets.token_hex(6)}",
+        "created": int(time.time()),
+        "model": "pi-env-gateway",
+        "system_fingerprint": f"pi-env-budget:{reason}",
+    }
     headers = {"x-pi-env-budget": reason}
     if not streaming:
         choice = {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}
         return web.json_response({**envelope, "object": "chat.completion", "choices": [choice]}, headers=headers)
-    chunks = [{**envelope, "object": "chat.completion.chunk",
-               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-              {**envelope, "object": "chat.completion.chunk",
-               "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+    chunks = [
+        {
+            **envelope,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        },
+        {
+            **envelope,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        },
+    ]
     sse = b"".join(b"data: " + msgspec.json.encode(chunk) + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
     return web.Response(body=sse, content_type="text/event-stream", headers=headers)
 

@@ -83,9 +83,12 @@ def relayed_request_headers(agent_headers) -> list[tuple[str, str]]:
     """The agent's headers that may reach the upstream (see RELAYED_REQUEST_HEADERS); a header
     that its own `Connection:` header names is hop-by-hop, and dropped too."""
     listed = {name.strip().lower() for name in agent_headers.get("Connection", "").split(",")}
-    return [(name, value) for name, value in agent_headers.items()
-            if (name.lower() in RELAYED_REQUEST_HEADERS or name.lower().startswith(RELAYED_HEADER_PREFIXES))
-            and name.lower() not in listed]
+    return [
+        (name, value)
+        for name, value in agent_headers.items()
+        if (name.lower() in RELAYED_REQUEST_HEADERS or name.lower().startswith(RELAYED_HEADER_PREFIXES))
+        and name.lower() not in listed
+    ]
 
 
 # -- chat/completions body fields the agent may not send unless the config allows them
@@ -96,22 +99,75 @@ def relayed_request_headers(agent_headers) -> list[tuple[str, str]]:
 # value other than null) is refused with a 400 that names it, in every mode, unless the session
 # allows it (PiConfig.gateway_allow_fields).
 RESTRICTED_FIELDS: dict[str, str] = {
-    **dict.fromkeys(("ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids",
-                     "include_stop_str_in_output", "no_stop_trim", "skip_special_tokens",
-                     "spaces_between_special_tokens", "use_beam_search", "length_penalty", "logits_processors",
-                     "custom_logit_processor", "custom_params", "vllm_xargs", "guided_json", "guided_regex",
-                     "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
-                     "structured_outputs", "structural_tag", "regex", "ebnf", "grammar", "json_schema",
-                     "mirostat", "mirostat_tau", "mirostat_eta", "typical_p", "dynatemp_range", "samplers"),
-                    "changes what is generated"),
-    **dict.fromkeys(("chat_template", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                     "echo", "documents", "truncate_prompt_tokens", "mm_processor_kwargs"),
-                    "changes how the prompt is rendered"),
-    **dict.fromkeys(("prompt_logprobs", "return_hidden_states", "n_probs", "service_tier"),
-                    "costs far more than the answer"),
-    **dict.fromkeys(("lora_path", "lora", "priority", "data_parallel_rank", "kv_transfer_params", "id_slot",
-                     "bootstrap_host", "bootstrap_port", "bootstrap_room"),
-                    "picks the adapter, replica or scheduling that serves it"),
+    **dict.fromkeys(
+        (
+            "ignore_eos",
+            "min_tokens",
+            "logit_bias",
+            "allowed_token_ids",
+            "bad_words",
+            "stop_token_ids",
+            "include_stop_str_in_output",
+            "no_stop_trim",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "use_beam_search",
+            "length_penalty",
+            "logits_processors",
+            "custom_logit_processor",
+            "custom_params",
+            "vllm_xargs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "guided_decoding_backend",
+            "guided_whitespace_pattern",
+            "structured_outputs",
+            "structural_tag",
+            "regex",
+            "ebnf",
+            "grammar",
+            "json_schema",
+            "mirostat",
+            "mirostat_tau",
+            "mirostat_eta",
+            "typical_p",
+            "dynatemp_range",
+            "samplers",
+        ),
+        "changes what is generated",
+    ),
+    **dict.fromkeys(
+        (
+            "chat_template",
+            "add_generation_prompt",
+            "continue_final_message",
+            "add_special_tokens",
+            "echo",
+            "documents",
+            "truncate_prompt_tokens",
+            "mm_processor_kwargs",
+        ),
+        "changes how the prompt is rendered",
+    ),
+    **dict.fromkeys(
+        ("prompt_logprobs", "return_hidden_states", "n_probs", "service_tier"), "costs far more than the answer"
+    ),
+    **dict.fromkeys(
+        (
+            "lora_path",
+            "lora",
+            "priority",
+            "data_parallel_rank",
+            "kv_transfer_params",
+            "id_slot",
+            "bootstrap_host",
+            "bootstrap_port",
+            "bootstrap_room",
+        ),
+        "picks the adapter, replica or scheduling that serves it",
+    ),
 }
 
 
@@ -121,13 +177,29 @@ def check_allow_fields(names: Iterable[str], where: str = "gateway_allow_fields"
     names = frozenset(names)
     unknown = sorted(names - RESTRICTED_FIELDS.keys())
     if unknown:
-        raise ValueError(f"{where}: {unknown} are not restricted fields (anything else is relayed already); "
-                         f"restricted: {', '.join(sorted(RESTRICTED_FIELDS))}")
+        raise ValueError(
+            f"{where}: {unknown} are not restricted fields (anything else is relayed already); "
+            f"restricted: {', '.join(sorted(RESTRICTED_FIELDS))}"
+        )
     return names
 
 
-_Fields = msgspec.defstruct("_Fields", [(name, Any, None) for name in (
-    "model", "n", "best_of", "max_tokens", "max_completion_tokens", "stream", "stream_options", *RESTRICTED_FIELDS)])
+_Fields = msgspec.defstruct(
+    "_Fields",
+    [
+        (name, Any, None)
+        for name in (
+            "model",
+            "n",
+            "best_of",
+            "max_tokens",
+            "max_completion_tokens",
+            "stream",
+            "stream_options",
+            *RESTRICTED_FIELDS,
+        )
+    ],
+)
 _Fields.__doc__ = "The fields the policy reads; msgspec skips the rest of the body without building it."
 
 
@@ -153,8 +225,14 @@ class Policed(NamedTuple):
     streamed: bool  # the agent asked for a streamed answer (Pi always does)
 
 
-def police_request(body: bytes, *, cap: int | None, budget_left: int | None, model: str | None = None,
-                   allow_fields: frozenset[str] = frozenset()) -> Policed:
+def police_request(
+    body: bytes,
+    *,
+    cap: int | None,
+    budget_left: int | None,
+    model: str | None = None,
+    allow_fields: frozenset[str] = frozenset(),
+) -> Policed:
     """The chat/completions body to send upstream, and the completion tokens it may generate
     (None: unbounded). Rewrites only what breaks the rules, so a well-formed call is relayed
     byte for byte:
@@ -175,8 +253,9 @@ def police_request(body: bytes, *, cap: int | None, budget_left: int | None, mod
     except msgspec.ValidationError:  # valid JSON, but not an object
         raise PolicyError("the request body is not a JSON object") from None
     except RecursionError:
-        raise PolicyError(f"the request body nests deeper than JSON parsers go ({sys.getrecursionlimit()} levels)") \
-            from None
+        raise PolicyError(
+            f"the request body nests deeper than JSON parsers go ({sys.getrecursionlimit()} levels)"
+        ) from None
     except msgspec.DecodeError:
         # msgspec refuses a lone surrogate escape ("\ud83d"), which node's JSON.stringify
         # writes for a string cut inside a pair: valid JSON, so the slower parser reads it.
@@ -192,9 +271,13 @@ def police_request(body: bytes, *, cap: int | None, budget_left: int | None, mod
         raise PolicyError(f"`stream` must be a JSON boolean (true or false), not {_shown(fields.stream)}")
     refused = [name for name in RESTRICTED_FIELDS if name not in allow_fields and getattr(fields, name) is not None]
     if refused:
-        raise PolicyError("these fields are not allowed in this session: " + "; ".join(
-            f"`{name}` ({RESTRICTED_FIELDS[name]})" for name in refused) + "; send the call without them "
-            "(the trainer allows them with PiConfig.gateway_allow_fields)", "field_not_allowed")
+        raise PolicyError(
+            "these fields are not allowed in this session: "
+            + "; ".join(f"`{name}` ({RESTRICTED_FIELDS[name]})" for name in refused)
+            + "; send the call without them "
+            "(the trainer allows them with PiConfig.gateway_allow_fields)",
+            "field_not_allowed",
+        )
     limit = cap if budget_left is None else max(1, budget_left if cap is None else min(cap, budget_left))
     changes: dict[str, Any] = {}
     if model is not None and fields.model != model:
@@ -232,8 +315,9 @@ def police_request(body: bytes, *, cap: int | None, budget_left: int | None, mod
                 request[key] = value
         body = json.dumps(request).encode() if lenient else msgspec.json.encode(request)
     except RecursionError:
-        raise PolicyError(f"the request body nests deeper than JSON parsers go ({sys.getrecursionlimit()} levels)") \
-            from None
+        raise PolicyError(
+            f"the request body nests deeper than JSON parsers go ({sys.getrecursionlimit()} levels)"
+        ) from None
     return Policed(body, allowed, streamed)
 
 
@@ -272,8 +356,13 @@ def secrets_of(api_key: str | None, headers: dict[str, str]) -> tuple[bytes, ...
 def _quoted_forms(value: str) -> set[str]:
     """`value` as an upstream may echo it in an error body: as is, JSON-escaped (a key with `"`,
     `\\` or non-ASCII), URL-encoded."""
-    return {value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1], quote(value, safe=""),
-            quote_plus(value, safe="")}
+    return {
+        value,
+        json.dumps(value)[1:-1],
+        json.dumps(value, ensure_ascii=False)[1:-1],
+        quote(value, safe=""),
+        quote_plus(value, safe=""),
+    }
 
 
 def scrub(data: bytes, secrets: tuple[bytes, ...]) -> bytes:

@@ -10,13 +10,27 @@ from typing import Any
 # Models that take `max_completion_tokens` and reject `max_tokens`.
 _COMPLETION_TOKENS_MODELS = re.compile(r"^(gpt-5|o1|o3|o4)")
 # Sampling parameters a trainer may force; the agent's own values for them are overridden.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty")
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 _INTEGER_SAMPLING = ("top_k", "seed")
 # What an OpenAI-compatible engine accepts (vLLM's SamplingParams; top_k -1 or 0: no limit).
-_SAMPLING_RANGES = {"temperature": (0, None, "at least 0"), "top_p": (0, 1, "in (0, 1]"), "min_p": (0, 1, "in [0, 1]"),
-                    "top_k": (-1, None, "-1, 0 (no limit) or more"), "repetition_penalty": (0, None, "above 0"),
-                    "presence_penalty": (-2, 2, "in [-2, 2]"), "frequency_penalty": (-2, 2, "in [-2, 2]")}
+_SAMPLING_RANGES = {
+    "temperature": (0, None, "at least 0"),
+    "top_p": (0, 1, "in (0, 1]"),
+    "min_p": (0, 1, "in [0, 1]"),
+    "top_k": (-1, None, "-1, 0 (no limit) or more"),
+    "repetition_penalty": (0, None, "above 0"),
+    "presence_penalty": (-2, 2, "in [-2, 2]"),
+    "frequency_penalty": (-2, 2, "in [-2, 2]"),
+}
 
 
 def check_sampling(sampling: dict[str, Any], where: str = "proxy_sampling") -> dict[str, float | int]:
@@ -26,13 +40,21 @@ def check_sampling(sampling: dict[str, Any], where: str = "proxy_sampling") -> d
     for name, value in sampling.items():
         if name not in SAMPLING_KEYS:
             raise ValueError(f"{where}: unknown sampling parameter {name!r}; allowed: {', '.join(SAMPLING_KEYS)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or (name in _INTEGER_SAMPLING and not float(value).is_integer()):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (name in _INTEGER_SAMPLING and not float(value).is_integer())
+        ):
             kind = "an integer" if name in _INTEGER_SAMPLING else "a number"
             raise ValueError(f"{where}: {name} must be {kind}, not {value!r}")
         low, high, what = _SAMPLING_RANGES.get(name, (None, None, ""))
-        if value != value or (low is not None and value < low) or (high is not None and value > high) \
-                or (name == "top_p" and value == 0) or (name == "repetition_penalty" and value == 0):
+        if (
+            value != value
+            or (low is not None and value < low)
+            or (high is not None and value > high)
+            or (name == "top_p" and value == 0)
+            or (name == "repetition_penalty" and value == 0)
+        ):
             raise ValueError(f"{where}: {name} must be {what}, not {value!r}")
         checked[name] = int(value) if name in _INTEGER_SAMPLING else value
     return checked

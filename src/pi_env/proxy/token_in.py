@@ -39,8 +39,17 @@ from aiohttp import web
 from yarl import URL
 
 from pi_env.proxy.capture import NO_TOP_LOGPROBS, ChoiceCapture, TurnCapture, json_array
-from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, Upstream, agent_request, describe, json_error, \
-    not_a_json_object, upstream_request_headers
+from pi_env.proxy.gateway import (
+    Call,
+    GatewaySession,
+    TurnRecord,
+    Upstream,
+    agent_request,
+    describe,
+    json_error,
+    not_a_json_object,
+    upstream_request_headers,
+)
 from pi_env.proxy.rewrite import SAMPLING_KEYS, rewrite_request
 
 CHATML_HERMES = "chatml-hermes"
@@ -91,9 +100,11 @@ def _load_renderer(name: str, tokenizer_id: str) -> TokenInSpec:
     try:
         tokenizer = load_tokenizer(tokenizer_id)
     except Exception as error:  # noqa: BLE001 - any loader failure: say what to pass instead
-        raise TokenInUnavailable(f"token-in could not load the tokenizer {tokenizer_id!r} ({type(error).__name__}: "
-                                 f"{str(error)[:300]}); pass --tokenizer (PiConfig.proxy_tokenizer) a local "
-                                 "directory with the model's tokenizer files") from None
+        raise TokenInUnavailable(
+            f"token-in could not load the tokenizer {tokenizer_id!r} ({type(error).__name__}: "
+            f"{str(error)[:300]}); pass --tokenizer (PiConfig.proxy_tokenizer) a local "
+            "directory with the model's tokenizer files"
+        ) from None
     resolved = name
     if name == "auto":
         resolved = MODEL_RENDERER_MAP.get(getattr(tokenizer, "name_or_path", "")) or _template_renderer(tokenizer)
@@ -104,14 +115,17 @@ def _load_renderer(name: str, tokenizer_id: str) -> TokenInSpec:
                 f"token-in: no renderer for the model of tokenizer {tokenizer_id!r} (renderers "
                 f"{renderers.__version__} knows it by no name, and its chat template is not one pi-env ships a "
                 f"renderer for); pass --renderer NAME (PiConfig.proxy_renderer), one of: {known}, or a custom "
-                "renderer class as module.Class / file.py:Class")
+                "renderer class as module.Class / file.py:Class"
+            )
     try:
         renderer = renderers.create_renderer(tokenizer, _renderer_config(resolved))
     except TokenInUnavailable:
         raise
     except Exception as error:  # noqa: BLE001 - a bad name, a tokenizer without the template's tokens
-        raise TokenInUnavailable(f"token-in: renderer {resolved!r} cannot be built for tokenizer {tokenizer_id!r}: "
-                                 f"{type(error).__name__}: {str(error)[:300]}") from None
+        raise TokenInUnavailable(
+            f"token-in: renderer {resolved!r} cannot be built for tokenizer {tokenizer_id!r}: "
+            f"{type(error).__name__}: {str(error)[:300]}"
+        ) from None
     return TokenInSpec(name=name, resolved=resolved, tokenizer=tokenizer_id, renderer=renderer)
 
 
@@ -126,8 +140,10 @@ def _renderer_config(name: str):
     except ValueError as error:
         if ":" in name or "." in name:  # module.Class or file.py:Class
             return CustomRendererConfig(import_path=name)
-        raise TokenInUnavailable(f"token-in: unknown renderer {name!r} ({error}); {CHATML_HERMES} is pi-env's own, "
-                                 "a custom renderer class is module.Class or file.py:Class") from None
+        raise TokenInUnavailable(
+            f"token-in: unknown renderer {name!r} ({error}); {CHATML_HERMES} is pi-env's own, "
+            "a custom renderer class is module.Class or file.py:Class"
+        ) from None
 
 
 def _template_renderer(tokenizer) -> str | None:
@@ -158,8 +174,14 @@ class PromptPlan:
     tools: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def record(self, spec: TokenInSpec) -> dict[str, Any]:
-        return {"renderer": spec.resolved, "outcome": self.outcome, "sequence": self.sequence, "reason": self.reason,
-                "prompt_tokens": len(self.token_ids), "bridged_tokens": self.bridged_tokens}
+        return {
+            "renderer": spec.resolved,
+            "outcome": self.outcome,
+            "sequence": self.sequence,
+            "reason": self.reason,
+            "prompt_tokens": len(self.token_ids),
+            "bridged_tokens": self.bridged_tokens,
+        }
 
 
 @dataclass
@@ -188,20 +210,28 @@ class TokenLedger:
             previous, broken = self._previous, self._broken
         reason = broken or (None if previous is None else _divergence(previous, messages, tools))
         if previous is not None and reason is None:
-            bridged = self.renderer.bridge_to_next_turn(previous.prompt_ids, previous.completion_ids,
-                                                        messages[len(previous.messages) + 1:], tools=tools)
+            bridged = self.renderer.bridge_to_next_turn(
+                previous.prompt_ids, previous.completion_ids, messages[len(previous.messages) + 1 :], tools=tools
+            )
             if bridged is not None:
                 ids = list(bridged.token_ids)
                 base = len(previous.prompt_ids) + len(previous.completion_ids)
-                return PromptPlan(ids, "bridged", self.sequence, bridged_tokens=len(ids) - base,
-                                  messages=messages, tools=tools)
+                return PromptPlan(
+                    ids, "bridged", self.sequence, bridged_tokens=len(ids) - base, messages=messages, tools=tools
+                )
             reason = f"the renderer could not bridge from the previous turn ({self.spec.resolved} returned None)"
         ids = self.renderer.render_ids(messages, tools=tools, add_generation_prompt=True)
         with self._lock:
             self.sequence += 1
             sequence = self.sequence
-        return PromptPlan(ids, "first" if previous is None and broken is None else "full_render", sequence,
-                          reason=reason, messages=messages, tools=tools)
+        return PromptPlan(
+            ids,
+            "first" if previous is None and broken is None else "full_render",
+            sequence,
+            reason=reason,
+            messages=messages,
+            tools=tools,
+        )
 
     async def aplan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> PromptPlan:
         """`plan` from the event loop: a bridge (milliseconds: only the new messages are
@@ -264,8 +294,10 @@ def _divergence(previous: _Previous, messages: list, tools) -> str | None:
         return "the request's tools differ from the previous call's"
     count = len(previous.messages)
     if len(messages) < count + 2:
-        return (f"the agent sent {len(messages)} messages, not the previous call's {count} + its answer + new ones "
-                "(a retry or a compaction)")
+        return (
+            f"the agent sent {len(messages)} messages, not the previous call's {count} + its answer + new ones "
+            "(a retry or a compaction)"
+        )
     for index in range(count):
         if messages[index] != previous.messages[index]:
             return f"the agent's history differs from the previous call's at message {index} (a compaction or an edit)"
@@ -329,8 +361,11 @@ def answer_message(parsed) -> tuple[dict[str, Any], list[str]]:
 def openai_tool_call(call) -> dict[str, Any]:
     """A parsed call in the OpenAI shape (arguments as a JSON string, an id of its own)."""
     arguments = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments, ensure_ascii=False)
-    return {"id": call.id or f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": call.name, "arguments": arguments}}
+    return {
+        "id": call.id or f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": arguments},
+    }
 
 
 # --------------------------------------------------------------------------- the engine side
@@ -375,25 +410,30 @@ async def check_endpoint(client: aiohttp.ClientSession, upstream: Upstream, prob
     headers = {"Content-Type": "application/json", **upstream.headers}
     if upstream.api_key is not None:
         headers["Authorization"] = f"Bearer {upstream.api_key}"
-    async with client.post(completions_url(upstream), data=msgspec.json.encode(body), headers=headers,
-                           timeout=upstream.timeout()) as answer:
+    async with client.post(
+        completions_url(upstream), data=msgspec.json.encode(body), headers=headers, timeout=upstream.timeout()
+    ) as answer:
         raw = await answer.content.read(ERROR_LIMIT)
         where = f"the endpoint {upstream.host}"
         if answer.status == 429 or answer.status >= 500:
             return  # busy or failing, not decided: probed again by the next session
         if answer.status >= 400:
-            raise TokenInUnavailable(f"token-in: {where} has no token-in /v1/completions: POST /v1/completions with a "
-                                     f"token-id prompt answered {answer.status}: {raw[:300].decode(errors='replace')} "
-                                     "(token-in needs vLLM >= 0.10.2 or an engine like it; the plain capture path "
-                                     "works without it)")
+            raise TokenInUnavailable(
+                f"token-in: {where} has no token-in /v1/completions: POST /v1/completions with a "
+                f"token-id prompt answered {answer.status}: {raw[:300].decode(errors='replace')} "
+                "(token-in needs vLLM >= 0.10.2 or an engine like it; the plain capture path "
+                "works without it)"
+            )
     try:
         choice = (_chunk.decode(raw).choices or [None])[0]
     except msgspec.DecodeError:
         choice = None
     if choice is None or not choice.token_ids or choice.prompt_token_ids != probe_ids:
-        raise TokenInUnavailable(f"token-in: {where} answered a token-id prompt without its token ids "
-                                 "(it ignores return_token_ids or does not echo prompt_token_ids): it has no "
-                                 "token-in endpoint pi-env can use")
+        raise TokenInUnavailable(
+            f"token-in: {where} answered a token-id prompt without its token ids "
+            "(it ignores return_token_ids or does not echo prompt_token_ids): it has no "
+            "token-in endpoint pi-env can use"
+        )
     _probed.add(key)
 
 
@@ -413,7 +453,7 @@ def check_endpoint_sync(upstream: Upstream, spec: TokenInSpec) -> None:
 
     try:
         run_sync(probe_once(), timeout=(upstream.read_timeout_s or 60) + 30)
-    except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, OSError):
+    except (aiohttp.ClientError, TimeoutError, OSError):
         return
 
 
@@ -483,33 +523,47 @@ class TokenIn:
         messages, tools = request.get("messages") or [], request.get("tools") or None
         plan = await self.ledger.aplan(messages, tools)
         engine_request = self._engine_request(rewritten, plan)
-        capture = turn.capture = TurnCapture(request=rewritten, prompt_token_ids=plan.token_ids,
-                                             model=self.options.model or request.get("model"))
-        capture.token_in = {**plan.record(self.spec),
-                            "engine_request": {k: v for k, v in engine_request.items() if k != "prompt"}}
+        capture = turn.capture = TurnCapture(
+            request=rewritten, prompt_token_ids=plan.token_ids, model=self.options.model or request.get("model")
+        )
+        capture.token_in = {
+            **plan.record(self.spec),
+            "engine_request": {k: v for k, v in engine_request.items() if k != "prompt"},
+        }
         headers = upstream_request_headers(call.request.headers, self.session.upstream)
         headers["Content-Type"] = "application/json"
         upstream = self.session.upstream
         try:
-            answer = await call.gateway._client.post(completions_url(upstream), data=msgspec.json.encode(engine_request),
-                                                     headers=headers, allow_redirects=False,
-                                                     timeout=upstream.timeout() or call.gateway._timeout)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            answer = await call.gateway._client.post(
+                completions_url(upstream),
+                data=msgspec.json.encode(engine_request),
+                headers=headers,
+                allow_redirects=False,
+                timeout=upstream.timeout() or call.gateway._timeout,
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             turn.upstream_error = f"upstream {upstream.host} unreachable: {describe(exc)}"
             self.ledger.forget("upstream unreachable")
             return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_unreachable")
         if answer.status >= 400:
             error = await call.read_error(answer, turn)
             self.ledger.forget(f"upstream answered {answer.status}")
-            return web.Response(status=answer.status, body=error, content_type=answer.content_type or "application/json")
+            return web.Response(
+                status=answer.status, body=error, content_type=answer.content_type or "application/json"
+            )
         return await self._relay(call, answer, turn, capture, plan, request)
 
     def _engine_request(self, rewritten: dict[str, Any], plan: PromptPlan) -> dict[str, Any]:
         options = self.options
-        body: dict[str, Any] = {"model": rewritten.get("model"), "prompt": plan.token_ids, "stream": True,
-                                "stream_options": {"include_usage": True}, "return_token_ids": True,
-                                "stop_token_ids": self.spec.renderer.get_stop_token_ids(),
-                                "skip_special_tokens": False}
+        body: dict[str, Any] = {
+            "model": rewritten.get("model"),
+            "prompt": plan.token_ids,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "stop_token_ids": self.spec.renderer.get_stop_token_ids(),
+            "skip_special_tokens": False,
+        }
         max_tokens = rewritten.get("max_tokens", rewritten.get("max_completion_tokens"))
         if isinstance(max_tokens, int):
             body["max_tokens"] = max_tokens
@@ -520,17 +574,33 @@ class TokenIn:
                 body[key] = rewritten[key]
         return body
 
-    async def _relay(self, call: Call, answer: aiohttp.ClientResponse, turn: TurnRecord, capture: TurnCapture,
-                     plan: PromptPlan, request: dict[str, Any]) -> web.StreamResponse:
+    async def _relay(
+        self,
+        call: Call,
+        answer: aiohttp.ClientResponse,
+        turn: TurnRecord,
+        capture: TurnCapture,
+        plan: PromptPlan,
+        request: dict[str, Any],
+    ) -> web.StreamResponse:
         streaming = request.get("stream") is True
         include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
-        envelope = {"id": f"chatcmpl-pi-env-{secrets.token_hex(8)}", "object": "chat.completion.chunk",
-                    "created": int(time.time()), "model": capture.model or ""}
-        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"} if streaming
-                                      else {"Content-Type": "application/json"})
+        envelope = {
+            "id": f"chatcmpl-pi-env-{secrets.token_hex(8)}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": capture.model or "",
+        }
+        response = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream"} if streaming else {"Content-Type": "application/json"},
+        )
         stream_parser = getattr(self.spec.renderer, "stream_parser", None)
-        state = _Stream(held=self._reasoning_open(plan.token_ids), prompt_ids=plan.token_ids,
-                        call_stream=stream_parser() if callable(stream_parser) else None)
+        state = _Stream(
+            held=self._reasoning_open(plan.token_ids),
+            prompt_ids=plan.token_ids,
+            call_stream=stream_parser() if callable(stream_parser) else None,
+        )
         completed = False
         try:
             if streaming:
@@ -554,18 +624,23 @@ class TokenIn:
                     calls = calls + await self._reparse(state)
                 if streaming and (delta or calls):
                     offset = len(state.calls_sent) - len(calls)
-                    await response.write((_sse(envelope, {"content": delta}) if delta else b"") + b"".join(
-                        _sse(envelope, {"tool_calls": [{"index": offset + k, **c}]}) for k, c in enumerate(calls)))
+                    await response.write(
+                        (_sse(envelope, {"content": delta}) if delta else b"")
+                        + b"".join(
+                            _sse(envelope, {"tool_calls": [{"index": offset + k, **c}]}) for k, c in enumerate(calls)
+                        )
+                    )
             completed = True
         except asyncio.CancelledError:
             turn.client_disconnected = True
             self._finish_later(call, capture, turn, state, plan, request)
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             if call.request.transport is None or call.request.transport.is_closing():
                 turn.client_disconnected = True  # the agent went away, not the engine
-            turn.upstream_error = f"{'agent hung up' if turn.client_disconnected else 'upstream stream broken'}: " \
-                                  f"{describe(exc)}"
+            turn.upstream_error = (
+                f"{'agent hung up' if turn.client_disconnected else 'upstream stream broken'}: {describe(exc)}"
+            )
         finally:
             answer.release() if completed else answer.close()
             turn.upstream_status = answer.status
@@ -575,8 +650,7 @@ class TokenIn:
             turn.client_disconnected = True
             self._finish_later(call, capture, turn, state, plan, request)
             raise
-        message = self._finish(capture, turn, state, plan, request, None if completed else turn.upstream_error,
-                               parsed)
+        message = self._finish(capture, turn, state, plan, request, None if completed else turn.upstream_error, parsed)
         if not completed:
             if streaming and call.request.transport is not None:
                 call.request.transport.close()  # the agent must see a failed answer, not a short one
@@ -585,16 +659,19 @@ class TokenIn:
             return response
         finish = capture.choices[0].finish_reason or "stop"
         if not streaming:
-            body = {**envelope, "object": "chat.completion",
-                    "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                    **({"usage": capture.usage} if capture.usage else {})}
+            body = {
+                **envelope,
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                **({"usage": capture.usage} if capture.usage else {}),
+            }
             turn.ttfb_s = time.perf_counter() - call.started
             return web.json_response(body)
-        rest = (message.get("content") or "")
+        rest = message.get("content") or ""
         events = []
         streamed = state.streamed
         if rest.startswith(streamed):
-            rest = rest[len(streamed):]
+            rest = rest[len(streamed) :]
         if rest:
             events.append(_sse(envelope, {"content": rest}))
         if message.get("reasoning_content"):
@@ -604,7 +681,9 @@ class TokenIn:
                 events.append(_sse(envelope, {"tool_calls": [{"index": position, **tool_call}]}))
         events.append(_sse(envelope, {}, finish))
         if include_usage and capture.usage:
-            events.append(b"data: " + msgspec.json.encode({**envelope, "choices": [], "usage": capture.usage}) + b"\n\n")
+            events.append(
+                b"data: " + msgspec.json.encode({**envelope, "choices": [], "usage": capture.usage}) + b"\n\n"
+            )
         events.append(b"data: [DONE]\n\n")
         try:
             await response.write(b"".join(events))
@@ -654,8 +733,10 @@ class TokenIn:
                 state.logprobs.extend(logprobs)
                 state.tokens.extend(entries.tokens or [""] * len(ids))
                 tops = entries.top_logprobs or [None] * len(ids)
-                state.top.extend(msgspec.Raw(msgspec.json.encode([{"token": t, "logprob": lp} for t, lp in (top or {}).items()]))
-                                 for top in tops)
+                state.top.extend(
+                    msgspec.Raw(msgspec.json.encode([{"token": t, "logprob": lp} for t, lp in (top or {}).items()]))
+                    for top in tops
+                )
             if choice.finish_reason:
                 state.finish_reason = choice.finish_reason
         return self._stream_content(state)
@@ -669,19 +750,19 @@ class TokenIn:
         if state.ended or self.tokenizer is None or state.read_offset >= len(state.ids):
             return "", [], False
         ids = state.ids
-        if any(i in self._stops for i in ids[state.read_offset:]):
+        if any(i in self._stops for i in ids[state.read_offset :]):
             state.ended = True  # the rest is parsed from the whole answer at its end
             return "", [], False
         decode = self.tokenizer.decode
-        before = decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=False)
-        after = decode(ids[state.prefix_offset:], skip_special_tokens=False)
+        before = decode(ids[state.prefix_offset : state.read_offset], skip_special_tokens=False)
+        after = decode(ids[state.prefix_offset :], skip_special_tokens=False)
         if after.endswith("\ufffd") or len(after) <= len(before):
             if len(ids) - state.read_offset <= MAX_PENDING_IDS:
                 return "", [], False  # a character split across tokens: wait for its end
             # Not a split character: bytes that are no text. Stream no more content (the final
             # parse is exact); read on, so the decoded window stays short.
             state.held = True
-        new_text = after[len(before):]
+        new_text = after[len(before) :]
         state.prefix_offset, state.read_offset = state.read_offset, len(ids)
         delta = "" if state.held else self._content_delta(state, new_text)
         calls: list[dict[str, Any]] = []
@@ -706,13 +787,13 @@ class TokenIn:
         markup = _MARKUP.search(new_text)
         if markup is not None:
             state.held = True
-            new_text = new_text[:markup.start()]
+            new_text = new_text[: markup.start()]
         text = new_text.rstrip()
         if not text:
             state.pending_space.append(new_text)
             return ""
         delta = "".join(state.pending_space) + text
-        state.pending_space = [new_text[len(text):]] if len(text) < len(new_text) else []
+        state.pending_space = [new_text[len(text) :]] if len(text) < len(new_text) else []
         state.streamed_parts.append(delta)
         return delta
 
@@ -727,7 +808,8 @@ class TokenIn:
                 parsed = self.spec.renderer.parse_response(ids, prompt_ids=state.prompt_ids)
             else:
                 parsed = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: self.spec.renderer.parse_response(ids, prompt_ids=state.prompt_ids))
+                    None, lambda: self.spec.renderer.parse_response(ids, prompt_ids=state.prompt_ids)
+                )
         except Exception:  # noqa: BLE001 - the final parse decides (and records the failure)
             state.calls_stopped = True
             return []
@@ -750,8 +832,15 @@ class TokenIn:
         ids = list(state.ids)
         return await asyncio.get_running_loop().run_in_executor(None, self.ledger.parse, ids, plan.token_ids, tools)
 
-    def _finish_later(self, call: Call, capture: TurnCapture, turn: TurnRecord, state: _Stream, plan: PromptPlan,
-                      request: dict[str, Any]) -> None:
+    def _finish_later(
+        self,
+        call: Call,
+        capture: TurnCapture,
+        turn: TurnRecord,
+        state: _Stream,
+        plan: PromptPlan,
+        request: dict[str, Any],
+    ) -> None:
         """The agent hung up: the ledger learns it now (the next call must not bridge from this
         turn), the record is completed by a task of its own (the parse may take a worker thread)."""
         self.ledger.forget("the agent hung up")
@@ -762,21 +851,40 @@ class TokenIn:
 
         call.finish_record_later(finish())
 
-    def _finish(self, capture: TurnCapture, turn: TurnRecord, state: _Stream, plan: PromptPlan,
-                request: dict[str, Any], failure: str | None, parsed: ParsedAnswer, *,
-                ledger: bool = True) -> dict[str, Any]:
+    def _finish(
+        self,
+        capture: TurnCapture,
+        turn: TurnRecord,
+        state: _Stream,
+        plan: PromptPlan,
+        request: dict[str, Any],
+        failure: str | None,
+        parsed: ParsedAnswer,
+        *,
+        ledger: bool = True,
+    ) -> dict[str, Any]:
         """Fill the record with the ids, logprobs and the parsed answer; tell the ledger."""
-        choice = ChoiceCapture(index=0, token_ids=state.ids, logprobs=state.logprobs, tokens=state.tokens,
-                               top_logprobs=json_array(state.top), finish_reason=state.finish_reason,
-                               ids_complete=not state.misaligned)
+        choice = ChoiceCapture(
+            index=0,
+            token_ids=state.ids,
+            logprobs=state.logprobs,
+            tokens=state.tokens,
+            top_logprobs=json_array(state.top),
+            finish_reason=state.finish_reason,
+            ids_complete=not state.misaligned,
+        )
         capture.choices = [choice]
-        capture.usage = state.usage or {"prompt_tokens": len(plan.token_ids), "completion_tokens": len(state.ids),
-                                         "total_tokens": len(plan.token_ids) + len(state.ids)}
+        capture.usage = state.usage or {
+            "prompt_tokens": len(plan.token_ids),
+            "completion_tokens": len(state.ids),
+            "total_tokens": len(plan.token_ids) + len(state.ids),
+        }
         capture.model = state.model or capture.model
         if isinstance(capture.usage.get("total_tokens"), int):
             turn.total_tokens = capture.usage["total_tokens"]
-        capture.token_in["engine_prompt_token_ids_match"] = (None if state.echoed_prompt is None
-                                                            else state.echoed_prompt == plan.token_ids)
+        capture.token_in["engine_prompt_token_ids_match"] = (
+            None if state.echoed_prompt is None else state.echoed_prompt == plan.token_ids
+        )
         if state.misaligned:
             capture.token_ids_missing_reason = "an engine chunk could not be read or its ids and logprobs disagreed"
         elif state.echoed_prompt is not None and state.echoed_prompt != plan.token_ids:
@@ -796,15 +904,17 @@ class TokenIn:
         if unparsed:
             capture.token_in["unparsed_tool_calls"] = unparsed
         if parse_error:
-            capture.token_in["parse_error"] = f"the renderer could not parse the answer ({parse_error}); the agent " \
-                                              "got its decoded text"
+            capture.token_in["parse_error"] = (
+                f"the renderer could not parse the answer ({parse_error}); the agent got its decoded text"
+            )
         final_calls = message.get("tool_calls") or []
         for position, sent in enumerate(state.calls_sent):  # the agent has these already: keep their ids
             if position < len(final_calls) and final_calls[position]["function"] == sent["function"]:
                 final_calls[position]["id"] = sent["id"]
             else:
-                capture.token_in["stream_note"] = f"tool call {position} was sent before the answer ended and " \
-                                                  "does not match the final parse"
+                capture.token_in["stream_note"] = (
+                    f"tool call {position} was sent before the answer ended and does not match the final parse"
+                )
         finish = state.finish_reason
         if finish != "length":
             finish = "tool_calls" if message.get("tool_calls") else "stop"

@@ -22,8 +22,15 @@ from aiohttp import web
 
 from pi_env.proxy.capture import TurnCapture, assemble_answer, sse_from_capture
 from pi_env.proxy.capture_worker import CaptureWorkerError, capture_pool
-from pi_env.proxy.gateway import Call, GatewaySession, TurnRecord, agent_request, describe, json_error, \
-    not_a_json_object
+from pi_env.proxy.gateway import (
+    Call,
+    GatewaySession,
+    TurnRecord,
+    agent_request,
+    describe,
+    json_error,
+    not_a_json_object,
+)
 from pi_env.proxy.rewrite import rejects_capture, rewrite_request, without_capture
 
 log = logging.getLogger(__name__)
@@ -62,8 +69,9 @@ class TransparentProxy:
             return _error_answer(answer.status, error, answer.content_type)
         return await assemble_after(call, answer, capture, turn, streaming)
 
-    async def _fall_back(self, call: Call, rewritten: dict, capture: TurnCapture, turn: TurnRecord,
-                         streaming: bool) -> web.StreamResponse:
+    async def _fall_back(
+        self, call: Call, rewritten: dict, capture: TurnCapture, turn: TurnRecord, streaming: bool
+    ) -> web.StreamResponse:
         # A fallback sticks only once the upstream accepted it: an error that merely mentions
         # logprobs, whatever the request, must not cost the rest of the session its capture.
         if streaming:
@@ -82,8 +90,9 @@ class TransparentProxy:
         self.fallback = WITHOUT_CAPTURE
         return await assemble_after(call, answer, capture, turn, streaming)
 
-    async def _non_streaming(self, call: Call, rewritten: dict, capture: TurnCapture,
-                             turn: TurnRecord) -> web.StreamResponse:
+    async def _non_streaming(
+        self, call: Call, rewritten: dict, capture: TurnCapture, turn: TurnRecord
+    ) -> web.StreamResponse:
         """Ask unstreamed with capture, answer the agent with an SSE stream rebuilt from it."""
         capture.fallback = f"{NON_STREAMING}: {self.fallback_reason}"
         body = capture.request = {k: v for k, v in rewritten.items() if k not in ("stream", "stream_options")}
@@ -94,7 +103,7 @@ class TransparentProxy:
         turn.upstream_status = answer.status
         try:
             raw = await answer.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             answer.close()
             turn.upstream_error = f"upstream answer broken: {describe(exc)}"
             return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_error")
@@ -103,12 +112,14 @@ class TransparentProxy:
         turn.response_bytes = len(raw)
         _assemble(capture, turn, raw, streaming=False)
         include_usage = bool((rewritten.get("stream_options") or {}).get("include_usage"))
-        return web.Response(body=sse_from_capture(capture, include_usage=include_usage),
-                            content_type="text/event-stream")
+        return web.Response(
+            body=sse_from_capture(capture, include_usage=include_usage), content_type="text/event-stream"
+        )
 
 
-async def assemble_after(call: Call, answer, capture: TurnCapture, turn: TurnRecord, streaming: bool, *,
-                         finish: bool = True) -> web.StreamResponse:
+async def assemble_after(
+    call: Call, answer, capture: TurnCapture, turn: TurnRecord, streaming: bool, *, finish: bool = True
+) -> web.StreamResponse:
     """Stream the answer to the agent, then assemble it into `capture` (every mode records what
     the model answered): inline when small, in a worker process when large. `finish`: the agent
     has the whole answer before the assembly (else its last bytes wait for an inline one)."""

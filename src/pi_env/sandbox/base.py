@@ -152,7 +152,11 @@ class Sandbox(Protocol):
         ...
 
     def snapshot(
-        self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10,
+        self,
+        path: str,
+        *,
+        max_files: int = 200,
+        max_file_bytes: int = 256 << 10,
         max_total_bytes: int | None = None,
     ) -> dict[str, bytes]:
         """Regular files under `path` (relative path -> bytes), skipping symlinks and files

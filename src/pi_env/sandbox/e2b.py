@@ -93,9 +93,16 @@ class E2BSession:
 class E2BSandboxBackend:
     name = "e2b"
 
-    def __init__(self, *, template: str | None = None, lifetime_s: float | None = None,
-                 labels: dict[str, str] | None = None, retrying: Retrying | None = None,
-                 gateway_url: str | None = None, **connection):
+    def __init__(
+        self,
+        *,
+        template: str | None = None,
+        lifetime_s: float | None = None,
+        labels: dict[str, str] | None = None,
+        retrying: Retrying | None = None,
+        gateway_url: str | None = None,
+        **connection,
+    ):
         try:
             import e2b  # noqa: F401
         except ImportError as exc:
@@ -114,8 +121,18 @@ class E2BSandboxBackend:
 
         # No egress until a command's network mode opens it (E2BSession.set_network).
         return open_sandbox(
-            spec, lambda metadata: E2BSession(Sandbox.create(
-                self.template, timeout=int(self.lifetime_s), metadata=metadata,
-                network={"deny_out": [ALL_TRAFFIC]}, **self.connection)),
-            labels=self.labels, retrying=self.retrying, gateway_url=self.gateway_url,
-            watchdog_s=None)  # E2B's own timeout is the lifetime
+            spec,
+            lambda metadata: E2BSession(
+                Sandbox.create(
+                    self.template,
+                    timeout=int(self.lifetime_s),
+                    metadata=metadata,
+                    network={"deny_out": [ALL_TRAFFIC]},
+                    **self.connection,
+                )
+            ),
+            labels=self.labels,
+            retrying=self.retrying,
+            gateway_url=self.gateway_url,
+            watchdog_s=None,
+        )  # E2B's own timeout is the lifetime

@@ -43,8 +43,7 @@ def transient(exc: BaseException) -> bool:
     if isinstance(exc, SandboxCommandError):
         return False
     if isinstance(exc, SandboxError):
-        return exc.status_code in TRANSIENT_STATUS or (
-            exc.status_code is None and "connection lost" in str(exc))
+        return exc.status_code in TRANSIENT_STATUS or (exc.status_code is None and "connection lost" in str(exc))
     if isinstance(exc, HfHubHTTPError):
         return exc.response is not None and exc.response.status_code in TRANSIENT_STATUS
     return False
@@ -79,10 +78,19 @@ class HfSession:
 class HfSandboxBackend:
     name = "hf"
 
-    def __init__(self, *, image: str | None = None, flavor: str | None = None, namespace: str | None = None,
-                 token: str | None = None, lifetime_s: float | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 labels: dict[str, str] | None = None, retrying: Retrying | None = None,
-                 gateway_url: str | None = None):
+    def __init__(
+        self,
+        *,
+        image: str | None = None,
+        flavor: str | None = None,
+        namespace: str | None = None,
+        token: str | None = None,
+        lifetime_s: float | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        labels: dict[str, str] | None = None,
+        retrying: Retrying | None = None,
+        gateway_url: str | None = None,
+    ):
         hub = _sdk()
         self.token = token
         if not (token or hub.get_token()):
@@ -100,7 +108,19 @@ class HfSandboxBackend:
         from huggingface_hub import Sandbox
 
         return open_sandbox(
-            spec, lambda labels: HfSession(Sandbox.create(
-                self.image, flavor=self.flavor, idle_timeout=int(self.idle_timeout_s), namespace=self.namespace,
-                labels=labels, token=self.token)),
-            labels=self.labels, retrying=self.retrying, gateway_url=self.gateway_url, watchdog_s=self.lifetime_s)
+            spec,
+            lambda labels: HfSession(
+                Sandbox.create(
+                    self.image,
+                    flavor=self.flavor,
+                    idle_timeout=int(self.idle_timeout_s),
+                    namespace=self.namespace,
+                    labels=labels,
+                    token=self.token,
+                )
+            ),
+            labels=self.labels,
+            retrying=self.retrying,
+            gateway_url=self.gateway_url,
+            watchdog_s=self.lifetime_s,
+        )

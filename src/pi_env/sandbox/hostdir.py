@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from pi_env.sandbox.totals import host_totals, mount_capped_home, sweep_stale_cgroups, unmount_all
 from pi_env.sandbox.base import (
     SANDBOX_HOME,
     SANDBOX_WORKDIR,
@@ -43,6 +42,7 @@ from pi_env.sandbox.base import (
     SandboxError,
     SandboxLimits,
 )
+from pi_env.sandbox.totals import host_totals, mount_capped_home, sweep_stale_cgroups, unmount_all
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ SETUP_HOME = "setup-home"  # <host dir>/setup-home: the home as setup left it (c
 # a dir of the home itself, renamed into (never copied: what the agent wrote stays inside its
 # disk total and off the host's disk), named so no tool looks inside.
 AGENT_HOME = ".pi-env-agent-home"
-WORKDIR_NAME = SANDBOX_WORKDIR[len(SANDBOX_HOME) + 1:]
+WORKDIR_NAME = SANDBOX_WORKDIR[len(SANDBOX_HOME) + 1 :]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,8 +134,7 @@ def discard_host_dir(host_dir: str, lock_fd: int) -> None:
         os.close(lock_fd)
 
 
-def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = None, *,
-                          prefix: str = "sb-") -> list[str]:
+def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = None, *, prefix: str = "sb-") -> list[str]:
     """Delete the dirs `<root>/<prefix>*` (sandbox dirs; the gateway's too) whose owner died
     without closing them (SIGKILL, OOM, power loss): their lock is free. `reclaim(host_dir)` runs
     first (the local backend kills what may still run as the dir's uid). Returns the dirs deleted."""
@@ -145,8 +144,11 @@ def sweep_stale_host_dirs(root: str, reclaim: Callable[[str], None] | None = Non
         # A dir without a lock file (made by an older pi-env): dead once it is old enough.
         path = os.path.join(root, name)
         with contextlib.suppress(OSError):
-            if name.startswith(prefix) and not name.endswith(LOCK_SUFFIX) \
-                    and time.time() - os.lstat(path).st_mtime > UNLOCKED_DIR_AGE_S:
+            if (
+                name.startswith(prefix)
+                and not name.endswith(LOCK_SUFFIX)
+                and time.time() - os.lstat(path).st_mtime > UNLOCKED_DIR_AGE_S
+            ):
                 os.close(os.open(path + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
                 os.utime(path + LOCK_SUFFIX, (0, 0))
                 locks.append(name + LOCK_SUFFIX)
@@ -446,8 +448,12 @@ def _copy_entries(source: str, names: list[str], target: str) -> None:
     symlinks (nothing is followed), owners, modes and times are kept; reflinks where the
     filesystem has them. Called with nothing running in the sandbox."""
     if names:
-        done = subprocess.run(["cp", "-a", "--reflink=auto", "--", *(os.path.join(source, n) for n in names),
-                               target + "/"], capture_output=True, cwd="/", env={"PATH": "/usr/bin:/bin"})
+        done = subprocess.run(
+            ["cp", "-a", "--reflink=auto", "--", *(os.path.join(source, n) for n in names), target + "/"],
+            capture_output=True,
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin"},
+        )
         if done.returncode != 0:
             raise SandboxError(f"copying into {target} failed: {done.stderr.decode(errors='replace')[-300:]}")
 
@@ -595,9 +601,7 @@ class HostDirSandbox:
             with self._lock:  # close() cannot slip in between the check and the tracking
                 self._check_open()
                 popen = _spawner.submit(spawn).result() if background else spawn()
-                process = LocalProcess(
-                    popen, self._terminate, stdin_w, stdin_data, stdout_r, stderr_r, output_limit
-                )
+                process = LocalProcess(popen, self._terminate, stdin_w, stdin_data, stdout_r, stderr_r, output_limit)
                 self._processes = {p for p in self._processes if p.poll() is None}
                 self._processes.add(process)
         except BaseException:
@@ -880,7 +884,11 @@ class HostDirSandbox:
             pass
 
     def snapshot(
-        self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10,
+        self,
+        path: str,
+        *,
+        max_files: int = 200,
+        max_file_bytes: int = 256 << 10,
         max_total_bytes: int | None = None,
     ) -> dict[str, bytes]:
         files: dict[str, bytes] = {}
@@ -900,7 +908,11 @@ class HostDirSandbox:
         return files
 
     def _collect(
-        self, top_fd: int, files: dict[str, bytes], max_files: int, max_file_bytes: int,
+        self,
+        top_fd: int,
+        files: dict[str, bytes],
+        max_files: int,
+        max_file_bytes: int,
         max_total_bytes: int | None,
     ) -> None:
         """Depth-first, in name order, iterative and at most WALK_MAX_DEPTH levels deep."""
@@ -926,8 +938,11 @@ class HostDirSandbox:
                                 os.close(fd)
                                 raise
                             stack.append((fd, f"{prefix}{name}/", listing))
-                    elif stat.S_ISREG(st.st_mode) and st.st_size <= max_file_bytes \
-                            and (left is None or st.st_size <= left):
+                    elif (
+                        stat.S_ISREG(st.st_mode)
+                        and st.st_size <= max_file_bytes
+                        and (left is None or st.st_size <= left)
+                    ):
                         limit = max_file_bytes if left is None else min(max_file_bytes, left)
                         fd = os.open(name, _FILE_READ_FLAGS, dir_fd=dir_fd)
                         with open(fd, "rb") as f:

@@ -48,9 +48,22 @@ LOG_TAIL_CHARS = 3000
 LOCK_WAIT_S = 3600.0
 # Docker's default capability set (moby's oci/caps/defaults.go); the build leaves out MKNOD
 # (a device node on the layer's real filesystem would reach host devices).
-DOCKER_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
-               "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
-               "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE")
+DOCKER_CAPS = (
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+)
 BUILD_CAPS = tuple(cap for cap in DOCKER_CAPS if cap != "CAP_MKNOD")
 # Top-level dirs whose build-time lower is the host's (pruned) one, and what of the host they show.
 OVERLAID = ("usr", "etc", "var")
@@ -59,14 +72,66 @@ KEPT_TOPS = ("usr", "etc", "var", "opt", "srv", "home", "mnt")
 # managers and common tools read. Never credentials: no shadow, no private keys, no apt auth,
 # no pip.conf/gitconfig/wgetrc (they may hold index tokens), no machine-id.
 HOST_ETC = (
-    "alternatives", "apt", "ssl", "ca-certificates", "ca-certificates.conf", "resolv.conf", "hosts",
-    "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "mime.types",
-    "gai.conf", "bash.bashrc", "profile", "profile.d", "debian_version", "os-release", "lsb-release",
-    "shells", "login.defs", "adduser.conf", "deluser.conf", "skel", "dpkg", "debconf.conf", "ucf.conf",
-    "environment", "default", "pam.d", "security", "host.conf", "inputrc", "python3", "python3.11",
-    "perl", "ImageMagick-6", "fonts", "X11", "xdg", "logrotate.d", "cron.daily", "systemd", "init.d",
-    "rc0.d", "rc1.d", "rc2.d", "rc3.d", "rc4.d", "rc5.d", "rc6.d", "rcS.d", "update-motd.d", "issue",
-    "issue.net", "mailcap", "magic", "magic.mime",
+    "alternatives",
+    "apt",
+    "ssl",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "resolv.conf",
+    "hosts",
+    "nsswitch.conf",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "timezone",
+    "mime.types",
+    "gai.conf",
+    "bash.bashrc",
+    "profile",
+    "profile.d",
+    "debian_version",
+    "os-release",
+    "lsb-release",
+    "shells",
+    "login.defs",
+    "adduser.conf",
+    "deluser.conf",
+    "skel",
+    "dpkg",
+    "debconf.conf",
+    "ucf.conf",
+    "environment",
+    "default",
+    "pam.d",
+    "security",
+    "host.conf",
+    "inputrc",
+    "python3",
+    "python3.11",
+    "perl",
+    "ImageMagick-6",
+    "fonts",
+    "X11",
+    "xdg",
+    "logrotate.d",
+    "cron.daily",
+    "systemd",
+    "init.d",
+    "rc0.d",
+    "rc1.d",
+    "rc2.d",
+    "rc3.d",
+    "rc4.d",
+    "rc5.d",
+    "rc6.d",
+    "rcS.d",
+    "update-motd.d",
+    "issue",
+    "issue.net",
+    "mailcap",
+    "magic",
+    "magic.mime",
 )
 _NEVER_COPIED = shutil.ignore_patterns("private", "*.key", "auth.conf", "auth.conf.d", "*.pem.key")
 HOST_VAR = ("lib/dpkg", "cache/debconf", "lib/ucf", "lib/pam", "lib/systemd/deb-systemd-helper-enabled")
@@ -74,9 +139,11 @@ PASSWD = "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexist
 GROUP = "root:x:0:\nnogroup:x:65534:\n"
 BUILD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _OTHER_PACKAGE_MANAGERS = re.compile(r"(?<![\w-])(apk|yum|dnf|microdnf|zypper|pacman|emerge|nix-env)\s")
-_FOREIGN_BASES = re.compile(r"^(?:[\w.-]+(?::\d+)?/)*(alpine|fedora|centos|rockylinux|almalinux|amazonlinux|"
-                            r"archlinux|opensuse|oraclelinux|redhat|ubi\d*|busybox|distroless|wolfi)\b", re.I)
-
+_FOREIGN_BASES = re.compile(
+    r"^(?:[\w.-]+(?::\d+)?/)*(alpine|fedora|centos|rockylinux|almalinux|amazonlinux|"
+    r"archlinux|opensuse|oraclelinux|redhat|ubi\d*|busybox|distroless|wolfi)\b",
+    re.I,
+)
 
 
 @dataclass(frozen=True)
@@ -100,7 +167,8 @@ class DockerfilePlan:
     @property
     def needs_build(self) -> bool:
         return any(step.kind in ("RUN", "ENV", "USER") for step in self.steps) or any(
-            step.kind in ("COPY", "ADD") and not _under(step.args[-1], self.workdir) for step in self.steps)
+            step.kind in ("COPY", "ADD") and not _under(step.args[-1], self.workdir) for step in self.steps
+        )
 
 
 def instructions(text: str):
@@ -141,11 +209,13 @@ def parse_dockerfile(text: str, default_workdir: str = "/app") -> DockerfilePlan
             elif plan.base.lower() == "scratch":
                 plan.unsupported.append(f"{where}: FROM scratch: an empty image cannot be approximated by the host")
             elif _FOREIGN_BASES.match(plan.base):
-                plan.unsupported.append(f"{where}: FROM {plan.base}: another distribution; the host's userland "
-                                        "cannot stand in for it")
+                plan.unsupported.append(
+                    f"{where}: FROM {plan.base}: another distribution; the host's userland cannot stand in for it"
+                )
             else:
-                plan.approximated.append(f"{where}: FROM {plan.base}: approximated by the host's userland "
-                                         f"({host_userland()})")
+                plan.approximated.append(
+                    f"{where}: FROM {plan.base}: approximated by the host's userland ({host_userland()})"
+                )
         elif word == "RUN":
             command = _exec_form(rest) if rest.startswith("[") else rest
             if rest.startswith("--"):
@@ -171,14 +241,30 @@ def parse_dockerfile(text: str, default_workdir: str = "/app") -> DockerfilePlan
                 plan.unsupported.append(f"{where}: {word} {rest[:80]}: only local sources are copied")
                 continue
             dest = _expand(args[-1], env)
-            dest = dest if dest.startswith("/") else posixpath.join(plan.workdir, dest) + ("/" if dest.endswith("/") else "")
+            dest = (
+                dest
+                if dest.startswith("/")
+                else posixpath.join(plan.workdir, dest) + ("/" if dest.endswith("/") else "")
+            )
             plan.steps.append(Step(word, (*args[:-1], dest), where))
         elif word == "USER":
             plan.steps.append(Step("USER", (rest,), where))
-            plan.approximated.append(f"{where}: USER {rest}: setup and verify run as root, the agent as "
-                                     "the sandbox's root without capabilities")
-        elif word in ("LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "SHELL", "STOPSIGNAL", "HEALTHCHECK",
-                      "VOLUME", "ONBUILD"):
+            plan.approximated.append(
+                f"{where}: USER {rest}: setup and verify run as root, the agent as "
+                "the sandbox's root without capabilities"
+            )
+        elif word in (
+            "LABEL",
+            "MAINTAINER",
+            "EXPOSE",
+            "CMD",
+            "ENTRYPOINT",
+            "SHELL",
+            "STOPSIGNAL",
+            "HEALTHCHECK",
+            "VOLUME",
+            "ONBUILD",
+        ):
             plan.ignored.append(f"{where}: {word}")
         else:
             plan.unsupported.append(f"{where}: unknown instruction {instruction[:80]}")
@@ -201,8 +287,11 @@ def unsupported_base(plan: DockerfilePlan) -> list[str]:
     why = list(plan.unsupported)
     if plan.needs_build and os.geteuid() != 0:
         why.append("environment layers need root (overlay mounts); run pi-env as root or use --backend podman")
-    if plan.needs_build and shutil.which("apt-get") is None and any(
-            "apt" in s.args[0] for s in plan.steps if s.kind == "RUN"):
+    if (
+        plan.needs_build
+        and shutil.which("apt-get") is None
+        and any("apt" in s.args[0] for s in plan.steps if s.kind == "RUN")
+    ):
         why.append("RUN steps use apt, and this host has no apt-get to approximate the base image with")
     return why
 
@@ -226,8 +315,9 @@ def default_cache_dir() -> str:
 
 def layer_key(plan: DockerfilePlan, context: str) -> str:
     digest = hashlib.sha256()
-    digest.update(json.dumps([LAYER_FORMAT, host_userland(), plan.workdir,
-                              [(s.kind, s.args) for s in plan.steps]]).encode())
+    digest.update(
+        json.dumps([LAYER_FORMAT, host_userland(), plan.workdir, [(s.kind, s.args) for s in plan.steps]]).encode()
+    )
     for step in plan.steps:
         if step.kind in ("COPY", "ADD"):
             for source in step.args[:-1]:
@@ -242,8 +332,9 @@ def layer_key(plan: DockerfilePlan, context: str) -> str:
 _known: dict[tuple, Layer] = {}  # (cache, context signature) -> a layer this process has ready
 
 
-def ensure_layer(plan: DockerfilePlan, context: str, *, bwrap: str, cache_dir: str | None = None,
-                 timeout_s: float = 600.0) -> Layer:
+def ensure_layer(
+    plan: DockerfilePlan, context: str, *, bwrap: str, cache_dir: str | None = None, timeout_s: float = 600.0
+) -> Layer:
     """The layer for `plan` (built now under a lock, or found in the cache), mounted read-only.
     A layer this process already has is reused while its context is unchanged (a stat per file)."""
     cache = cache_dir or default_cache_dir()
@@ -273,7 +364,7 @@ def _ensure_layer(plan: DockerfilePlan, context: str, bwrap: str, cache: str, ti
     fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         _flock(fd, LOCK_WAIT_S)
-        built_now, started = False, time.monotonic()
+        built_now = False
         if not os.path.exists(os.path.join(path, "layer.json")):
             _build(plan, context, path, bwrap, timeout_s)
             built_now = True
@@ -282,9 +373,16 @@ def _ensure_layer(plan: DockerfilePlan, context: str, bwrap: str, cache: str, ti
     finally:
         os.close(fd)
     tree = os.path.join(path, "up", "workdir")
-    return Layer(key=key, path=path, mounts=mounts, env=meta["env"], workdir=meta["workdir"],
-                 workdir_tree=tree if os.path.isdir(tree) else None,
-                 build_s=meta["build_s"] if built_now else 0.0, built_now=built_now)
+    return Layer(
+        key=key,
+        path=path,
+        mounts=mounts,
+        env=meta["env"],
+        workdir=meta["workdir"],
+        workdir_tree=tree if os.path.isdir(tree) else None,
+        build_s=meta["build_s"] if built_now else 0.0,
+        built_now=built_now,
+    )
 
 
 def _flock(fd: int, wait_s: float) -> None:
@@ -311,8 +409,10 @@ def _mount_views(path: str, tops: list[str]) -> dict[str, str]:
             os.makedirs(view, mode=0o755, exist_ok=True)
             if not os.path.ismount(view):
                 lower = "/usr" if top == "usr" else os.path.join(path, "base", top)
-                _run(["mount", "-t", "overlay", "overlay", "-o", f"ro,lowerdir={upper}:{lower}", view],
-                     "mounting a layer view")
+                _run(
+                    ["mount", "-t", "overlay", "overlay", "-o", f"ro,lowerdir={upper}:{lower}", view],
+                    "mounting a layer view",
+                )
             mounts[f"/{top}"] = view
         elif top != "workdir":
             mounts[f"/{top}"] = upper
@@ -341,8 +441,14 @@ def _build(plan: DockerfilePlan, context: str, path: str, bwrap: str, timeout_s:
             if top in OVERLAID:
                 os.makedirs(os.path.join(work, "ovl-work", top), mode=0o700, exist_ok=True)
         # pip in an image installs system-wide; Debian's refuses without this (PEP 668)
-        env: dict[str, str] = {"PATH": BUILD_PATH, "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive",
-                               "LANG": "C.UTF-8", "PIP_BREAK_SYSTEM_PACKAGES": "1", "PIP_ROOT_USER_ACTION": "ignore"}
+        env: dict[str, str] = {
+            "PATH": BUILD_PATH,
+            "HOME": "/root",
+            "DEBIAN_FRONTEND": "noninteractive",
+            "LANG": "C.UTF-8",
+            "PIP_BREAK_SYSTEM_PACKAGES": "1",
+            "PIP_ROOT_USER_ACTION": "ignore",
+        }
         args: dict[str, str] = {}
         image_env = {"PIP_BREAK_SYSTEM_PACKAGES": "1"}  # what later commands see: the Dockerfile's ENV
         workdir = plan.workdir
@@ -367,19 +473,33 @@ def _build(plan: DockerfilePlan, context: str, path: str, bwrap: str, timeout_s:
                         raise EnvironmentBuildError(f"the build ran past its {timeout_s:g} s limit before {step.where}")
                     log.flush()
                     try:
-                        done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                              timeout=remaining, env={"PATH": BUILD_PATH}, cwd="/",
-                                              start_new_session=True)
+                        done = subprocess.run(
+                            argv,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                            timeout=remaining,
+                            env={"PATH": BUILD_PATH},
+                            cwd="/",
+                            start_new_session=True,
+                        )
                         status = done.returncode
                     except subprocess.TimeoutExpired:
                         status = None
                     if status != 0:
                         log.flush()
                         why = "timed out" if status is None else f"exited {status}"
-                        raise EnvironmentBuildError(f"building the environment failed: {step.where}: RUN {step.args[0][:200]} "
-                                              f"{why}; log tail ({log_path}):\n{_tail(log_path)}")
-        meta = {"format": LAYER_FORMAT, "tops": tops, "env": image_env,
-                "workdir": workdir, "build_s": round(time.monotonic() - started, 3)}
+                        raise EnvironmentBuildError(
+                            f"building the environment failed: {step.where}: RUN {step.args[0][:200]} "
+                            f"{why}; log tail ({log_path}):\n{_tail(log_path)}"
+                        )
+        meta = {
+            "format": LAYER_FORMAT,
+            "tops": tops,
+            "env": image_env,
+            "workdir": workdir,
+            "build_s": round(time.monotonic() - started, 3),
+        }
         shutil.rmtree(os.path.join(work, "ovl-work"), ignore_errors=True)
         _make_readable(work)
         Path(work, "layer.json").write_text(json.dumps(meta))
@@ -426,8 +546,18 @@ def _prepare_base(work: str) -> None:
         Path(etc, name).write_text("".join(system) or (PASSWD if name == "passwd" else GROUP))
     Path(etc, "hostname").write_text("pi-env\n")
     var = os.path.join(work, "base", "var")
-    for sub in ("tmp", "log/apt", "lib/apt/lists/partial", "cache/apt/archives/partial", "lib/misc", "local",
-                "mail", "spool", "backups", "opt"):
+    for sub in (
+        "tmp",
+        "log/apt",
+        "lib/apt/lists/partial",
+        "cache/apt/archives/partial",
+        "lib/misc",
+        "local",
+        "mail",
+        "spool",
+        "backups",
+        "opt",
+    ):
         os.makedirs(os.path.join(var, sub), mode=0o755, exist_ok=True)
     os.chmod(os.path.join(var, "tmp"), 0o1777)
     for sub in HOST_VAR:
@@ -455,8 +585,9 @@ def _under(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
-def _build_argv(work: str, tops: list[str], plan_workdir: str, cwd: str, env: dict[str, str], command: str,
-                bwrap: str) -> list[str]:
+def _build_argv(
+    work: str, tops: list[str], plan_workdir: str, cwd: str, env: dict[str, str], command: str, bwrap: str
+) -> list[str]:
     """unshare (a private mount namespace for the overlays) + bwrap, as root with the build caps."""
     mounts = []
     binds: list[str] = []
@@ -466,8 +597,10 @@ def _build_argv(work: str, tops: list[str], plan_workdir: str, cwd: str, env: di
             lower = "/usr" if top == "usr" else os.path.join(work, "base", top)
             merged = os.path.join(work, "merged", top)
             os.makedirs(merged, exist_ok=True)
-            mounts.append(f"mount -t overlay overlay -o lowerdir={lower},upperdir={upper},"
-                          f"workdir={os.path.join(work, 'ovl-work', top)} {merged}")
+            mounts.append(
+                f"mount -t overlay overlay -o lowerdir={lower},upperdir={upper},"
+                f"workdir={os.path.join(work, 'ovl-work', top)} {merged}"
+            )
             binds += ["--bind", merged, f"/{top}"]
         elif top == "workdir":
             binds += ["--bind", upper, plan_workdir]
@@ -479,11 +612,42 @@ def _build_argv(work: str, tops: list[str], plan_workdir: str, cwd: str, env: di
         elif os.path.isdir(top):
             binds += ["--bind", top, top]  # not merged /usr: kept as the host's (rare)
     caps = [arg for cap in BUILD_CAPS for arg in ("--cap-add", cap)]
-    inner = [bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",  # no user ns: real root, as docker build
-              "--die-with-parent", "--new-session", "--as-pid-1",
-             "--cap-drop", "ALL", *caps, "--hostname", "pi-env", *binds,
-             "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
-             "--tmpfs", "/root", "--tmpfs", "/run", "--dir", "/run/lock", "--chdir", cwd, "--clearenv"]
+    inner = [
+        bwrap,
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",  # no user ns: real root, as docker build
+        "--die-with-parent",
+        "--new-session",
+        "--as-pid-1",
+        "--cap-drop",
+        "ALL",
+        *caps,
+        "--hostname",
+        "pi-env",
+        *binds,
+        "--proc",
+        "/proc",
+        "--ro-bind",
+        "/proc/sys",
+        "/proc/sys",
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/tmp",
+        "--tmpfs",
+        "/root",
+        "--tmpfs",
+        "/run",
+        "--dir",
+        "/run/lock",
+        "--chdir",
+        cwd,
+        "--clearenv",
+    ]
     for key, value in env.items():
         inner += ["--setenv", key, value]
     inner += ["--", "/bin/sh", "-c", "trap : EXIT\n" + command]
@@ -545,10 +709,12 @@ def _assignments(rest: str, word: str, env: dict[str, str]) -> list[tuple[str, s
 
 def _expand(value: str, env: dict[str, str]) -> str:
     """Docker's $VAR / ${VAR} / ${VAR:-default} substitution from earlier ENV/ARG values."""
+
     def one(match: re.Match) -> str:
         name, default = match.group(1) or match.group(2), match.group(3)
         found = env.get(name, BUILD_PATH if name == "PATH" else "")
         return found if found or default is None else default
+
     return re.sub(r"\$(?:(\w+)|\{(\w+)(?::-([^}]*))?\})", one, value)
 
 

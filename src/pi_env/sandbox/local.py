@@ -69,7 +69,6 @@ from pi_env.sandbox.base import (
     SandboxSpec,
     SandboxUnavailable,
 )
-from pi_env.sandbox.layers import DOCKER_CAPS, Layer, ensure_layer, parse_dockerfile, unsupported_base
 from pi_env.sandbox.hostdir import (
     HostDirSandbox,
     LocalProcess,
@@ -82,6 +81,7 @@ from pi_env.sandbox.hostdir import (
     shell,
     sweep_stale_host_dirs,
 )
+from pi_env.sandbox.layers import DOCKER_CAPS, Layer, ensure_layer, parse_dockerfile, unsupported_base
 from pi_env.sandbox.totals import SandboxCgroup, sandbox_cgroup
 from pi_env.sandbox.usernet import RESOLV_CONF, UserNet, slirp4netns
 
@@ -113,9 +113,7 @@ _SANDBOX_FLAGS = (
     "--uid", "0", "--gid", "0", "--hostname", "pi-env",
 )
 # fmt: on
-_PASSWD = (
-    "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-)
+_PASSWD = "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
 _GROUP = "root:x:0:\nnogroup:x:65534:\n"
 _DEFAULT_ENV = {
     "HOME": SANDBOX_HOME,
@@ -237,8 +235,14 @@ def _make_userns(uid: int, nobody_uid: int) -> int:
     """An fd of a new user namespace owned by `uid` (so bwrap running as `uid` may join it) with
     0 -> uid and 65534 -> nobody_uid, for uids and gids. Writing a map of other ids than one's
     own needs CAP_SETUID in the parent namespace: we are root."""
-    holder = subprocess.Popen([*_as_user(uid), "unshare", "--user", "sleep", "60"], cwd="/", env={},
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    holder = subprocess.Popen(
+        [*_as_user(uid), "unshare", "--user", "sleep", "60"],
+        cwd="/",
+        env={},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         mine = os.stat("/proc/self/ns/user").st_ino
         deadline = time.monotonic() + 10
@@ -351,8 +355,14 @@ def _try_lease(uid: int) -> _UidLease | None:
 def _kill_all_of(uid: int) -> None:
     # kill(-1, SIGKILL) as the uid reaches every process of that uid in every session and
     # namespace, atomically with respect to fork(): no fork bomb outruns it.
-    subprocess.run([*_as_user(uid), "/bin/sh", "-c", "kill -9 -1"], stdin=subprocess.DEVNULL,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/", env={})
+    subprocess.run(
+        [*_as_user(uid), "/bin/sh", "-c", "kill -9 -1"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd="/",
+        env={},
+    )
 
 
 def _reclaim_uid_of(host_dir: str) -> None:
@@ -512,9 +522,20 @@ class LocalSandbox(HostDirSandbox):
         pass_fds: tuple[int, ...] = ()
         if self._nobody is not None and network != "gateway":  # root of a container (see container_root)
             fd = self._container_userns()
-            argv = [*self._launcher, self._bwrap, "--userns", str(fd), "--unshare-pid", "--unshare-ipc",
-                    "--unshare-uts", "--unshare-cgroup-try", "--unshare-net", *_SANDBOX_FLAGS,
-                    *(arg for cap in DOCKER_CAPS for arg in ("--cap-add", cap)), *self._mount_args]
+            argv = [
+                *self._launcher,
+                self._bwrap,
+                "--userns",
+                str(fd),
+                "--unshare-pid",
+                "--unshare-ipc",
+                "--unshare-uts",
+                "--unshare-cgroup-try",
+                "--unshare-net",
+                *_SANDBOX_FLAGS,
+                *(arg for cap in DOCKER_CAPS for arg in ("--cap-add", cap)),
+                *self._mount_args,
+            ]
             pass_fds = (fd,)
         else:
             argv = [*self._launcher, self._bwrap, "--unshare-all", *_SANDBOX_FLAGS, *self._mount_args]
@@ -607,9 +628,7 @@ class LocalSandboxBackend:
         self._as_root = os.geteuid() == 0
         for tool in ("setpriv", "prlimit") if self._as_root else ("prlimit",):
             if shutil.which(tool) is None:
-                raise SandboxUnavailable(
-                    f"`{tool}` (util-linux) is not installed; install util-linux"
-                )
+                raise SandboxUnavailable(f"`{tool}` (util-linux) is not installed; install util-linux")
         self.root = root or default_root()
         private_dir(self.root, 0o711)
         if self._as_root and (why := _unreachable_why(os.path.abspath(self.root), readable=False)):
@@ -625,7 +644,9 @@ class LocalSandboxBackend:
         layer = self._layer(spec.environment) if spec.environment else None
         if layer:
             _make_mount_points(layer, spec.ro_mounts)
-            spec = dataclasses.replace(spec, ro_mounts={**layer.mounts, **spec.ro_mounts}, env={**layer.env, **spec.env})
+            spec = dataclasses.replace(
+                spec, ro_mounts={**layer.mounts, **spec.ro_mounts}, env={**layer.env, **spec.env}
+            )
         lease = _lease_uid() if self._as_root else None
         nobody = _lease_uid() if lease and spec.container_root else None
         host_dir = lock_fd = cgroup = None
@@ -660,18 +681,22 @@ class LocalSandboxBackend:
     def _layer(self, environment: EnvironmentSpec) -> Layer:
         """The environment layer of a Dockerfile (built once, then from the cache)."""
         if environment.image or not environment.dockerfile:
-            raise EnvironmentUnsupported(f"image {environment.image!r}: the local backend builds Dockerfiles "
-                                         "into layers and cannot run images; use --backend podman")
+            raise EnvironmentUnsupported(
+                f"image {environment.image!r}: the local backend builds Dockerfiles "
+                "into layers and cannot run images; use --backend podman"
+            )
         with open(environment.dockerfile, encoding="utf-8") as f:
             plan = parse_dockerfile(f.read())
         if why := unsupported_base(plan):
             raise EnvironmentUnsupported("; ".join(why))
-        return ensure_layer(plan, environment.context or os.path.dirname(environment.dockerfile),
-                            bwrap=self._bwrap, timeout_s=environment.build_timeout_s)
+        return ensure_layer(
+            plan,
+            environment.context or os.path.dirname(environment.dockerfile),
+            bwrap=self._bwrap,
+            timeout_s=environment.build_timeout_s,
+        )
 
-    def _ro_mount_sources(
-        self, ro_mounts: dict[str, str], host_dir: str, lease: _UidLease | None
-    ) -> dict[str, str]:
+    def _ro_mount_sources(self, ro_mounts: dict[str, str], host_dir: str, lease: _UidLease | None) -> dict[str, str]:
         """Sandbox path -> host path bwrap can bind as the sandbox uid."""
         sources = {}
         for target, source in ro_mounts.items():
@@ -694,9 +719,7 @@ class LocalSandboxBackend:
             sources[target] = source
         return sources
 
-    def _gateway_socket(
-        self, socket: str | None, host_dir: str, lease: _UidLease | None
-    ) -> str | None:
+    def _gateway_socket(self, socket: str | None, host_dir: str, lease: _UidLease | None) -> str | None:
         """The host path to bind at GATEWAY_SOCKET, connectable by the sandbox uid."""
         if socket is None:
             return None

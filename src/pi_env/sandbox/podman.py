@@ -90,8 +90,15 @@ PODMAN_TIMEOUT_S = 60.0  # a podman management command (ps, kill, rm)
 class PodmanSandbox(HostDirSandbox):
     """A host dir mounted at /root, and one container per command (see the module doc)."""
 
-    def __init__(self, host_dir: str, lock_fd: int, spec: SandboxSpec, backend: PodmanBackend,
-                 image: str | None = None, image_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        host_dir: str,
+        lock_fd: int,
+        spec: SandboxSpec,
+        backend: PodmanBackend,
+        image: str | None = None,
+        image_env: dict[str, str] | None = None,
+    ):
         """image: the sandbox's own image (a built environment) instead of the backend's;
         image_env: its ENV, which stands above pi-env's defaults and below spec.env."""
         super().__init__(host_dir, None, lock_fd)
@@ -100,8 +107,12 @@ class PodmanSandbox(HostDirSandbox):
         self._podman = backend.podman
         self._counter = itertools.count()
         limits = spec.limits
-        ulimits = {"nofile": limits.max_open_files, "nproc": limits.max_processes,
-                   "fsize": limits.max_file_bytes, "core": 0}
+        ulimits = {
+            "nofile": limits.max_open_files,
+            "nproc": limits.max_processes,
+            "fsize": limits.max_file_bytes,
+            "core": 0,
+        }
         # fmt: off
         self._base_args = [
             backend.podman, "run", "--rm", "--interactive", "--pull", "never",
@@ -269,10 +280,14 @@ class PodmanBackend:
         network); a base image that is neither local nor pullable is named in the error."""
         if environment.image:
             if _podman(self.podman, "image", "exists", environment.image, check=False).returncode != 0:
-                pulled = _podman(self.podman, "pull", environment.image, check=False, timeout=environment.build_timeout_s)
+                pulled = _podman(
+                    self.podman, "pull", environment.image, check=False, timeout=environment.build_timeout_s
+                )
                 if pulled.returncode != 0:
-                    raise EnvironmentBuildError(f"docker_image {environment.image!r} is not a local image and cannot "
-                                                f"be pulled: {pulled.stderr.strip()[-400:]}")
+                    raise EnvironmentBuildError(
+                        f"docker_image {environment.image!r} is not a local image and cannot "
+                        f"be pulled: {pulled.stderr.strip()[-400:]}"
+                    )
             return environment.image, {"image": environment.image, "built_now": False, "build_s": 0.0}
         key = _context_key(environment.dockerfile, environment.context)
         tag = f"localhost/pi-env-env:{key}"
@@ -286,20 +301,44 @@ class PodmanBackend:
             # The host's trusted CAs overlaid on the build steps' (writes discarded, never in the
             # image): builds reach package indexes behind a TLS-inspecting proxy as the host does.
             certs = ["--volume", "/etc/ssl/certs:/etc/ssl/certs:O"] if os.path.isdir("/etc/ssl/certs") else []
-            built = _podman(self.podman, "build", "--network", "host", "--runtime", self.runtime, "--pull=missing",
-                            *certs,
-                            "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096", "--tag", tag,
-                            "--file", environment.dockerfile, environment.context or os.path.dirname(environment.dockerfile),
-                            check=False, timeout=environment.build_timeout_s)
+            built = _podman(
+                self.podman,
+                "build",
+                "--network",
+                "host",
+                "--runtime",
+                self.runtime,
+                "--pull=missing",
+                *certs,
+                "--ulimit",
+                "nofile=4096:4096",
+                "--ulimit",
+                "nproc=4096:4096",
+                "--tag",
+                tag,
+                "--file",
+                environment.dockerfile,
+                environment.context or os.path.dirname(environment.dockerfile),
+                check=False,
+                timeout=environment.build_timeout_s,
+            )
             if built.returncode != 0:
                 log_tail = (built.stdout + built.stderr).strip()[-2500:]
-                bases = [b for b in _from_images(environment.dockerfile)
-                         if _podman(self.podman, "image", "exists", b, check=False).returncode != 0]
-                if bases and re.search(r"initializing source|pulling image|manifest unknown|resolve|"
-                                       r"short-name|name unknown|requested access", log_tail, re.I):
+                bases = [
+                    b
+                    for b in _from_images(environment.dockerfile)
+                    if _podman(self.podman, "image", "exists", b, check=False).returncode != 0
+                ]
+                if bases and re.search(
+                    r"initializing source|pulling image|manifest unknown|resolve|"
+                    r"short-name|name unknown|requested access",
+                    log_tail,
+                    re.I,
+                ):
                     raise EnvironmentBuildError(
                         f"base image {bases[0]!r} (FROM) is not a local image and cannot be pulled here; "
-                        f"`podman pull` or `podman tag` a local image as {bases[0]!r}. podman said:\n{log_tail[-800:]}")
+                        f"`podman pull` or `podman tag` a local image as {bases[0]!r}. podman said:\n{log_tail[-800:]}"
+                    )
                 raise EnvironmentBuildError(f"podman build of {environment.dockerfile} failed; log tail:\n{log_tail}")
             return tag, {"image": tag, "built_now": True, "build_s": round(time.monotonic() - started, 3)}
         finally:
@@ -310,10 +349,33 @@ class PodmanBackend:
         if workdir in ("", "/", SANDBOX_HOME) or workdir.startswith(SANDBOX_HOME + "/"):
             return
         target = os.path.join(host_dir, "home")
-        done = _podman(self.podman, "run", "--rm", "--pull", "never", "--runtime", self.runtime, "--network", "none",
-                       "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096", "--user", "0:0",
-                       "--volume", f"{target}:/mnt/pi-env-home:rw", "--entrypoint", "/bin/sh", image, "-c",
-                       f'test -d "$1" || exit 0; cp -a "$1"/. /mnt/pi-env-home/workdir/', "sh", workdir, check=False)
+        done = _podman(
+            self.podman,
+            "run",
+            "--rm",
+            "--pull",
+            "never",
+            "--runtime",
+            self.runtime,
+            "--network",
+            "none",
+            "--ulimit",
+            "nofile=4096:4096",
+            "--ulimit",
+            "nproc=4096:4096",
+            "--user",
+            "0:0",
+            "--volume",
+            f"{target}:/mnt/pi-env-home:rw",
+            "--entrypoint",
+            "/bin/sh",
+            image,
+            "-c",
+            'test -d "$1" || exit 0; cp -a "$1"/. /mnt/pi-env-home/workdir/',
+            "sh",
+            workdir,
+            check=False,
+        )
         if done.returncode != 0:
             raise SandboxError(f"could not copy {workdir} out of {image}: {done.stderr.strip()[-400:]}")
 
@@ -323,10 +385,20 @@ class PodmanBackend:
     def _sweep_orphan_containers(self) -> None:
         """Remove containers of sandboxes whose host dir is gone (a sweep by another process
         deleted it, or the machine rebooted): nothing can own them any more."""
-        listing = _podman(self.podman, "ps", "--all", "--filter", f"label={LABEL_HOST_DIR}",
-                          "--format", f'{{{{.ID}}}} {{{{index .Labels "{LABEL_HOST_DIR}"}}}}').stdout
-        orphans = [cid for cid, _, host_dir in (line.partition(" ") for line in listing.splitlines())
-                   if host_dir.startswith(self.root + "/") and not os.path.exists(host_dir + LOCK_SUFFIX)]
+        listing = _podman(
+            self.podman,
+            "ps",
+            "--all",
+            "--filter",
+            f"label={LABEL_HOST_DIR}",
+            "--format",
+            f'{{{{.ID}}}} {{{{index .Labels "{LABEL_HOST_DIR}"}}}}',
+        ).stdout
+        orphans = [
+            cid
+            for cid, _, host_dir in (line.partition(" ") for line in listing.splitlines())
+            if host_dir.startswith(self.root + "/") and not os.path.exists(host_dir + LOCK_SUFFIX)
+        ]
         if orphans:
             log.warning("removing %d podman container(s) of dead pi-env sandboxes", len(orphans))
             _podman(self.podman, "rm", "--force", "--time", "0", *orphans, check=False)
@@ -373,10 +445,13 @@ def _from_images(dockerfile: str) -> list[str]:
     return images
 
 
-def _podman(podman: str, *args: str, check: bool = True, timeout: float = PODMAN_TIMEOUT_S) -> subprocess.CompletedProcess:
+def _podman(
+    podman: str, *args: str, check: bool = True, timeout: float = PODMAN_TIMEOUT_S
+) -> subprocess.CompletedProcess:
     try:
-        result = subprocess.run([podman, *args], capture_output=True, text=True, cwd="/",
-                                env=_podman_env(), timeout=timeout)
+        result = subprocess.run(
+            [podman, *args], capture_output=True, text=True, cwd="/", env=_podman_env(), timeout=timeout
+        )
     except subprocess.TimeoutExpired as exc:
         raise SandboxError(f"`podman {' '.join(args[:2])}` did not answer in {timeout:g} s") from exc
     if check and result.returncode != 0:

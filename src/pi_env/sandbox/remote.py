@@ -111,8 +111,9 @@ class Retrying:
     """Calls repeated with exponential backoff and jitter while `transient(exc)` says the
     failure was the transport's (connection reset, 429/502/503/504), at most `attempts` times."""
 
-    def __init__(self, transient: Callable[[BaseException], bool], attempts: int = 5, base_s: float = 0.5,
-                 cap_s: float = 8.0):
+    def __init__(
+        self, transient: Callable[[BaseException], bool], attempts: int = 5, base_s: float = 0.5, cap_s: float = 8.0
+    ):
         self.transient, self.attempts, self.base_s, self.cap_s = transient, attempts, base_s, cap_s
 
     def __call__(self, what: str, call: Callable[[], T]) -> T:
@@ -130,11 +131,19 @@ class Retrying:
                     raise SandboxError(f"remote sandbox: {what} failed: {type(exc).__name__}: {exc}") from exc
                 last = exc
             if attempt >= self.attempts:
-                raise SandboxError(f"remote sandbox: {what} still failing after {attempt} attempts: "
-                                   f"{type(last).__name__}: {last}") from last
+                raise SandboxError(
+                    f"remote sandbox: {what} still failing after {attempt} attempts: {type(last).__name__}: {last}"
+                ) from last
             delay = min(self.cap_s, self.base_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
-            log.warning("remote sandbox: %s failed transiently (%s: %s); retry %d/%d in %.1f s",
-                        what, type(last).__name__, last, attempt, self.attempts - 1, delay)
+            log.warning(
+                "remote sandbox: %s failed transiently (%s: %s); retry %d/%d in %.1f s",
+                what,
+                type(last).__name__,
+                last,
+                attempt,
+                self.attempts - 1,
+                delay,
+            )
             time.sleep(delay)
 
 
@@ -152,9 +161,15 @@ def remote_gateway_url(configured: str | None) -> str | None:
     return url.rstrip("/") if url else None
 
 
-def open_sandbox(spec: SandboxSpec, open_session: Callable[[dict[str, str]], RemoteSession], *,
-                 labels: dict[str, str], retrying: Retrying, gateway_url: str | None,
-                 watchdog_s: float | None) -> RemoteSandbox:
+def open_sandbox(
+    spec: SandboxSpec,
+    open_session: Callable[[dict[str, str]], RemoteSession],
+    *,
+    labels: dict[str, str],
+    retrying: Retrying,
+    gateway_url: str | None,
+    watchdog_s: float | None,
+) -> RemoteSandbox:
     """What every remote backend's create() does around its service's own create call
     (`open_session(labels)`): refuse a spec whose gateway it cannot reach before paying for a
     sandbox, label it, retry the create, set it up, and delete it if the setup fails.
@@ -163,7 +178,8 @@ def open_sandbox(spec: SandboxSpec, open_session: Callable[[dict[str, str]], Rem
         raise SandboxError(
             "a remote sandbox cannot reach the host gateway's Unix socket: expose the gateway's TCP "
             "listener to the service (an authenticating tunnel or reverse proxy) and set "
-            f"{GATEWAY_URL_ENV} (or gateway_url=) to its URL")
+            f"{GATEWAY_URL_ENV} (or gateway_url=) to its URL"
+        )
     labels = {**labels, LABEL: "1", f"{LABEL}-sandbox": secrets.token_hex(8)}
     session = retrying("create", lambda: open_session(labels))
     sandbox = RemoteSandbox(session, spec, retrying, gateway_url=gateway_url)
@@ -184,8 +200,9 @@ def directory_archive(path: str, cache_dir: Path) -> Path:
         dirnames.sort()
         for name in sorted(filenames):
             st = os.lstat(os.path.join(dirpath, name))
-            digest.update(f"{os.path.relpath(os.path.join(dirpath, name), root)}\0{st.st_size}\0"
-                          f"{st.st_mtime_ns}\0".encode())
+            digest.update(
+                f"{os.path.relpath(os.path.join(dirpath, name), root)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode()
+            )
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"{digest.hexdigest()[:32]}.tar.gz"
@@ -215,16 +232,16 @@ def _killer(pattern: str) -> str:
     return (
         "r=0; while [ $r -lt 100 ]; do r=$((r+1)); n=0; "
         "for e in /proc/[0-9]*/environ; do "
-        f"if grep -qzx {_q('PI_ENV_JOB=' + pattern)} \"$e\" 2>/dev/null; then "
+        f'if grep -qzx {_q("PI_ENV_JOB=" + pattern)} "$e" 2>/dev/null; then '
         'p=${e#/proc/}; kill -KILL "${p%/environ}" 2>/dev/null && n=1; fi; done; '
-        '[ $n = 0 ] && break; done; true'
+        "[ $n = 0 ] && break; done; true"
     )
 
 
 def _no_symlink_in(full: str, *, last: bool) -> str:
     """Shell: exit _SYMLINK if a component of `full` below /root (the last one too if `last`)
     is a symlink."""
-    parts = full[len(SANDBOX_HOME) + 1:].split("/") if full != SANDBOX_HOME else []
+    parts = full[len(SANDBOX_HOME) + 1 :].split("/") if full != SANDBOX_HOME else []
     checks, current = [], SANDBOX_HOME
     for i, part in enumerate(parts):
         current = f"{current}/{part}"
@@ -236,12 +253,14 @@ def _no_symlink_in(full: str, *, last: bool) -> str:
 def _clear_the_way(full: str) -> str:
     """Shell: remove whatever stands where write_file puts `full` and its parents (a symlink or
     a file where a directory goes, a directory where the file goes), never following it."""
-    parts = full[len(SANDBOX_HOME) + 1:].split("/")
+    parts = full[len(SANDBOX_HOME) + 1 :].split("/")
     checks, current = [], SANDBOX_HOME
     for part in parts[:-1]:
         current = f"{current}/{part}"
-        checks.append(f"if [ -L {_q(current)} ] || {{ [ -e {_q(current)} ] && [ ! -d {_q(current)} ]; }}; "
-                      f"then rm -f {_q(current)}; fi; ")
+        checks.append(
+            f"if [ -L {_q(current)} ] || {{ [ -e {_q(current)} ] && [ ! -d {_q(current)} ]; }}; "
+            f"then rm -f {_q(current)}; fi; "
+        )
     checks.append(f"if [ -d {_q(full)} ] && [ ! -L {_q(full)} ]; then chmod -R u+w {_q(full)}; rm -rf {_q(full)}; fi; ")
     return "".join(checks)
 
@@ -260,8 +279,12 @@ def _safe_tree(data: bytes) -> bytes:
                 for member in tar:
                     name = posixpath.normpath(member.name)
                     parts = name.split("/")
-                    if name == "." or name.startswith("/") or ".." in parts \
-                            or any("/".join(parts[:i]) in links for i in range(1, len(parts))):
+                    if (
+                        name == "."
+                        or name.startswith("/")
+                        or ".." in parts
+                        or any("/".join(parts[:i]) in links for i in range(1, len(parts)))
+                    ):
                         continue
                     member.name, member.uid, member.gid, member.uname, member.gname = name, 0, 0, "root", "root"
                     member.mode &= 0o7777 & ~0o6000  # no setuid/setgid bits
@@ -342,8 +365,13 @@ class RemoteProcess:
             if self._result is None:
                 code, stdout, stderr = result
                 self._done, self._exit = True, code
-                self._result = ExecResult(exit_code=None if self._killed else code, stdout=stdout, stderr=stderr,
-                                          duration_s=time.monotonic() - self._started, timed_out=timed_out)
+                self._result = ExecResult(
+                    exit_code=None if self._killed else code,
+                    stdout=stdout,
+                    stderr=stderr,
+                    duration_s=time.monotonic() - self._started,
+                    timed_out=timed_out,
+                )
             return self._result
 
     def _wait_slice(self, seconds: float) -> tuple[int, str, str] | None:
@@ -377,8 +405,9 @@ class RemoteSandbox:
     home = SANDBOX_HOME
     workdir = SANDBOX_WORKDIR
 
-    def __init__(self, session: RemoteSession, spec: SandboxSpec, retrying: Retrying, *,
-                 gateway_url: str | None = None):
+    def __init__(
+        self, session: RemoteSession, spec: SandboxSpec, retrying: Retrying, *, gateway_url: str | None = None
+    ):
         self._session, self._spec, self._retry = session, spec, retrying
         self.id = session.id
         self._tag = secrets.token_hex(6)  # the PI_ENV_JOB prefix of this sandbox's commands
@@ -412,8 +441,12 @@ class RemoteSandbox:
         self._control(f"mkdir -p {SANDBOX_WORKDIR} {JOBS_DIR} && chmod 700 {JOBS_DIR}", 60)
         if lifetime_s is not None:
             watchdog = f"{JOBS_DIR}/watchdog.sh"
-            self._retry("upload", lambda: self._session.upload(
-                watchdog, f"sleep {int(lifetime_s)}; {_killer(re.escape(self._tag) + '[.].*')}\n".encode()))
+            self._retry(
+                "upload",
+                lambda: self._session.upload(
+                    watchdog, f"sleep {int(lifetime_s)}; {_killer(re.escape(self._tag) + '[.].*')}\n".encode()
+                ),
+            )
             self._retry("spawn", lambda: self._session.spawn(watchdog))
         for target, host in self._spec.ro_mounts.items():
             self._mount(target, host)
@@ -439,14 +472,29 @@ class RemoteSandbox:
 
     # -- commands
 
-    def exec(self, command: str | list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
-             timeout_s: float | None = None, network: Network = "none", stdin: bytes | None = None) -> ExecResult:
+    def exec(
+        self,
+        command: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        network: Network = "none",
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         process = self._launch(command, cwd, env, network, stdin, None, EXEC_OUTPUT_LIMIT_BYTES)
         return process.wait(timeout_s)
 
-    def start(self, command: str | list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
-              network: Network = "none", stdin_path: str | None = None,
-              output_limit_bytes: int = 4 << 20) -> RemoteProcess:
+    def start(
+        self,
+        command: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        network: Network = "none",
+        stdin_path: str | None = None,
+        output_limit_bytes: int = 4 << 20,
+    ) -> RemoteProcess:
         return self._launch(command, cwd, env, network, None, stdin_path, output_limit_bytes)
 
     def _launch(self, command, cwd, env, network, stdin, stdin_path, limit) -> RemoteProcess:
@@ -465,8 +513,15 @@ class RemoteSandbox:
             self._network = network
         job = self._next()
         d = f"{JOBS_DIR}/{job}"
-        environment = {"HOME": SANDBOX_HOME, "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                       "LANG": "C.UTF-8", **self._spec.env, **(env or {}), **extra, "PI_ENV_JOB": job}
+        environment = {
+            "HOME": SANDBOX_HOME,
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "LANG": "C.UTF-8",
+            **self._spec.env,
+            **(env or {}),
+            **extra,
+            "PI_ENV_JOB": job,
+        }
         if stdin_path is not None:
             stdin_file = posixpath.normpath(posixpath.join(SANDBOX_WORKDIR, stdin_path))
         else:
@@ -482,7 +537,8 @@ class RemoteSandbox:
             "drop=; command -v setpriv >/dev/null && drop='setpriv --bounding-set=-all --inh-caps=-all'\n"
             f"( cd {_q(workdir)} && {ulimits}exec $drop env -i "
             + " ".join(_q(f"{k}={v}") for k, v in environment.items())
-            + " " + program
+            + " "
+            + program
             + f" ) < {_q(stdin_file)} > {d}/out 2> {d}/err\n"
             f"echo $? > {d}/rc.tmp && mv {d}/rc.tmp {d}/rc\n"
         )
@@ -505,7 +561,8 @@ class RemoteSandbox:
                 raise ValueError(
                     "network='gateway' in a remote sandbox needs the host gateway's URL as the service "
                     "reaches it (its TCP listener behind an authenticating tunnel or reverse proxy): set "
-                    f"{GATEWAY_URL_ENV} or pass gateway_url= to the backend")
+                    f"{GATEWAY_URL_ENV} or pass gateway_url= to the backend"
+                )
             return {GATEWAY_URL_ENV: self._gateway_url}  # read by the agent's forwarder (forward.mjs)
         return {}
 
@@ -562,7 +619,8 @@ class RemoteSandbox:
         # mv replaces a symlink at the target itself (rename never follows it).
         code, out = self._file_script(
             f"{_clear_the_way(full)}mkdir -p {_q(posixpath.dirname(full))} || exit 1; "
-            f"chmod {mode:o} {staging} && mv -fT {staging} {_q(full)}")
+            f"chmod {mode:o} {staging} && mv -fT {staging} {_q(full)}"
+        )
         self._raise_for(code, path, out)
 
     def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
@@ -572,7 +630,8 @@ class RemoteSandbox:
         code, out = self._file_script(
             f"{_no_symlink_in(full, last=False)}[ -L {_q(full)} ] && exit {_MISSING}; "
             f"[ -d {_q(full)} ] && exit {_IS_DIR}; [ -f {_q(full)} ] || exit {_MISSING}; "
-            f"{copy} > {staging}")
+            f"{copy} > {staging}"
+        )
         if code == _SYMLINK:
             code = _MISSING  # through a symlinked dir: as good as missing, never followed
         self._raise_for(code, path, out)
@@ -603,8 +662,9 @@ class RemoteSandbox:
         full = _full_path(path)
         staging = f"{JOBS_DIR}/export-{secrets.token_hex(6)}.tar"
         code, out = self._file_script(
-            f"{_no_symlink_in(full, last=True)}[ -d {_q(full)} ] || exit {_MISSING}; "
-            f"tar -C {_q(full)} -cf {staging} .", 600)
+            f"{_no_symlink_in(full, last=True)}[ -d {_q(full)} ] || exit {_MISSING}; tar -C {_q(full)} -cf {staging} .",
+            600,
+        )
         if code in (_MISSING, _SYMLINK):
             return _safe_tree(b"")  # an empty archive
         self._raise_for(code, path, out)
@@ -621,17 +681,21 @@ class RemoteSandbox:
         self._retry("upload", lambda: self._session.upload(staging, data))
         code, out = self._file_script(
             f"{_clear_the_way(full)}mkdir -p {_q(full)} && "
-            f"tar -C {_q(full)} -xf {staging} --no-same-owner; c=$?; rm -f {staging}; exit $c", 600)
+            f"tar -C {_q(full)} -xf {staging} --no-same-owner; c=$?; rm -f {staging}; exit $c",
+            600,
+        )
         self._raise_for(code, path, out)
 
-    def snapshot(self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10,
-                 max_total_bytes: int | None = None) -> dict[str, bytes]:
+    def snapshot(
+        self, path: str, *, max_files: int = 200, max_file_bytes: int = 256 << 10, max_total_bytes: int | None = None
+    ) -> dict[str, bytes]:
         full = _full_path(path)
         staging = f"{JOBS_DIR}/snap-{secrets.token_hex(6)}.tar"
         code, out = self._file_script(
             f"{_no_symlink_in(full, last=True)}[ -d {_q(full)} ] || exit {_MISSING}; cd {_q(full)} && "
             f"find . -type f -size -{max_file_bytes + 1}c -print0 | sort -z | head -z -n {max_files} "
-            f"| tar -cf {staging} --null -T -")
+            f"| tar -cf {staging} --null -T -"
+        )
         if code in (_MISSING, _SYMLINK):
             return {}
         self._raise_for(code, path, out)
@@ -647,4 +711,3 @@ class RemoteSandbox:
                     files[posixpath.normpath(member.name)] = tar.extractfile(member).read()
                     left = None if left is None else left - member.size
         return files
-

@@ -43,8 +43,10 @@ class HostTotals:
     why_not: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
-        done = [f"memory total by {self.memory}" if self.memory else "NO memory total",
-                f"disk total by {self.disk}" if self.disk else "NO disk total"]
+        done = [
+            f"memory total by {self.memory}" if self.memory else "NO memory total",
+            f"disk total by {self.disk}" if self.disk else "NO disk total",
+        ]
         return "; ".join(done) + (f" ({'; '.join(self.why_not)})" if self.why_not else "")
 
 
@@ -77,7 +79,9 @@ def _cgroup_parents() -> tuple[str, dict[str, str]] | str:
     except (OSError, ValueError, IndexError) as error:
         return f"cannot read this process's cgroups: {error}"
     if "memory" in mounts and "memory" in own:  # v1 (also on hybrid hosts: v1 has the memory controller)
-        parents = {c: os.path.join(mounts[c], own[c].lstrip("/")) for c in ("memory", "pids") if c in mounts and c in own}
+        parents = {
+            c: os.path.join(mounts[c], own[c].lstrip("/")) for c in ("memory", "pids") if c in mounts and c in own
+        }
         if not os.access(parents["memory"], os.W_OK):
             return f"the memory cgroup {parents['memory']} is not writable (run as root)"
         return "v1", parents
@@ -94,9 +98,11 @@ def _cgroup_parents() -> tuple[str, dict[str, str]] | str:
             with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
                 f.write(" ".join(f"+{c}" for c in ("memory", "pids") if c in available))
         except OSError as error:
-            return (f"cannot enable the memory controller below {parent} ({error.strerror}); a v2 cgroup with "
-                    "processes of its own cannot delegate it: run pi-env in a cgroup of its own (systemd-run --scope "
-                    "-p Delegate=yes, or a container with a private cgroup namespace)")
+            return (
+                f"cannot enable the memory controller below {parent} ({error.strerror}); a v2 cgroup with "
+                "processes of its own cannot delegate it: run pi-env in a cgroup of its own (systemd-run --scope "
+                "-p Delegate=yes, or a container with a private cgroup namespace)"
+            )
         return "v2", {"memory": parent, "pids": parent}
     return "no memory cgroup controller is mounted (neither v1 nor v2)"
 
@@ -229,7 +235,8 @@ def mount_capped_home(path: str, size_bytes: int, owner: int | None) -> None:
     """Mount a tmpfs of `size_bytes` and home_inodes(size_bytes) inodes at `path` (mode 0700,
     owned by `owner`)."""
     options = f"size={size_bytes},nr_inodes={home_inodes(size_bytes)},mode=0700" + (
-        f",uid={owner},gid={owner}" if owner is not None else "")
+        f",uid={owner},gid={owner}" if owner is not None else ""
+    )
     if _libc().mount(b"pi-env-home", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options.encode()) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"mounting a {size_bytes}-byte tmpfs at {path}: {os.strerror(code)}")

@@ -67,7 +67,9 @@ def host_addresses() -> list[str]:
                 found.add(str(ipaddress.IPv6Address(int(line.split()[0], 16))))
     except OSError:
         pass  # no IPv6 on this host
-    return sorted(a for a in found if not (ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_link_local))
+    return sorted(
+        a for a in found if not (ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_link_local)
+    )
 
 
 class UserNet:
@@ -157,9 +159,15 @@ def _prohibit_host_addresses(pid: int) -> None:
     routes = "".join(f"route add prohibit {address}\n" for address in host_addresses())
     if not routes:
         return
-    done = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-batch", "-"], input=routes,
-                          capture_output=True, text=True, timeout=ATTACH_TIMEOUT_S, cwd="/",
-                          env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    done = subprocess.run(
+        ["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-batch", "-"],
+        input=routes,
+        capture_output=True,
+        text=True,
+        timeout=ATTACH_TIMEOUT_S,
+        cwd="/",
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+    )
     if done.returncode != 0:
         raise SandboxError(f"cannot keep the host's addresses from the sandbox: {done.stderr.strip()[-300:]}")
 
@@ -168,10 +176,26 @@ def _start_slirp(pid: int, exit_fd: int) -> tuple[subprocess.Popen, int]:
     ready_r, ready_w = os.pipe()
     try:
         slirp = subprocess.Popen(
-            [slirp4netns(), "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
-             "--enable-seccomp", f"--ready-fd={ready_w}", f"--exit-fd={exit_fd}", str(pid), "tap0"],
-            pass_fds=(ready_w, exit_fd), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, cwd="/", env={}, start_new_session=True)
+            [
+                slirp4netns(),
+                "--configure",
+                "--mtu=65520",
+                "--disable-host-loopback",
+                "--enable-sandbox",
+                "--enable-seccomp",
+                f"--ready-fd={ready_w}",
+                f"--exit-fd={exit_fd}",
+                str(pid),
+                "tap0",
+            ],
+            pass_fds=(ready_w, exit_fd),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd="/",
+            env={},
+            start_new_session=True,
+        )
     except BaseException:
         os.close(ready_r)
         raise
@@ -198,8 +222,14 @@ class NetworkHolder:
         own = os.readlink("/proc/self/ns/net")
         exit_r, exit_w = os.pipe()
         try:
-            self._process = subprocess.Popen(["unshare", "--net", "--", "sleep", "infinity"], pass_fds=(exit_w,),
-                                             stdin=subprocess.DEVNULL, cwd="/", env={}, start_new_session=True)
+            self._process = subprocess.Popen(
+                ["unshare", "--net", "--", "sleep", "infinity"],
+                pass_fds=(exit_w,),
+                stdin=subprocess.DEVNULL,
+                cwd="/",
+                env={},
+                start_new_session=True,
+            )
             os.close(exit_w)
             exit_w = -1
             self.path = f"/proc/{self._process.pid}/ns/net"

@@ -133,11 +133,14 @@ class EngineQuirks:
 
     def rejection(self, body: dict[str, Any]) -> web.Response | None:
         """The error this engine answers `body` with, if it refuses a logprobs parameter."""
-        if self.reject_logprobs == "always" and (body.get("logprobs") is True
-                                                 or body.get("top_logprobs") is not None):
+        if self.reject_logprobs == "always" and (body.get("logprobs") is True or body.get("top_logprobs") is not None):
             message, error_type = GROQ_LOGPROBS_ERROR, "invalid_request_error"
-        elif (self.reject_logprobs == "tools_stream" and body.get("logprobs") is True
-              and body.get("stream") is True and body.get("tools")):
+        elif (
+            self.reject_logprobs == "tools_stream"
+            and body.get("logprobs") is True
+            and body.get("stream") is True
+            and body.get("tools")
+        ):
             message = LLAMA_CPP_LOGPROBS_ERROR
             error_type = "invalid_request_error" if self.reject_status < 500 else "server_error"
         else:
@@ -167,8 +170,9 @@ def synthetic_logprob(token: str, position: int) -> float:
     return -(zlib.crc32(f"{position}:{token}".encode()) % 4000) / 1000
 
 
-def logprob_entry(token: str, position: int, top_n: int, *, as_token_id: bool = False,
-                  null: bool = False) -> dict[str, Any]:
+def logprob_entry(
+    token: str, position: int, top_n: int, *, as_token_id: bool = False, null: bool = False
+) -> dict[str, Any]:
     """One OpenAI/vLLM `logprobs.content` entry; the sampled token is always the top-1.
     `as_token_id`: tokens are spelled "token_id:N" (vLLM --return-tokens-as-token-ids);
     `null`: the logprob is missing (null, with no alternatives)."""
@@ -242,8 +246,13 @@ class TokenOptions:
         fields: dict[str, Any] = {}
         if self.logprobs:
             entries = [
-                logprob_entry(tok, first_position + i, self.top_logprobs, as_token_id=self.tokens_as_token_ids,
-                              null=null_every is not None and (first_position + i + 1) % null_every == 0)
+                logprob_entry(
+                    tok,
+                    first_position + i,
+                    self.top_logprobs,
+                    as_token_id=self.tokens_as_token_ids,
+                    null=null_every is not None and (first_position + i + 1) % null_every == 0,
+                )
                 for i, tok in enumerate(tokens)
             ]
             fields["logprobs"] = {"content": entries} if entries else None
@@ -337,8 +346,15 @@ class RenderCache:
 class Answer:
     """One request's answer to one scripted turn, as SSE events or a chat.completion body."""
 
-    def __init__(self, turn: ScriptedTurn, turn_index: int, body: dict[str, Any], cache: RenderCache,
-                 script: Script | None = None, quirks: EngineQuirks | None = None):
+    def __init__(
+        self,
+        turn: ScriptedTurn,
+        turn_index: int,
+        body: dict[str, Any],
+        cache: RenderCache,
+        script: Script | None = None,
+        quirks: EngineQuirks | None = None,
+    ):
         quirks = quirks or EngineQuirks()
         self.turn = turn
         self.cache = cache
@@ -454,9 +470,16 @@ class ScriptedServer:
     Runs on pi-env's background event loop; use as a context manager or call start()/stop().
     """
 
-    def __init__(self, *, port: int = 0, default: list[ScriptedTurn | dict] | None = None,
-                 quirks: EngineQuirks | None = None, token_engine: "TokenEngine | None" = None,
-                 record_requests: int = MAX_RECORDED_REQUESTS, record_bytes: int = MAX_RECORDED_BYTES):
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        default: list[ScriptedTurn | dict] | None = None,
+        quirks: EngineQuirks | None = None,
+        token_engine: TokenEngine | None = None,
+        record_requests: int = MAX_RECORDED_REQUESTS,
+        record_bytes: int = MAX_RECORDED_BYTES,
+    ):
         """`record_requests`/`record_bytes`: how many received requests `requests` keeps, and
         their bodies' bytes in all (oldest dropped first); 0 keeps none (a long-lived server)."""
         self._port = port
@@ -528,9 +551,7 @@ class ScriptedServer:
         # Engine-like: answers the probe that tells vLLM >= 0.10.2 (it honours return_token_ids).
         app.router.add_get("/version", self._version)
         # handler_cancellation: a client that hangs up cancels a hanging/delayed answer.
-        runner = web.AppRunner(
-            app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0
-        )
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await runner.setup()
         sock = socket.create_server(("127.0.0.1", self._port), backlog=1024)
         await web.SockSite(runner, sock, backlog=1024).start()
@@ -580,10 +601,12 @@ class ScriptedServer:
             plain = {k: v for k, v in body.items() if k not in ("logprobs", "return_token_ids")}
             answer = Answer(turn, turn_index, plain, self._render_cache, script, self.quirks)
             if not body.get("stream"):
-                return web.json_response(with_engine_tokens(self.token_engine, body, turn, answer.completion()),
-                                         headers=SYNTHETIC_HEADERS)
-            return await self._stream(request, with_engine_tokens(self.token_engine, body, turn, answer.sse_events()),
-                                      fault)
+                return web.json_response(
+                    with_engine_tokens(self.token_engine, body, turn, answer.completion()), headers=SYNTHETIC_HEADERS
+                )
+            return await self._stream(
+                request, with_engine_tokens(self.token_engine, body, turn, answer.sse_events()), fault
+            )
         answer = Answer(turn, turn_index, body, self._render_cache, script, self.quirks)
         if not body.get("stream"):
             if fault.truncate_body_at is not None:
@@ -600,10 +623,14 @@ class ScriptedServer:
             body = None
         self._record(request, body, len(raw))
         if self.token_engine is None:
-            return openai_error(404, "this scripted server has no token engine: /v1/completions is not served",
-                                "not_found")
-        if not isinstance(body, dict) or not isinstance(body.get("prompt"), list) \
-                or not all(isinstance(i, int) for i in body["prompt"]):
+            return openai_error(
+                404, "this scripted server has no token engine: /v1/completions is not served", "not_found"
+            )
+        if (
+            not isinstance(body, dict)
+            or not isinstance(body.get("prompt"), list)
+            or not all(isinstance(i, int) for i in body["prompt"])
+        ):
             return openai_error(400, "prompt must be a list of token ids", "invalid_request_error")
         script = self._scripts.get(bearer_token(request.headers.get("Authorization")) or "", self._default)
         if script is None:
@@ -657,8 +684,9 @@ class ScriptedServer:
     def _record(self, request: web.Request, body: Any, size: int = 0) -> None:
         if self._record_requests <= 0 or size > self._record_bytes:
             return
-        received = ReceivedRequest(request.method, request.path_qs,
-                                   {name.lower(): value for name, value in request.headers.items()}, body)
+        received = ReceivedRequest(
+            request.method, request.path_qs, {name.lower(): value for name, value in request.headers.items()}, body
+        )
         self._received.append((received, size))
         self._recorded_bytes += size
         while len(self._received) > self._record_requests or self._recorded_bytes > self._record_bytes:
@@ -706,9 +734,7 @@ def load_script_file(server: ScriptedServer, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m pi_env.scripted", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m pi_env.scripted", description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0, help="0: an ephemeral port")
     parser.add_argument("--script", required=True, help="JSON file (see load_script_file)")
     args = parser.parse_args(argv)

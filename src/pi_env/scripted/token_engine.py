@@ -25,8 +25,14 @@ ASSISTANT_MARKER = "<|im_start|>assistant"
 
 
 class TokenEngine:
-    def __init__(self, tokenizer, *, split: Literal["chars", "canonical"] = "chars",
-                 end_token: str = "<|im_end|>", assistant_marker: str = ASSISTANT_MARKER):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        split: Literal["chars", "canonical"] = "chars",
+        end_token: str = "<|im_end|>",
+        assistant_marker: str = ASSISTANT_MARKER,
+    ):
         self.tokenizer = tokenizer
         self.split = split
         self.end_id = tokenizer.convert_tokens_to_ids(end_token)
@@ -38,8 +44,14 @@ class TokenEngine:
         text = turn.text
         for call in turn.tool_calls:
             arguments = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments)
-            text += ("\n" if text else "") + '<tool_call>\n{"name": "' + call.name + '", "arguments": ' + arguments \
+            text += (
+                ("\n" if text else "")
+                + '<tool_call>\n{"name": "'
+                + call.name
+                + '", "arguments": '
+                + arguments
                 + "}\n</tool_call>"
+            )
         return text
 
     def answer_ids(self, turn: ScriptedTurn) -> list[int]:
@@ -57,10 +69,15 @@ class TokenEngine:
     def chat_prompt_ids(self, body: dict[str, Any]) -> list[int]:
         """The canonical re-render of the chat, as an engine applying its template makes it (text
         parts joined with newlines first, as vLLM does for a template that reads strings)."""
-        messages = [{**m, "content": "\n".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))}
-                    if isinstance(m.get("content"), list) else m for m in body.get("messages") or []]
-        ids = self.tokenizer.apply_chat_template(messages, tools=body.get("tools") or None,
-                                                 add_generation_prompt=True, tokenize=True)
+        messages = [
+            {**m, "content": "\n".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))}
+            if isinstance(m.get("content"), list)
+            else m
+            for m in body.get("messages") or []
+        ]
+        ids = self.tokenizer.apply_chat_template(
+            messages, tools=body.get("tools") or None, add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -79,8 +96,12 @@ class TokenEngine:
             return None
         tokens = [self.token_text(i) for i in ids]
         logprobs = [synthetic_logprob(t, first_position + k) for k, t in enumerate(tokens)]
-        return {"text_offset": [0] * len(ids), "token_logprobs": logprobs, "tokens": tokens,
-                "top_logprobs": [{t: lp} if top_n else {} for t, lp in zip(tokens, logprobs)]}
+        return {
+            "text_offset": [0] * len(ids),
+            "token_logprobs": logprobs,
+            "tokens": tokens,
+            "top_logprobs": [{t: lp} if top_n else {} for t, lp in zip(tokens, logprobs)],
+        }
 
     def chat_logprob_entries(self, ids: list[int], top_n: int) -> list[dict[str, Any]]:
         """Chat-style `logprobs.content` entries for `ids`."""
@@ -88,13 +109,20 @@ class TokenEngine:
         for position, token_id in enumerate(ids):
             token = self.token_text(token_id)
             logprob = synthetic_logprob(token, position)
-            entries.append({"token": token, "logprob": logprob, "bytes": list(token.encode()),
-                            "top_logprobs": [{"token": token, "logprob": logprob}] if top_n else []})
+            entries.append(
+                {
+                    "token": token,
+                    "logprob": logprob,
+                    "bytes": list(token.encode()),
+                    "top_logprobs": [{"token": token, "logprob": logprob}] if top_n else [],
+                }
+            )
         return entries
 
 
-def with_engine_tokens(engine: TokenEngine, body: dict[str, Any], turn: ScriptedTurn,
-                       answer: dict[str, Any] | list[bytes]) -> dict[str, Any] | list[bytes]:
+def with_engine_tokens(
+    engine: TokenEngine, body: dict[str, Any], turn: ScriptedTurn, answer: dict[str, Any] | list[bytes]
+) -> dict[str, Any] | list[bytes]:
     """A chat answer (a body, or SSE events) given the engine's token fields: the canonical
     prompt ids (on the first chunk), the answer's ids and logprobs (on the finishing chunk),
     and usage counting them."""
@@ -140,21 +168,39 @@ def completion_events(engine: TokenEngine, body: dict[str, Any], turn: ScriptedT
     if isinstance(limit, int) and len(ids) > limit:
         ids, finish = ids[:limit], "length"
     top_n = body.get("logprobs") if isinstance(body.get("logprobs"), int) else None
-    envelope = {"id": "cmpl-synthetic", "object": "text_completion", "created": SYNTHETIC_CREATED,
-                "model": str(body.get("model") or "scripted"), "system_fingerprint": SYNTHETIC_FINGERPRINT}
+    envelope = {
+        "id": "cmpl-synthetic",
+        "object": "text_completion",
+        "created": SYNTHETIC_CREATED,
+        "model": str(body.get("model") or "scripted"),
+        "system_fingerprint": SYNTHETIC_FINGERPRINT,
+    }
     usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
     if not body.get("stream"):
         text = engine.tokenizer.decode(ids, skip_special_tokens=True)
-        choice = {"index": 0, "text": text, "logprobs": engine.logprob_fields(ids, 0, top_n), "finish_reason": finish,
-                  "stop_reason": None, "prompt_token_ids": prompt, "token_ids": ids}
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": engine.logprob_fields(ids, 0, top_n),
+            "finish_reason": finish,
+            "stop_reason": None,
+            "prompt_token_ids": prompt,
+            "token_ids": ids,
+        }
         return {**envelope, "choices": [choice], "usage": usage}
     events = []
     for position, token_id in enumerate(ids):
         last = position == len(ids) - 1
         text = "" if token_id == engine.end_id else engine.token_text(token_id)
-        choice = {"index": 0, "text": text, "logprobs": engine.logprob_fields([token_id], position, top_n),
-                  "finish_reason": finish if last else None, "stop_reason": None,
-                  "prompt_token_ids": prompt if position == 0 else None, "token_ids": [token_id]}
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": engine.logprob_fields([token_id], position, top_n),
+            "finish_reason": finish if last else None,
+            "stop_reason": None,
+            "prompt_token_ids": prompt if position == 0 else None,
+            "token_ids": [token_id],
+        }
         events.append(b"data: " + json.dumps({**envelope, "choices": [choice]}).encode() + b"\n\n")
     if (body.get("stream_options") or {}).get("include_usage"):
         events.append(b"data: " + json.dumps({**envelope, "choices": [], "usage": usage}).encode() + b"\n\n")

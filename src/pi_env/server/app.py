@@ -23,7 +23,6 @@ import asyncio
 import contextvars
 import functools
 import inspect
-import json
 import logging
 import os
 import threading
@@ -33,26 +32,37 @@ from typing import Annotated, Any, Literal
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline, and nothing phoned home
 
-from fastmcp import Context, FastMCP  # noqa: E402
-from fastmcp.exceptions import ToolError, ValidationError as ToolArgumentsError  # noqa: E402
-from fastmcp.server.middleware import Middleware  # noqa: E402
-from openenv.core.env_server.http_server import create_app  # noqa: E402
-from openenv.core.env_server.mcp_environment import MCPEnvironment  # noqa: E402
-from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation  # noqa: E402
-from openenv.core.env_server.types import Observation, State  # noqa: E402
-from pydantic import Field, ValidationError  # noqa: E402
-from starlette.responses import JSONResponse  # noqa: E402
+from fastmcp import Context, FastMCP
+from fastmcp.exceptions import ToolError
+from fastmcp.exceptions import ValidationError as ToolArgumentsError
+from fastmcp.server.middleware import Middleware
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.mcp_environment import MCPEnvironment
+from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
+from openenv.core.env_server.types import Observation, State
+from pydantic import Field, ValidationError
 
-from .auth import ServerGuard, allowed_origins_from_env  # noqa: E402
-from .bodies import BoundedJsonBodies  # noqa: E402
-from .limiter import ServerBusy  # noqa: E402
-from .rollouts import (  # noqa: E402
-    CALLER_META, BadArguments, RolloutService, caller_gone, catalog_summary, client_gone, describe, registered_caller, scrub,
-    scrub_result)
+from .auth import ServerGuard, allowed_origins_from_env
+from .bodies import BoundedJsonBodies
+from .limiter import ServerBusy
+from .rollouts import (
+    CALLER_META,
+    BadArguments,
+    RolloutService,
+    caller_gone,
+    catalog_summary,
+    client_gone,
+    describe,
+    registered_caller,
+    scrub,
+    scrub_result,
+)
 
 log = logging.getLogger("pi_env.server")
 # FastMCP logs a bad call's argument values; _CleanArgumentErrors reports it without them (a value may be a key).
-logging.getLogger("fastmcp.server.server").addFilter(lambda record: not record.getMessage().startswith("Invalid arguments"))
+logging.getLogger("fastmcp.server.server").addFilter(
+    lambda record: not record.getMessage().startswith("Invalid arguments")
+)
 ROLLOUT_TOOL_TIMEOUT_S = 24 * 3600  # OpenEnv's default tool timeout is 30 s; a rollout takes minutes
 
 INSTRUCTIONS = """pi-env runs the Pi coding agent on a task in an isolated sandbox against an
@@ -69,18 +79,30 @@ def build_mcp_server(service: RolloutService) -> FastMCP:
     async def run_rollout(
         instruction: Annotated[str | None, Field(description="what the agent is asked to do")] = None,
         setup: Annotated[list[str] | str | None, Field(description="shell commands before the agent, in order")] = None,
-        verify: Annotated[list[str] | None, Field(description="shell commands after the agent; reward = "
-                                                              "fraction that pass, or the float one writes to "
-                                                              "$HOME/logs/verifier/reward.txt")] = None,
+        verify: Annotated[
+            list[str] | None,
+            Field(
+                description="shell commands after the agent; reward = "
+                "fraction that pass, or the float one writes to "
+                "$HOME/logs/verifier/reward.txt"
+            ),
+        ] = None,
         task_id: str | None = None,
         files: Annotated[dict[str, str] | None, Field(description="files staged before setup {path: text}")] = None,
         verify_files: Annotated[dict[str, str] | None, Field(description="files staged only after the agent")] = None,
-        solution: Annotated[list[dict[str, Any]] | None, Field(description="reference steps the oracle "
-                                                                            "endpoint replays")] = None,
-        task: Annotated[dict[str, Any] | None, Field(description="a whole task object instead of the task "
-                                                                 "fields above")] = None,
-        endpoint: Annotated[str, Field(description="oracle, vllm, openai, hf_router, local, or an http(s) URL "
-                                                   "(GET /endpoints lists what is configured)")] = "oracle",
+        solution: Annotated[
+            list[dict[str, Any]] | None, Field(description="reference steps the oracle endpoint replays")
+        ] = None,
+        task: Annotated[
+            dict[str, Any] | None, Field(description="a whole task object instead of the task fields above")
+        ] = None,
+        endpoint: Annotated[
+            str,
+            Field(
+                description="oracle, vllm, openai, hf_router, local, or an http(s) URL "
+                "(GET /endpoints lists what is configured)"
+            ),
+        ] = "oracle",
         base_url: str | None = None,
         api_key: Annotated[str | None, Field(description="upstream key; never logged or returned")] = None,
         model: str | None = None,
@@ -191,16 +213,20 @@ class PiEnvironment(MCPEnvironment):
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> Observation:
         self._state = State(episode_id=episode_id or str(uuid.uuid4()), step_count=0)
-        return Observation(done=False, reward=None,
-                           metadata={"tools": ["run_rollout"], "endpoints": catalog_summary()})
+        return Observation(done=False, reward=None, metadata={"tools": ["run_rollout"], "endpoints": catalog_summary()})
 
     async def _async_handle_call_tool(self, action: CallToolAction, timeout_s: float | None = None):
         self._state.step_count += 1
         return await super()._async_handle_call_tool(action, timeout_s=timeout_s or ROLLOUT_TOOL_TIMEOUT_S)
 
     def _step_impl(self, action, timeout_s: float | None = None, **kwargs) -> Observation:
-        return Observation(done=False, reward=None, metadata={
-            "error": f"unsupported action {type(action).__name__}: use CallToolAction(tool_name='run_rollout', ...)"})
+        return Observation(
+            done=False,
+            reward=None,
+            metadata={
+                "error": f"unsupported action {type(action).__name__}: use CallToolAction(tool_name='run_rollout', ...)"
+            },
+        )
 
     @property
     def state(self) -> State:
@@ -220,9 +246,16 @@ def create_pi_app(service: RolloutService | None = None, *, web: bool | None = N
 
         builder = functools.partial(gradio_builder, service)
     limits = service.limiter
-    app = create_app(functools.partial(PiEnvironment, mcp_server), CallToolAction, CallToolObservation,
-                     env_name="pi_env", max_concurrent_envs=limits.max_running + limits.max_waiting,
-                     gradio_builder=builder, show_default_tab=False, title_override="pi-env")
+    app = create_app(
+        functools.partial(PiEnvironment, mcp_server),
+        CallToolAction,
+        CallToolObservation,
+        env_name="pi_env",
+        max_concurrent_envs=limits.max_running + limits.max_waiting,
+        gradio_builder=builder,
+        show_default_tab=False,
+        title_override="pi-env",
+    )
     app.title, app.description = "pi-env", INSTRUCTIONS
     mcp_app = mcp_server.http_app(path="/mcp", stateless_http=True)
     openenv_lifespan = app.router.lifespan_context
@@ -244,16 +277,30 @@ def create_pi_app(service: RolloutService | None = None, *, web: bool | None = N
 
     app.state.rollouts = service
     origins = allowed_origins_from_env()
-    guarded = ServerGuard(BoundedJsonBodies(DisconnectWatch(McpDispatch(app, mcp_app))),
-                          os.environ.get("PI_ENV_AUTH_TOKEN") or None, origins)
+    guarded = ServerGuard(
+        BoundedJsonBodies(DisconnectWatch(McpDispatch(app, mcp_app))),
+        os.environ.get("PI_ENV_AUTH_TOKEN") or None,
+        origins,
+    )
     hide_query_strings_in_logs()
     if not origins:
         return guarded
     from starlette.middleware.cors import CORSMiddleware
 
-    return CORSMiddleware(guarded, allow_origins=list(origins), allow_methods=["GET", "POST", "DELETE"],
-                          allow_headers=["authorization", "content-type", "accept", "mcp-session-id",
-                                         "mcp-protocol-version", "last-event-id"], expose_headers=["mcp-session-id"])
+    return CORSMiddleware(
+        guarded,
+        allow_origins=list(origins),
+        allow_methods=["GET", "POST", "DELETE"],
+        allow_headers=[
+            "authorization",
+            "content-type",
+            "accept",
+            "mcp-session-id",
+            "mcp-protocol-version",
+            "last-event-id",
+        ],
+        expose_headers=["mcp-session-id"],
+    )
 
 
 class _NoQueryStrings(logging.Filter):

@@ -33,18 +33,21 @@ UI_PREFIX = "/web"
 LOGIN_PATH = "/web/login"
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 # Gradio's page needs its inline bootstrap script and inline styles; nothing from elsewhere.
-UI_CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline' 'unsafe-eval'; style-src 'self' 'unsafe-inline'; "
-          "img-src 'self' data: blob:; media-src 'self' data: blob:; font-src 'self' data:; connect-src 'self'; "
-          "frame-src 'self'; worker-src 'self' blob:; object-src 'none'; base-uri 'self'; form-action 'self'; "
-          "frame-ancestors 'none'").encode()
+UI_CSP = (
+    b"default-src 'self'; script-src 'self' 'unsafe-inline' 'unsafe-eval'; style-src 'self' 'unsafe-inline'; "
+    b"img-src 'self' data: blob:; media-src 'self' data: blob:; font-src 'self' data:; connect-src 'self'; "
+    b"frame-src 'self'; worker-src 'self' blob:; object-src 'none'; base-uri 'self'; form-action 'self'; "
+    b"frame-ancestors 'none'"
+)
 MAX_LOGIN_BODY = 4096
 
 
 def allowed_origins_from_env() -> tuple[str, ...]:
     """PI_ENV_CORS_ORIGINS: comma-separated origins (scheme://host[:port]) that may call the API
     from a browser; empty (the default): none but the server's own."""
-    return tuple(origin.strip().rstrip("/") for origin in os.environ.get("PI_ENV_CORS_ORIGINS", "").split(",")
-                 if origin.strip())
+    return tuple(
+        origin.strip().rstrip("/") for origin in os.environ.get("PI_ENV_CORS_ORIGINS", "").split(",") if origin.strip()
+    )
 
 
 class ServerGuard:
@@ -61,8 +64,13 @@ class ServerGuard:
         origin = headers.get("origin")
         unsafe = scope["type"] == "websocket" or scope["method"] not in SAFE_METHODS
         if unsafe and origin is not None and not self._origin_allowed(origin, headers.get("host", "")):
-            return await _refuse(scope, send, 403, "forbidden: cross-origin request (the Origin is not this "
-                                                   "server's; list trusted origins in PI_ENV_CORS_ORIGINS)")
+            return await _refuse(
+                scope,
+                send,
+                403,
+                "forbidden: cross-origin request (the Origin is not this "
+                "server's; list trusted origins in PI_ENV_CORS_ORIGINS)",
+            )
         path = scope["path"]
         send = self._without_cors(send, ui=path == UI_PREFIX or path.startswith(UI_PREFIX + "/"))
         if self.token is None or path in OPEN_PATHS:
@@ -79,8 +87,12 @@ class ServerGuard:
                 return await self._login(scope, receive, send, origin)
             if scope["method"] == "GET" and path.rstrip("/") == UI_PREFIX:
                 return await _login_page(send, 401)
-        await _refuse(scope, send, 401, "unauthorized: send 'Authorization: Bearer <PI_ENV_AUTH_TOKEN>' "
-                                        "(browsers: sign in at /web)")
+        await _refuse(
+            scope,
+            send,
+            401,
+            "unauthorized: send 'Authorization: Bearer <PI_ENV_AUTH_TOKEN>' (browsers: sign in at /web)",
+        )
 
     def _ok(self, presented: str) -> bool:
         return bool(presented) and hmac.compare_digest(presented.encode(), self.token.encode())
@@ -95,8 +107,11 @@ class ServerGuard:
 
         async def filtered(message):
             if message["type"] == "http.response.start":
-                headers = [(name, value) for name, value in message.get("headers", [])
-                           if not name.lower().startswith(b"access-control-")]
+                headers = [
+                    (name, value)
+                    for name, value in message.get("headers", [])
+                    if not name.lower().startswith(b"access-control-")
+                ]
                 if ui and not any(name.lower() == b"content-security-policy" for name, _ in headers):
                     headers.append((b"content-security-policy", UI_CSP))
                 message = {**message, "headers": headers}
@@ -120,9 +135,17 @@ class ServerGuard:
             return await _login_page(send, 401, "Wrong token.")
         secure = "; Secure" if _scheme(scope, _headers(scope)) == "https" else ""
         cookie = f"{COOKIE}={self.token}; Path={UI_PREFIX}; HttpOnly; SameSite=Strict{secure}"
-        await send({"type": "http.response.start", "status": 303,
-                    "headers": [(b"location", f"{UI_PREFIX}/".encode()), (b"set-cookie", cookie.encode()),
-                                (b"cache-control", b"no-store")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 303,
+                "headers": [
+                    (b"location", f"{UI_PREFIX}/".encode()),
+                    (b"set-cookie", cookie.encode()),
+                    (b"cache-control", b"no-store"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": b""})
 
 
@@ -166,8 +189,16 @@ autocomplete="current-password" autofocus></label> <button type="submit" id="sig
 
 async def _login_page(send, status: int, error: str = "") -> None:
     page = LOGIN_HTML.format(action=LOGIN_PATH, error=f'<p id="error">{html.escape(error)}</p>' if error else "")
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"text/html; charset=utf-8"), (b"cache-control", b"no-store"),
-                            (b"content-security-policy", b"default-src 'none'; form-action 'self'"),
-                            (b"x-frame-options", b"DENY")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"text/html; charset=utf-8"),
+                (b"cache-control", b"no-store"),
+                (b"content-security-policy", b"default-src 'none'; form-action 'self'"),
+                (b"x-frame-options", b"DENY"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": page.encode()})

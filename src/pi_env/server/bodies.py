@@ -32,8 +32,9 @@ class BoundedJsonBodies:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await _answer(scope, send, 413, f"request body larger than {self.max_bytes} bytes "
-                                                       "(PI_ENV_MAX_BODY_BYTES)")
+                return await _answer(
+                    scope, send, 413, f"request body larger than {self.max_bytes} bytes (PI_ENV_MAX_BODY_BYTES)"
+                )
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)

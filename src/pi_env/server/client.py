@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import anyio
 import httpx
 from mcp import ClientSession
-
 from mcp.client.streamable_http import streamable_http_client
 
 from .._aio import run_sync
@@ -47,15 +47,26 @@ class PiEnv:
     `arun_rollout` (async) return a `RolloutResult`. `timeout_s` bounds a whole call, queue
     included; `ServerBusy` and `PiEnvError` carry the server's message."""
 
-    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 connect_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = 30.0,
+    ):
         self.base_url = base_url.rstrip("/")
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     # -- async -------------------------------------------------------------------------------
-    async def arun_rollout(self, task: PiTask | dict | str | Path | None = None, *,
-                           on_progress: Callable[[str], None] | None = None, **arguments: Any) -> RolloutResult:
+    async def arun_rollout(
+        self,
+        task: PiTask | dict | str | Path | None = None,
+        *,
+        on_progress: Callable[[str], None] | None = None,
+        **arguments: Any,
+    ) -> RolloutResult:
         """One rollout on the server. `task`: a PiTask, a task dict, a task JSON file or an
         instruction; or leave it out and pass the task fields (instruction=, verify=, ...).
         Other arguments as the MCP tool's (endpoint, model, api_key, mode, max_turns, ...).
@@ -78,14 +89,21 @@ class PiEnv:
 
     async def aendpoints(self) -> dict[str, Any]:
         """The server's GET /endpoints: which model endpoints it has configured, and its load."""
-        async with httpx.AsyncClient(headers=self._headers, timeout=self.connect_timeout_s, verify=_ssl_context()) as http:
+        async with httpx.AsyncClient(
+            headers=self._headers, timeout=self.connect_timeout_s, verify=_ssl_context()
+        ) as http:
             response = await http.get(f"{self.base_url}/endpoints")
         response.raise_for_status()
         return response.json()
 
     # -- sync (the same calls, results not coroutines) -------------------------------------------
-    def run_rollout(self, task: PiTask | dict | str | Path | None = None, *,
-                    on_progress: Callable[[str], None] | None = None, **arguments: Any) -> RolloutResult:
+    def run_rollout(
+        self,
+        task: PiTask | dict | str | Path | None = None,
+        *,
+        on_progress: Callable[[str], None] | None = None,
+        **arguments: Any,
+    ) -> RolloutResult:
         return run_sync(self.arun_rollout(task, on_progress=on_progress, **arguments))
 
     def list_tools(self) -> list[dict[str, Any]]:
@@ -94,13 +112,13 @@ class PiEnv:
     def endpoints(self) -> dict[str, Any]:
         return run_sync(self.aendpoints())
 
-    def __enter__(self) -> "PiEnv":
+    def __enter__(self) -> PiEnv:
         return self
 
     def __exit__(self, *exc) -> None:
         pass  # nothing held between calls
 
-    async def __aenter__(self) -> "PiEnv":
+    async def __aenter__(self) -> PiEnv:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -111,11 +129,19 @@ class PiEnv:
         watch = _CallStreamWatch()
         try:
             async with self._session(watch) as session:
-                answer = await watch.guard(session.call_tool(
-                    name, arguments, read_timeout_seconds=timedelta(seconds=self.timeout_s), progress_callback=progress))
+                answer = await watch.guard(
+                    session.call_tool(
+                        name,
+                        arguments,
+                        read_timeout_seconds=timedelta(seconds=self.timeout_s),
+                        progress_callback=progress,
+                    )
+                )
             if answer is None:
-                raise PiEnvError(f"{self.base_url}/mcp: the server closed the {name} call without an answer (it "
-                                 "stopped or crashed mid-call); the call's result is lost")
+                raise PiEnvError(
+                    f"{self.base_url}/mcp: the server closed the {name} call without an answer (it "
+                    "stopped or crashed mid-call); the call's result is lost"
+                )
         except BaseExceptionGroup as group:  # anyio task groups wrap the transport's errors
             raise PiEnvError(f"{self.base_url}/mcp: {_first_error(group)}") from None
         except httpx.HTTPError as error:
@@ -128,14 +154,15 @@ class PiEnv:
         return answer.structuredContent or json.loads(text)
 
     @asynccontextmanager
-    async def _session(self, watch: "_CallStreamWatch | None" = None):
+    async def _session(self, watch: _CallStreamWatch | None = None):
         """One MCP connection: initialize, then the caller's requests."""
         timeout = httpx.Timeout(self.connect_timeout_s, read=self.timeout_s)
         hooks = {"response": [watch.on_response]} if watch is not None else {}
-        async with httpx.AsyncClient(headers=self._headers, timeout=timeout, verify=_ssl_context(),
-                                     event_hooks=hooks) as http, \
-                streamable_http_client(f"{self.base_url}/mcp", http_client=http) as (read, write, _), \
-                ClientSession(read, write) as session:
+        async with (
+            httpx.AsyncClient(headers=self._headers, timeout=timeout, verify=_ssl_context(), event_hooks=hooks) as http,
+            streamable_http_client(f"{self.base_url}/mcp", http_client=http) as (read, write, _),
+            ClientSession(read, write) as session,
+        ):
             await session.initialize()
             yield session
 
@@ -153,8 +180,11 @@ class _CallStreamWatch:
 
     async def on_response(self, response: httpx.Response) -> None:
         request = response.request
-        if request.method == "POST" and response.headers.get("content-type", "").startswith("text/event-stream") \
-                and b'"tools/call"' in _body(request):
+        if (
+            request.method == "POST"
+            and response.headers.get("content-type", "").startswith("text/event-stream")
+            and b'"tools/call"' in _body(request)
+        ):
             response.stream = _StreamEndSignal(response.stream, self.ended)
 
     async def guard(self, call):
@@ -162,6 +192,7 @@ class _CallStreamWatch:
         answer: list = []
 
         async with anyio.create_task_group() as group:
+
             async def run() -> None:
                 try:
                     answer.append(await call)
@@ -217,6 +248,7 @@ def _first_error(group: BaseExceptionGroup) -> str:
     while isinstance(error, BaseExceptionGroup) and error.exceptions:
         error = error.exceptions[0]
     if isinstance(error, httpx.HTTPStatusError):
-        return f"HTTP {error.response.status_code}" + (" (wrong or missing token)" if error.response.status_code == 401
-                                                       else "")
+        return f"HTTP {error.response.status_code}" + (
+            " (wrong or missing token)" if error.response.status_code == 401 else ""
+        )
     return f"{type(error).__name__}: {error}"

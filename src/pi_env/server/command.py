@@ -11,19 +11,27 @@ from ..arguments import backend_argument
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to serve other machines)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-concurrent", type=int, default=None,
-                        help="rollouts at once (default: $MAX_CONCURRENT_ENVS or 4)")
-    parser.add_argument("--max-queue", type=int, default=None,
-                        help="calls that may wait for a slot; more are answered busy (default: $PI_ENV_MAX_QUEUE "
-                             "or 4 x max-concurrent)")
+    parser.add_argument(
+        "--max-concurrent", type=int, default=None, help="rollouts at once (default: $MAX_CONCURRENT_ENVS or 4)"
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="calls that may wait for a slot; more are answered busy (default: $PI_ENV_MAX_QUEUE "
+        "or 4 x max-concurrent)",
+    )
     backend_argument(parser, default=None)  # None: $PI_ENV_SANDBOX_BACKEND or local
     parser.add_argument("--no-web", action="store_true", help="no web UI at /web")
 
 
 def run(args) -> int:
     # The app reads its settings from the environment, as it does under plain uvicorn or in a Space.
-    for name, value in (("MAX_CONCURRENT_ENVS", args.max_concurrent), ("PI_ENV_MAX_QUEUE", args.max_queue),
-                        ("PI_ENV_SANDBOX_BACKEND", args.backend)):
+    for name, value in (
+        ("MAX_CONCURRENT_ENVS", args.max_concurrent),
+        ("PI_ENV_MAX_QUEUE", args.max_queue),
+        ("PI_ENV_SANDBOX_BACKEND", args.backend),
+    ):
         if value is not None:
             os.environ[name] = str(value)
     if args.no_web:
@@ -34,6 +42,7 @@ def run(args) -> int:
 
     # The access log shows paths without query strings (app.hide_query_strings_in_logs).
     # A bounded graceful shutdown: then running calls are cancelled, which deletes their sandboxes.
-    uvicorn.run(create_pi_app(), host=args.host, port=args.port, access_log=True, log_level="info",
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        create_pi_app(), host=args.host, port=args.port, access_log=True, log_level="info", timeout_graceful_shutdown=5
+    )
     return 0

@@ -27,8 +27,9 @@ class RolloutLimiter:
 
     def __init__(self, max_running: int, max_waiting: int):
         if max_running < 1 or max_waiting < 0:
-            raise ValueError(f"MAX_CONCURRENT_ENVS must be >= 1 and the queue >= 0 "
-                             f"(got {max_running} and {max_waiting})")
+            raise ValueError(
+                f"MAX_CONCURRENT_ENVS must be >= 1 and the queue >= 0 (got {max_running} and {max_waiting})"
+            )
         self.max_running, self.max_waiting = max_running, max_waiting
         self.running = 0
         self._queue: deque[int] = deque()
@@ -41,8 +42,12 @@ class RolloutLimiter:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"running": self.running, "waiting": len(self._queue), "max_running": self.max_running,
-                    "max_waiting": self.max_waiting}
+            return {
+                "running": self.running,
+                "waiting": len(self._queue),
+                "max_running": self.max_running,
+                "max_waiting": self.max_waiting,
+            }
 
     @asynccontextmanager
     async def slot(self, on_queued=None, gone: threading.Event | None = None):
@@ -62,9 +67,11 @@ class RolloutLimiter:
                 self.running += 1
                 return
             if len(self._queue) >= self.max_waiting:
-                raise ServerBusy(f"busy: {self.running} rollouts running (MAX_CONCURRENT_ENVS={self.max_running}) "
-                                 f"and {len(self._queue)} waiting (PI_ENV_MAX_QUEUE={self.max_waiting}); "
-                                 "retry later")
+                raise ServerBusy(
+                    f"busy: {self.running} rollouts running (MAX_CONCURRENT_ENVS={self.max_running}) "
+                    f"and {len(self._queue)} waiting (PI_ENV_MAX_QUEUE={self.max_waiting}); "
+                    "retry later"
+                )
             ticket = next(self._tickets)
             self._queue.append(ticket)
             position = len(self._queue)

@@ -14,8 +14,9 @@ import json
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import quote, quote_plus, urlparse, urlunparse
 
 from pydantic import ValidationError
@@ -28,8 +29,11 @@ from .limiter import RolloutLimiter
 
 TASK_FIELDS = ("instruction", "setup", "verify", "files", "verify_files", "solution", "task_id")
 # run_rollout's argument names (the reference's) for PiConfig fields, so errors name what the caller sent.
-CONFIG_ARGUMENTS = {"proxy_disable_thinking": "disable_thinking", "proxy_max_tokens_cap": "max_tokens_cap",
-                    "proxy_top_logprobs": "top_logprobs"}
+CONFIG_ARGUMENTS = {
+    "proxy_disable_thinking": "disable_thinking",
+    "proxy_max_tokens_cap": "max_tokens_cap",
+    "proxy_top_logprobs": "top_logprobs",
+}
 LOCAL = "local"  # the server's own engine, when PI_ENV_LOCAL_BASE_URL names one
 MODES = ("black_box", "transparent_proxy")  # interception_gate needs the trainer in-process
 
@@ -58,13 +62,19 @@ def build_rollout(arguments: dict[str, Any], *, sandbox_backend: str | None = No
     if mode not in MODES:
         raise BadArguments(f"mode: {mode!r} is not one of {list(MODES)}")
     endpoint = given.pop("endpoint", ORACLE)
-    fields = {"endpoint": endpoint, "mode": mode, "base_url": given.pop("base_url", None),
-              "api_key": given.pop("api_key", None), "model": given.pop("model", None),
-              "proxy_disable_thinking": given.pop("disable_thinking", None),
-              "proxy_max_tokens_cap": given.pop("max_tokens_cap", None),
-              "proxy_top_logprobs": given.pop("top_logprobs", None),
-              "agent_timeout_s": given.pop("agent_timeout_s", None), "max_turns": given.pop("max_turns", None),
-              "sandbox_backend": sandbox_backend}
+    fields = {
+        "endpoint": endpoint,
+        "mode": mode,
+        "base_url": given.pop("base_url", None),
+        "api_key": given.pop("api_key", None),
+        "model": given.pop("model", None),
+        "proxy_disable_thinking": given.pop("disable_thinking", None),
+        "proxy_max_tokens_cap": given.pop("max_tokens_cap", None),
+        "proxy_top_logprobs": given.pop("top_logprobs", None),
+        "agent_timeout_s": given.pop("agent_timeout_s", None),
+        "max_turns": given.pop("max_turns", None),
+        "sandbox_backend": sandbox_backend,
+    }
     if given:
         raise BadArguments(f"unknown arguments {sorted(given)}")
     if endpoint == LOCAL:
@@ -100,26 +110,52 @@ def local_engine(fields: dict) -> dict:
     url = os.environ.get("PI_ENV_LOCAL_BASE_URL")
     if not url:
         raise BadArguments("endpoint: 'local' is not configured on this server (it needs PI_ENV_LOCAL_BASE_URL)")
-    return {"endpoint": url, "model": fields["model"] or os.environ.get("PI_ENV_LOCAL_MODEL"),
-            "api_key": fields["api_key"] or os.environ.get("PI_ENV_LOCAL_API_KEY")}
+    return {
+        "endpoint": url,
+        "model": fields["model"] or os.environ.get("PI_ENV_LOCAL_MODEL"),
+        "api_key": fields["api_key"] or os.environ.get("PI_ENV_LOCAL_API_KEY"),
+    }
 
 
 def catalog_summary() -> list[dict[str, Any]]:
     """Which endpoints this server can use, from its environment. No secrets: whether a key
     is set, never the key; URLs without user info."""
-    rows = [{"name": ORACLE, "configured": True, "base_url": None, "model": "pi-env-oracle", "key_set": False,
-             "note": "replays the task's `solution` through the real Pi (synthetic records)"}]
+    rows = [
+        {
+            "name": ORACLE,
+            "configured": True,
+            "base_url": None,
+            "model": "pi-env-oracle",
+            "key_set": False,
+            "note": "replays the task's `solution` through the real Pi (synthetic records)",
+        }
+    ]
     for name, entry in CATALOG.items():
         key_set = any(os.environ.get(env) for env in entry.key_envs)
         url = os.environ.get(entry.url_env) or entry.default_url
         model = os.environ.get(entry.model_env) or entry.default_model
         configured = (bool(os.environ.get(entry.url_env)) or key_set) if name == "vllm" else key_set
-        rows.append({"name": name, "configured": configured, "base_url": _public_url(url), "model": model,
-                     "key_set": key_set, "note": f"set {entry.url_env}, {' or '.join(entry.key_envs)}, {entry.model_env}"})
+        rows.append(
+            {
+                "name": name,
+                "configured": configured,
+                "base_url": _public_url(url),
+                "model": model,
+                "key_set": key_set,
+                "note": f"set {entry.url_env}, {' or '.join(entry.key_envs)}, {entry.model_env}",
+            }
+        )
     local = os.environ.get("PI_ENV_LOCAL_BASE_URL")
-    rows.append({"name": LOCAL, "configured": bool(local), "base_url": _public_url(local),
-                 "model": os.environ.get("PI_ENV_LOCAL_MODEL"), "key_set": bool(os.environ.get("PI_ENV_LOCAL_API_KEY")),
-                 "note": "this server's own engine: set PI_ENV_LOCAL_BASE_URL, PI_ENV_LOCAL_MODEL"})
+    rows.append(
+        {
+            "name": LOCAL,
+            "configured": bool(local),
+            "base_url": _public_url(local),
+            "model": os.environ.get("PI_ENV_LOCAL_MODEL"),
+            "key_set": bool(os.environ.get("PI_ENV_LOCAL_API_KEY")),
+            "note": "this server's own engine: set PI_ENV_LOCAL_BASE_URL, PI_ENV_LOCAL_MODEL",
+        }
+    )
     return rows
 
 
@@ -127,8 +163,11 @@ def _public_url(url: str | None) -> str | None:
     if not url:
         return None
     parsed = urlparse(url)
-    return urlunparse(parsed._replace(netloc=parsed.hostname + (f":{parsed.port}" if parsed.port else ""))) \
-        if parsed.hostname else url
+    return (
+        urlunparse(parsed._replace(netloc=parsed.hostname + (f":{parsed.port}" if parsed.port else "")))
+        if parsed.hostname
+        else url
+    )
 
 
 def scrub(text: str, secret: str | None) -> str:
@@ -138,8 +177,14 @@ def scrub(text: str, secret: str | None) -> str:
     a key like "stop" or "true" must not rename `stop_reason` or break the JSON."""
     if not secret or len(secret) < 4:
         return text
-    forms = {secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1], repr(secret)[1:-1],
-             quote(secret, safe=""), quote_plus(secret, safe="")}
+    forms = {
+        secret,
+        json.dumps(secret)[1:-1],
+        json.dumps(secret, ensure_ascii=False)[1:-1],
+        repr(secret)[1:-1],
+        quote(secret, safe=""),
+        quote_plus(secret, safe=""),
+    }
     for form in sorted(forms, key=len, reverse=True):
         text = text.replace(form, "***")
     return text
@@ -201,7 +246,7 @@ class RolloutService:
         self._active: set[_Rollout] = set()
 
     @classmethod
-    def from_env(cls) -> "RolloutService":
+    def from_env(cls) -> RolloutService:
         try:
             max_running = int(os.environ.get("MAX_CONCURRENT_ENVS", "4"))
             max_waiting = int(os.environ.get("PI_ENV_MAX_QUEUE", str(4 * max_running)))
@@ -212,8 +257,15 @@ class RolloutService:
     def build(self, arguments: dict[str, Any]) -> tuple[PiTask, PiConfig]:
         return build_rollout(arguments, sandbox_backend=self.sandbox_backend)
 
-    async def run(self, task: PiTask, config: PiConfig, *, on_event: Callable[[RolloutEvent], None] | None = None,
-                  on_queued: Callable[[int], None] | None = None, gone: threading.Event | None = None) -> RolloutResult:
+    async def run(
+        self,
+        task: PiTask,
+        config: PiConfig,
+        *,
+        on_event: Callable[[RolloutEvent], None] | None = None,
+        on_queued: Callable[[int], None] | None = None,
+        gone: threading.Event | None = None,
+    ) -> RolloutResult:
         """One rollout under the limit. Raises ServerBusy when the queue is full. Cancelling
         the awaiting task (the web UI's Cancel) or `gone` being set (default: the request's
         `client_gone`) closes the session, queued or running: the agent is killed and the
@@ -258,8 +310,7 @@ class _Rollout:
 
         session = None
         try:
-            session = PiSessionFactory(self.config).create(self.task, on_event=self.on_event,
-                                                           on_session=self._started)
+            session = PiSessionFactory(self.config).create(self.task, on_event=self.on_event, on_session=self._started)
             if self.cancelled:  # cancelled during setup: nobody waits for the result
                 raise asyncio.CancelledError("cancelled during setup")
             return session.wait_for_completion()

@@ -58,13 +58,43 @@ class _Machine:
         self.dir = root
         os.makedirs(os.path.join(root, "root"))
         read_fd, write_fd = os.pipe()
-        argv = [shutil.which("bwrap") or "bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--die-with-parent", "--info-fd", str(write_fd), "--ro-bind", "/", "/", "--proc", "/proc",
-                "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/opt", "--tmpfs", "/run",
-                "--bind", os.path.join(root, "root"), "/root", "--", "sleep", "infinity"]
-        self.process = subprocess.Popen(argv, pass_fds=(write_fd,), start_new_session=True, preexec_fn=_die_with_us,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+        argv = [
+            shutil.which("bwrap") or "bwrap",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--die-with-parent",
+            "--info-fd",
+            str(write_fd),
+            "--ro-bind",
+            "/",
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+            "--tmpfs",
+            "/opt",
+            "--tmpfs",
+            "/run",
+            "--bind",
+            os.path.join(root, "root"),
+            "/root",
+            "--",
+            "sleep",
+            "infinity",
+        ]
+        self.process = subprocess.Popen(
+            argv,
+            pass_fds=(write_fd,),
+            start_new_session=True,
+            preexec_fn=_die_with_us,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(write_fd)
         data = b""
         while b"}" not in data:  # bwrap may keep the fd open: read up to the JSON's end
@@ -75,7 +105,7 @@ class _Machine:
         os.close(read_fd)
         # bwrap reports the namespace's init (killing it ends everything inside); commands enter
         # the namespaces and root of its child, the `sleep`.
-        self.init_pid = json.loads(data[:data.index(b"}") + 1])["child-pid"]
+        self.init_pid = json.loads(data[: data.index(b"}") + 1])["child-pid"]
         deadline = time.monotonic() + 10
         while not (children := open(f"/proc/{self.init_pid}/task/{self.init_pid}/children").read().split()):
             if time.monotonic() > deadline:
@@ -85,12 +115,31 @@ class _Machine:
         self.commands: dict[int, subprocess.Popen] = {}
 
     def spawn(self, config: process_pb.ProcessConfig) -> subprocess.Popen:
-        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
-               **dict(config.envs or {})}
-        argv = ["nsenter", "-t", str(self.pid), "--pid", "--mount", "--root", f"--wd={config.cwd or '/root'}",
-                "--", config.cmd, *config.args]
-        process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, start_new_session=True)
+        env = {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": "/root",
+            **dict(config.envs or {}),
+        }
+        argv = [
+            "nsenter",
+            "-t",
+            str(self.pid),
+            "--pid",
+            "--mount",
+            "--root",
+            f"--wd={config.cwd or '/root'}",
+            "--",
+            config.cmd,
+            *config.args,
+        ]
+        process = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         self.commands[process.pid] = process
         return process
 
@@ -156,8 +205,10 @@ class _Process:
                 events.append(name)
                 done.notify_all()
 
-        threads = [threading.Thread(target=pump, args=(process.stdout, "stdout"), daemon=True),
-                   threading.Thread(target=pump, args=(process.stderr, "stderr"), daemon=True)]
+        threads = [
+            threading.Thread(target=pump, args=(process.stdout, "stdout"), daemon=True),
+            threading.Thread(target=pump, args=(process.stderr, "stderr"), daemon=True),
+        ]
         for thread in threads:
             thread.start()
         Event = process_pb.ProcessEvent
@@ -174,9 +225,18 @@ class _Process:
                 else:
                     yield process_pb.StartResponse(event=Event(event=Oneof("data", item)))
         code = process.wait()
-        yield process_pb.StartResponse(event=Event(event=Oneof("end", Event.EndEvent(
-            exit_code=code if code >= 0 else -1, exited=code >= 0,
-            status=f"exit status {code}" if code >= 0 else f"signal: {-code}"))))
+        yield process_pb.StartResponse(
+            event=Event(
+                event=Oneof(
+                    "end",
+                    Event.EndEvent(
+                        exit_code=code if code >= 0 else -1,
+                        exited=code >= 0,
+                        status=f"exit status {code}" if code >= 0 else f"signal: {-code}",
+                    ),
+                )
+            )
+        )
 
     def send_signal(self, request: process_pb.SendSignalRequest, ctx):
         machine = self._machine(ctx)
@@ -245,15 +305,27 @@ class FakeE2B:
     # -- WSGI
 
     @staticmethod
-    def _reply(start_response, status: int, body: bytes | dict | list | None = None,
-               content_type: str = "application/json"):
+    def _reply(
+        start_response, status: int, body: bytes | dict | list | None = None, content_type: str = "application/json"
+    ):
         if body is not None and not isinstance(body, bytes):
             body = json.dumps(body).encode()
-        reasons = {200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
-                   404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
-                   502: "Bad Gateway", 503: "Service Unavailable"}
-        start_response(f"{status} {reasons.get(status, 'Error')}",
-                       [("Content-Type", content_type), ("Content-Length", str(len(body or b"")))])
+        reasons = {
+            200: "OK",
+            201: "Created",
+            204: "No Content",
+            400: "Bad Request",
+            401: "Unauthorized",
+            404: "Not Found",
+            429: "Too Many Requests",
+            500: "Internal Server Error",
+            502: "Bad Gateway",
+            503: "Service Unavailable",
+        }
+        start_response(
+            f"{status} {reasons.get(status, 'Error')}",
+            [("Content-Type", content_type), ("Content-Length", str(len(body or b"")))],
+        )
         return [body or b""]
 
     def _app(self, environ, start_response):
@@ -281,13 +353,17 @@ class FakeE2B:
         if method == "POST":
             if environ.get("CONTENT_TYPE", "").startswith("multipart/form-data"):
                 message = BytesParser(policy=email.policy.HTTP).parsebytes(
-                    f"Content-Type: {environ['CONTENT_TYPE']}\r\n\r\n".encode() + body)
+                    f"Content-Type: {environ['CONTENT_TYPE']}\r\n\r\n".encode() + body
+                )
                 body = next(message.iter_parts()).get_payload(decode=True)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as f:
                 f.write(body)
-            return self._reply(start_response, 200, [{"name": os.path.basename(target), "type": "file",
-                                                     "path": target.split("/root", 1)[1]}])
+            return self._reply(
+                start_response,
+                200,
+                [{"name": os.path.basename(target), "type": "file", "path": target.split("/root", 1)[1]}],
+            )
         try:
             with open(target, "rb") as f:
                 data = f.read()
@@ -306,12 +382,19 @@ class FakeE2B:
             sandbox_id = "sbx" + secrets.token_hex(8)
             # From one long-lived thread: the parent-death signal fires when the creating
             # *thread* ends, and request threads end at once.
-            machine = self._spawner.submit(_Machine, sandbox_id, os.path.join(self._root, sandbox_id),
-                                           request).result()
+            machine = self._spawner.submit(_Machine, sandbox_id, os.path.join(self._root, sandbox_id), request).result()
             self.machines[sandbox_id], self.requests[sandbox_id] = machine, request
-            return self._reply(start_response, 201, {
-                "templateID": request.get("templateID", "base"), "sandboxID": sandbox_id, "clientID": "fake",
-                "envdVersion": ENVD_VERSION, "envdAccessToken": machine.token})
+            return self._reply(
+                start_response,
+                201,
+                {
+                    "templateID": request.get("templateID", "base"),
+                    "sandboxID": sandbox_id,
+                    "clientID": "fake",
+                    "envdVersion": ENVD_VERSION,
+                    "envdAccessToken": machine.token,
+                },
+            )
         if method == "PUT" and path.endswith("/network"):  # egress rules: recorded, not enforced
             sandbox_id = path.split("/")[2]
             if sandbox_id not in self.machines:

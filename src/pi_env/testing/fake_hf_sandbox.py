@@ -64,7 +64,7 @@ class _Handler(QuietJsonHandler):
         path = url.path
         for root in ("/v1/", "/health"):  # drop the job prefix of the exposed URL
             if root in path:
-                path = path[path.index(root):]
+                path = path[path.index(root) :]
                 break
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -114,8 +114,14 @@ class _Handler(QuietJsonHandler):
         payload = json.loads(body)
         started = time.monotonic()
         process = subprocess.Popen(
-            self._argv(payload), cwd=payload.get("cwd"), env={**os.environ, **payload.get("env", {})},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            self._argv(payload),
+            cwd=payload.get("cwd"),
+            env={**os.environ, **payload.get("env", {})},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         timed_out = False
         try:
             out, err = process.communicate((payload.get("stdin") or "").encode(), timeout=payload.get("timeout"))
@@ -124,12 +130,18 @@ class _Handler(QuietJsonHandler):
             os.killpg(process.pid, signal.SIGKILL)
             out, err = process.communicate()
         code = process.returncode
-        events = [{"event": "stdout", "data": out.decode(errors="replace")} if out else None,
-                  {"event": "stderr", "data": err.decode(errors="replace")} if err else None,
-                  {"event": "ping"},
-                  {"event": "exit", "exit_code": None if timed_out or code < 0 else code,
-                   "signal": -code if code < 0 else None, "timed_out": timed_out,
-                   "duration_ms": int((time.monotonic() - started) * 1000)}]
+        events = [
+            {"event": "stdout", "data": out.decode(errors="replace")} if out else None,
+            {"event": "stderr", "data": err.decode(errors="replace")} if err else None,
+            {"event": "ping"},
+            {
+                "event": "exit",
+                "exit_code": None if timed_out or code < 0 else code,
+                "signal": -code if code < 0 else None,
+                "timed_out": timed_out,
+                "duration_ms": int((time.monotonic() - started) * 1000),
+            },
+        ]
         self.send_response(200)
         self.send_header("Content-Type", "application/x-ndjson")
         self.send_header("Connection", "close")
@@ -143,16 +155,27 @@ class _Handler(QuietJsonHandler):
     def _post_processes(self, query, body):
         payload = json.loads(body)
         process = subprocess.Popen(
-            self._argv(payload), cwd=payload.get("cwd"), env={**os.environ, **payload.get("env", {})},
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            self._argv(payload),
+            cwd=payload.get("cwd"),
+            env={**os.environ, **payload.get("env", {})},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         pid = f"p{process.pid}"
         self.server.processes[pid] = (process, payload["cmd"])
         threading.Thread(target=process.wait, daemon=True).start()  # reap it
         self._send(200, {"id": pid, "pid": process.pid})
 
     def _get_processes(self, query, body):
-        self._send(200, [{"id": pid, "pid": p.pid, "cmd": cmd, "running": p.poll() is None, "exit_code": p.poll()}
-                         for pid, (p, cmd) in self.server.processes.items()])
+        self._send(
+            200,
+            [
+                {"id": pid, "pid": p.pid, "cmd": cmd, "running": p.poll() is None, "exit_code": p.poll()}
+                for pid, (p, cmd) in self.server.processes.items()
+            ],
+        )
 
     def _kill(self, pid: str):
         process, _ = self.server.processes.get(pid, (None, None))
@@ -192,8 +215,17 @@ class _Handler(QuietJsonHandler):
         path = self._no_symlinks(query["path"])
         st = os.stat(path)
         kind = "dir" if os.path.isdir(path) else "file"
-        self._send(200, {"name": os.path.basename(path), "path": path, "type": kind, "size": st.st_size,
-                         "mtime_ms": int(st.st_mtime * 1000), "mode": oct(st.st_mode & 0o777)[2:]})
+        self._send(
+            200,
+            {
+                "name": os.path.basename(path),
+                "path": path,
+                "type": kind,
+                "size": st.st_size,
+                "mtime_ms": int(st.st_mtime * 1000),
+                "mode": oct(st.st_mode & 0o777)[2:],
+            },
+        )
 
     def _get_files_read(self, query, body):
         path = self._no_symlinks(query["path"])
@@ -251,12 +283,18 @@ class _Job:
 
     def info(self) -> dict:
         return {
-            "id": self.id, "owner": {"id": "0", "name": self.namespace, "type": "user"},
-            "dockerImage": self.spec.get("dockerImage"), "command": self.spec.get("command"),
-            "environment": self.spec.get("environment"), "flavor": self.spec.get("flavor"),
+            "id": self.id,
+            "owner": {"id": "0", "name": self.namespace, "type": "user"},
+            "dockerImage": self.spec.get("dockerImage"),
+            "command": self.spec.get("command"),
+            "environment": self.spec.get("environment"),
+            "flavor": self.spec.get("flavor"),
             "labels": self.spec.get("labels"),
-            "status": {"stage": self.stage, "message": None,
-                       "exposeUrls": [f"http://127.0.0.1:{self.port}/{self.id}{SERVER_PORT_MARKER}fake"]},
+            "status": {
+                "stage": self.stage,
+                "message": None,
+                "exposeUrls": [f"http://127.0.0.1:{self.port}/{self.id}{SERVER_PORT_MARKER}fake"],
+            },
         }
 
 
@@ -353,13 +391,39 @@ class FakeHfJobs(ThreadingHTTPServer):
             os.makedirs(os.path.join(root, sub))
         job = _Job(job_id, namespace, spec, root)
         environment = {**spec.get("environment", {}), **spec.get("secrets", {})}
-        argv = [shutil.which("bwrap") or "bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
-                "--tmpfs", "/tmp", "--tmpfs", "/opt", "--tmpfs", "/run",
-                "--bind", os.path.join(root, "root"), "/root",
-                "--bind", os.path.join(root, "control"), SANDBOX_CONTROL, "--clearenv",
-                "--setenv", "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                "--setenv", "HOME", "/root"]
+        argv = [
+            shutil.which("bwrap") or "bwrap",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--die-with-parent",
+            "--ro-bind",
+            "/",
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+            "--tmpfs",
+            "/opt",
+            "--tmpfs",
+            "/run",
+            "--bind",
+            os.path.join(root, "root"),
+            "/root",
+            "--bind",
+            os.path.join(root, "control"),
+            SANDBOX_CONTROL,
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "--setenv",
+            "HOME",
+            "/root",
+        ]
         for name, value in environment.items():
             argv += ["--setenv", name, str(value)]
         # The image's python (the test's own may live under /root, which the job hides), and
@@ -367,8 +431,9 @@ class FakeHfJobs(ThreadingHTTPServer):
         python = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3"
         shutil.copyfile(os.path.abspath(__file__), os.path.join(root, "control", "sbx_server.py"))
         argv += ["--", python, "-I", f"{SANDBOX_CONTROL}/sbx_server.py", SANDBOX_CONTROL]
-        job.process = self._spawner.submit(subprocess.Popen, argv, start_new_session=True,
-                                           stdin=subprocess.DEVNULL).result()
+        job.process = self._spawner.submit(
+            subprocess.Popen, argv, start_new_session=True, stdin=subprocess.DEVNULL
+        ).result()
         port_file = os.path.join(root, "control", "port")
         deadline = time.monotonic() + 120  # a loaded machine starts a sandbox slowly
         while not os.path.exists(port_file):

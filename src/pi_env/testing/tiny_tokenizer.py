@@ -13,8 +13,9 @@ from pathlib import Path
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tokenizer_dir(directory: str | Path, corpus: Iterable[str], *, chat_template: str,
-                       vocab_size: int = 3000) -> Path:
+def make_tokenizer_dir(
+    directory: str | Path, corpus: Iterable[str], *, chat_template: str, vocab_size: int = 3000
+) -> Path:
     """Train the tokenizer on `corpus`, save it (tokenizer.json, tokenizer_config.json with the
     chat template) into `directory`, and return the directory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -23,11 +24,20 @@ def make_tokenizer_dir(directory: str | Path, corpus: Iterable[str], *, chat_tem
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(list(corpus), trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                        unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|im_end|>",
+    )
     tokenizer.chat_template = chat_template
     directory = Path(directory)
     tokenizer.save_pretrained(str(directory))

@@ -57,9 +57,16 @@ OWN_ENV = {"PATH": OWN_PATH, "BASH_ENV": "", "ENV": "", "LC_ALL": "C"}
 # Verify's environment: no shell start-up file named by the environment; git runs no fsmonitor
 # and no hook the work dir's .git/config names (`git status` in a verifier would run them).
 # Python writes no compiled modules into the agent's work dir (they would outlive verify).
-VERIFY_ENV = {"BASH_ENV": "", "ENV": "", "PYTHONDONTWRITEBYTECODE": "1", "GIT_CONFIG_COUNT": "2",
-              "GIT_CONFIG_KEY_0": "core.fsmonitor", "GIT_CONFIG_VALUE_0": "false",
-              "GIT_CONFIG_KEY_1": "core.hooksPath", "GIT_CONFIG_VALUE_1": "/dev/null"}
+VERIFY_ENV = {
+    "BASH_ENV": "",
+    "ENV": "",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "GIT_CONFIG_COUNT": "2",
+    "GIT_CONFIG_KEY_0": "core.fsmonitor",
+    "GIT_CONFIG_VALUE_0": "false",
+    "GIT_CONFIG_KEY_1": "core.hooksPath",
+    "GIT_CONFIG_VALUE_1": "/dev/null",
+}
 # Hooks verify turns off unless setup made them (then they are the task's, restored with the
 # home): name -> (value, home paths whose presence after setup means setup made them).
 # GIT_CONFIG_GLOBAL names the home's own file, never /dev/null: a `git config --global` run as
@@ -72,11 +79,12 @@ VERIFY_HOOKS = {
 # its ini files; Python: sitecustomize, and compiled modules it prefers to their source when the
 # source's mtime and size match; npm: the project .npmrc; node: node_modules).
 TOOL_DIRS = ("node_modules", "__pycache__")
-TOOL_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "sitecustomize.py", "usercustomize.py", ".npmrc",
-              *TOOL_DIRS)
+TOOL_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "sitecustomize.py", "usercustomize.py", ".npmrc", *TOOL_DIRS)
 # Files that configure pytest only when they have its section (grep -E finds the section's header).
 TOOL_SECTIONS = {"pyproject.toml": "tool.pytest", "setup.cfg": "tool:pytest", "tox.ini": "pytest"}
-SECTION_PATTERN = r"^[[:space:]]*\[(" + "|".join(section.replace(".", r"\.") for section in TOOL_SECTIONS.values()) + ")"
+SECTION_PATTERN = (
+    r"^[[:space:]]*\[(" + "|".join(section.replace(".", r"\.") for section in TOOL_SECTIONS.values()) + ")"
+)
 MAX_REWARD_BYTES = 64 << 10
 MAX_NOTE_NAMES = 20
 # A verify command or verify file naming this uses a reward file (when the task does not say).
@@ -111,8 +119,9 @@ def record_setup(sandbox: Sandbox, task: PiTask, *, setup_ran: bool, env: dict[s
     if not setup_ran:
         sandbox.remove(SETUP_PATHS)
         return {"PATH": env.get("PATH", ""), "PYTHONPATH": env.get("PYTHONPATH", "")}
-    outcome = _own(sandbox, ["/bin/bash", "-c", _RECORD, "pi-env", SETUP_PATHS, *_find_args(sandbox, task)],
-                   keep_path=True)
+    outcome = _own(
+        sandbox, ["/bin/bash", "-c", _RECORD, "pi-env", SETUP_PATHS, *_find_args(sandbox, task)], keep_path=True
+    )
     if outcome.exit_code != 0:
         raise OSError(f"could not record what setup left for the verifier: {outcome.stderr[-300:]}")
     path, _, python_path = outcome.stdout.partition("\0")
@@ -209,12 +218,30 @@ def set_aside(sandbox: Sandbox, task: PiTask) -> tuple[list[str], list[str]]:
     workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/") + "/"
     # The task's own files of those names (the agent may have changed them), and whatever the
     # agent left where hidden files go: set aside whether setup made them or not.
-    own = [workdir + path for path in task.files if _is_tool_path(task, path)] + \
-        [workdir + path for path in task.verify_files] + \
-        [workdir + name for module in _verifier_modules(task) for name in (module, f"{module}.py")
-         if name not in task.verify_files and name not in _staging_dirs(task)]
-    outcome = _own(sandbox, ["/bin/bash", "-c", _SET_ASIDE, "pi-env", SETUP_PATHS, ASIDE_DIR, str(len(own)), *own,
-                             *_find_args(sandbox, task)])
+    own = (
+        [workdir + path for path in task.files if _is_tool_path(task, path)]
+        + [workdir + path for path in task.verify_files]
+        + [
+            workdir + name
+            for module in _verifier_modules(task)
+            for name in (module, f"{module}.py")
+            if name not in task.verify_files and name not in _staging_dirs(task)
+        ]
+    )
+    outcome = _own(
+        sandbox,
+        [
+            "/bin/bash",
+            "-c",
+            _SET_ASIDE,
+            "pi-env",
+            SETUP_PATHS,
+            ASIDE_DIR,
+            str(len(own)),
+            *own,
+            *_find_args(sandbox, task),
+        ],
+    )
     if outcome.exit_code != 0:
         raise OSError(f"could not set aside the agent's verifier files: {outcome.stderr[-300:]}")
     moved = [line for line in outcome.stdout.splitlines() if re.fullmatch(r"\d+ [0-9a-f]+", line)]
@@ -223,12 +250,16 @@ def set_aside(sandbox: Sandbox, task: PiTask) -> tuple[list[str], list[str]]:
             sandbox.write_file(path, text)
     # The notes name only what the agent planted: not the task's own, nor where hidden files go.
     expected = set(own)
-    names = [name.removeprefix(workdir) for name in (bytes.fromhex(line.split()[1]).decode("utf-8", "replace")
-                                                      for line in moved) if name not in expected]
+    names = [
+        name.removeprefix(workdir)
+        for name in (bytes.fromhex(line.split()[1]).decode("utf-8", "replace") for line in moved)
+        if name not in expected
+    ]
     if not names:
         return moved, []
-    shown = ", ".join(names[:MAX_NOTE_NAMES]) + (f" and {len(names) - MAX_NOTE_NAMES} more"
-                                                 if len(names) > MAX_NOTE_NAMES else "")
+    shown = ", ".join(names[:MAX_NOTE_NAMES]) + (
+        f" and {len(names) - MAX_NOTE_NAMES} more" if len(names) > MAX_NOTE_NAMES else ""
+    )
     return moved, [f"set aside for verify (the agent's, and a verifier's tool would load it): {shown}"]
 
 
@@ -239,7 +270,7 @@ def put_back(sandbox: Sandbox, task: PiTask, moved: list[str]) -> None:
     for path in task.verify_files:
         sandbox.remove(path)
     for start in range(0, len(moved), 500):  # nothing moved: no command; 500 a command, well within ARG_MAX
-        outcome = _own(sandbox, ["/bin/bash", "-c", _PUT_BACK, "pi-env", ASIDE_DIR, *moved[start:start + 500]])
+        outcome = _own(sandbox, ["/bin/bash", "-c", _PUT_BACK, "pi-env", ASIDE_DIR, *moved[start : start + 500]])
         if outcome.exit_code != 0:
             raise OSError(f"could not put back the agent's verifier files: {outcome.stderr[-300:]}")
 
@@ -254,6 +285,7 @@ def stage(sandbox: Sandbox, task: PiTask) -> None:
 
 
 # -- after verify ---------------------------------------------------------------------------
+
 
 @dataclass
 class RewardReading:
@@ -270,9 +302,14 @@ def read_reward(sandbox: Sandbox, task: PiTask) -> RewardReading:
     reward.json (an object whose "reward" entry, or only entry, is a number)."""
     if not uses_reward_file(task):
         written = [path for path in (REWARD_FILE, REWARD_JSON) if sandbox.exists(path)]
-        return RewardReading(notes=[f"{written[0]} ignored: this task scores by pass rate (it does not set "
-                                    "reward_file, and no verify command or file names the reward file)"]
-                             if written else [])
+        return RewardReading(
+            notes=[
+                f"{written[0]} ignored: this task scores by pass rate (it does not set "
+                "reward_file, and no verify command or file names the reward file)"
+            ]
+            if written
+            else []
+        )
     low, high = task.reward_range
     value, why = _reward_value(sandbox)
     if why is None and not low <= value <= high:
@@ -332,12 +369,18 @@ def _read(sandbox: Sandbox, path: str) -> tuple[str | None, str | None]:
 
 # -- helpers --------------------------------------------------------------------------------
 
+
 def _is_tool_path(task: PiTask, path: str) -> bool:
     """Does `path` (work-dir relative) fall under what set_aside moves? (TOOL_SECTIONS files are
     the task's own: staged again whatever their content.)"""
     parts = path.split("/")
-    return (parts[-1] in TOOL_FILES or parts[-1] in TOOL_SECTIONS or any(d in parts[:-1] for d in TOOL_DIRS)
-            or parts[0] in _staging_dirs(task) or path in _init_files(task))
+    return (
+        parts[-1] in TOOL_FILES
+        or parts[-1] in TOOL_SECTIONS
+        or any(d in parts[:-1] for d in TOOL_DIRS)
+        or parts[0] in _staging_dirs(task)
+        or path in _init_files(task)
+    )
 
 
 def _verifier_modules(task: PiTask) -> set[str]:
@@ -377,11 +420,40 @@ def _find_args(sandbox: Sandbox, task: PiTask) -> list[str]:
     sections: list[str] = []
     for name in TOOL_SECTIONS:
         sections += ["-o", "-name", name]
-    return [workdir, "-mindepth", "1",
-            "(", "(", *pruned[1:], ")", "-prune", "-print0", ")",
-            "-o", "(", "(", *names[1:], ")", "-print0", ")",
-            "-o", "(", "(", *sections[1:], ")", "-type", "f",
-            "-exec", "grep", "-qsE", SECTION_PATTERN, "{}", ";", "-print0", ")"]
+    return [
+        workdir,
+        "-mindepth",
+        "1",
+        "(",
+        "(",
+        *pruned[1:],
+        ")",
+        "-prune",
+        "-print0",
+        ")",
+        "-o",
+        "(",
+        "(",
+        *names[1:],
+        ")",
+        "-print0",
+        ")",
+        "-o",
+        "(",
+        "(",
+        *sections[1:],
+        ")",
+        "-type",
+        "f",
+        "-exec",
+        "grep",
+        "-qsE",
+        SECTION_PATTERN,
+        "{}",
+        ";",
+        "-print0",
+        ")",
+    ]
 
 
 def _glob_escape(path: str) -> str:

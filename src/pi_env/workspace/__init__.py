@@ -21,7 +21,19 @@ from pi_env.workspace.tasks import (
 from pi_env.workspace.tools import RESULT_SCHEMA, Workspace, WorkspaceLimits, tool_schemas
 
 __all__ = [
-    "FAMILIES", "LANGUAGES", "RESULT_SCHEMA", "Score", "SplitOverlapError", "Workspace",
-    "WorkspaceEnv", "WorkspaceLimits", "WorkspaceTask", "available_languages", "check_disjoint",
-    "generate_tasks", "make_splits", "score", "tool_schemas",
+    "FAMILIES",
+    "LANGUAGES",
+    "RESULT_SCHEMA",
+    "Score",
+    "SplitOverlapError",
+    "Workspace",
+    "WorkspaceEnv",
+    "WorkspaceLimits",
+    "WorkspaceTask",
+    "available_languages",
+    "check_disjoint",
+    "generate_tasks",
+    "make_splits",
+    "score",
+    "tool_schemas",
 ]

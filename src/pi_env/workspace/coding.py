@@ -41,36 +41,69 @@ def _write_file(rng: random.Random, split: str) -> dict:
     path = f"{folder}/{name}.txt"
     return dict(
         instruction=f"Create the file `{path}` containing exactly two lines: `{first}` on the first line "
-                    f"and `{second}` on the second.",
-        verify=[f"test -f {path}", f"test \"$(cat {path})\" = \"$(printf '{first}\\n{second}')\""],
-        solution=[{"tool": "write", "path": path, "content": f"{first}\n{second}\n"},
-                  {"tool": "bash", "command": f"cat {path}"}],
+        f"and `{second}` on the second.",
+        verify=[f"test -f {path}", f'test "$(cat {path})" = "$(printf \'{first}\\n{second}\')"'],
+        solution=[
+            {"tool": "write", "path": path, "content": f"{first}\n{second}\n"},
+            {"tool": "bash", "command": f"cat {path}"},
+        ],
     )
 
 
 # implement_function: (description, argument kind, body, reference). Bodies and references
 # are formatted with the drawn parameters.
 _SPECS: list[tuple[str, str, str, Callable]] = [
-    ("return `x * {k} + {c}` for an integer `x`", "int", "return x * {k} + {c}",
-     lambda p: lambda x: x * p["k"] + p["c"]),
-    ("return the items of the list `xs` that are greater than {t}, in their order", "list",
-     "return [v for v in xs if v > {t}]", lambda p: lambda xs: [v for v in xs if v > p["t"]]),
-    ("return how many times the letter `{ch}` occurs in the string `s`", "str",
-     "return s.count({ch!r})", lambda p: lambda s: s.count(p["ch"])),
-    ("return the string `s` repeated {k} times, joined by `{sep}`", "str",
-     "return {sep!r}.join([s] * {k})", lambda p: lambda s: p["sep"].join([s] * p["k"])),
-    ("return the sum of the even numbers in the list `xs`, plus {c}", "list",
-     "return sum(v for v in xs if v % 2 == 0) + {c}", lambda p: lambda xs: sum(v for v in xs if v % 2 == 0) + p["c"]),
-    ("return `x` limited to the range {lo}..{hi}: below {lo} gives {lo}, above {hi} gives {hi}", "int",
-     "return max({lo}, min({hi}, x))", lambda p: lambda x: max(p["lo"], min(p["hi"], x))),
+    (
+        "return `x * {k} + {c}` for an integer `x`",
+        "int",
+        "return x * {k} + {c}",
+        lambda p: lambda x: x * p["k"] + p["c"],
+    ),
+    (
+        "return the items of the list `xs` that are greater than {t}, in their order",
+        "list",
+        "return [v for v in xs if v > {t}]",
+        lambda p: lambda xs: [v for v in xs if v > p["t"]],
+    ),
+    (
+        "return how many times the letter `{ch}` occurs in the string `s`",
+        "str",
+        "return s.count({ch!r})",
+        lambda p: lambda s: s.count(p["ch"]),
+    ),
+    (
+        "return the string `s` repeated {k} times, joined by `{sep}`",
+        "str",
+        "return {sep!r}.join([s] * {k})",
+        lambda p: lambda s: p["sep"].join([s] * p["k"]),
+    ),
+    (
+        "return the sum of the even numbers in the list `xs`, plus {c}",
+        "list",
+        "return sum(v for v in xs if v % 2 == 0) + {c}",
+        lambda p: lambda xs: sum(v for v in xs if v % 2 == 0) + p["c"],
+    ),
+    (
+        "return `x` limited to the range {lo}..{hi}: below {lo} gives {lo}, above {hi} gives {hi}",
+        "int",
+        "return max({lo}, min({hi}, x))",
+        lambda p: lambda x: max(p["lo"], min(p["hi"], x)),
+    ),
 ]
 _ARGUMENT = {"int": "x", "list": "xs", "str": "s"}
 
 
 def _spec_params(rng: random.Random) -> dict:
     lo = rng.randint(-5, 5)
-    return {"k": rng.randint(2, 9), "c": rng.randint(1, 30), "t": rng.randint(-3, 12), "ch": rng.choice("aeiou"),
-            "sep": rng.choice(["-", "+", ":", "/"]), "lo": lo, "hi": lo + rng.randint(3, 15)}
+    return {
+        "k": rng.randint(2, 9),
+        "c": rng.randint(1, 30),
+        "t": rng.randint(-3, 12),
+        "ch": rng.choice("aeiou"),
+        "sep": rng.choice(["-", "+", ":", "/"]),
+        "lo": lo,
+        "hi": lo + rng.randint(3, 15),
+    }
 
 
 def _spec_input(rng: random.Random, kind: str):
@@ -84,11 +117,13 @@ def _spec_input(rng: random.Random, kind: str):
 def _hidden_check(module: str, function: str, cases: list) -> str:
     """A hidden test: `python3 tests/check_M.py I` checks case I (one verify command per case,
     so the reward is the fraction of cases passed)."""
-    return (f"import sys\nsys.path.insert(0, '.')\nfrom {module} import {function}\n\n"
-            f"CASES = {json.dumps(cases)}\n"
-            f"args, want = CASES[int(sys.argv[1])]\n"
-            f"got = {function}(args)\n"
-            f"assert got == want, f'{function}({{args!r}}) returned {{got!r}}, expected {{want!r}}'\n")
+    return (
+        f"import sys\nsys.path.insert(0, '.')\nfrom {module} import {function}\n\n"
+        f"CASES = {json.dumps(cases)}\n"
+        f"args, want = CASES[int(sys.argv[1])]\n"
+        f"got = {function}(args)\n"
+        f"assert got == want, f'{function}({{args!r}}) returned {{got!r}}, expected {{want!r}}'\n"
+    )
 
 
 def _implement_function(rng: random.Random, split: str) -> dict:
@@ -103,38 +138,76 @@ def _implement_function(rng: random.Random, split: str) -> dict:
     check = f"tests/check_{module}.py"
     return dict(
         instruction=f"Implement `{function}({argument})` in `{module}.py`: {description.format(**params)}. "
-                    f"Hidden tests will call it.",
+        f"Hidden tests will call it.",
         files={f"{module}.py": stub},
         verify_files={check: _hidden_check(module, function, cases)},
         verify=[f"python3 {check} {i}" for i in range(len(cases))],
-        solution=[{"tool": "read", "path": f"{module}.py"},
-                  {"tool": "write", "path": f"{module}.py",
-                   "content": f"def {function}({argument}):\n    {body.format(**params)}\n"},
-                  {"tool": "bash", "command": f"python3 -c 'from {module} import {function}; "
-                                              f"print({function}({json.dumps(inputs[0])}))'"}],
+        solution=[
+            {"tool": "read", "path": f"{module}.py"},
+            {
+                "tool": "write",
+                "path": f"{module}.py",
+                "content": f"def {function}({argument}):\n    {body.format(**params)}\n",
+            },
+            {
+                "tool": "bash",
+                "command": f"python3 -c 'from {module} import {function}; print({function}({json.dumps(inputs[0])}))'",
+            },
+        ],
     )
 
 
 # fix_bug: (module source with {bug} standing for the line, good line, bad line, reference).
 _BUGGY: list[tuple[str, str, str, str, Callable]] = [
-    ("def {f}(xs):\n    total = 0\n    for v in xs:\n{line}\n    return total\n",
-     "        total += v * {k}", "        total += v + {k}", "list", lambda p: lambda xs: sum(v * p["k"] for v in xs)),
-    ("def {f}(xs):\n    n = 0\n    for v in xs:\n{line}\n            n += 1\n    return n\n",
-     "        if v > {t}:", "        if v < {t}:", "list", lambda p: lambda xs: sum(1 for v in xs if v > p["t"])),
-    ("def {f}(n):\n{line}\n", "    return sum(range({a}, n + 1))", "    return sum(range({a}, n))", "int",
-     lambda p: lambda n: sum(range(p["a"], n + 1))),
-    ("def {f}(s):\n{line}\n", "    return s.upper() + {suffix!r}", "    return s.lower() + {suffix!r}", "str",
-     lambda p: lambda s: s.upper() + p["suffix"]),
-    ("def {f}(xs):\n    best = xs[0]\n    for v in xs:\n{line}\n            best = v\n    return best - {c}\n",
-     "        if v > best:", "        if v < best:", "list", lambda p: lambda xs: max(xs) - p["c"]),
+    (
+        "def {f}(xs):\n    total = 0\n    for v in xs:\n{line}\n    return total\n",
+        "        total += v * {k}",
+        "        total += v + {k}",
+        "list",
+        lambda p: lambda xs: sum(v * p["k"] for v in xs),
+    ),
+    (
+        "def {f}(xs):\n    n = 0\n    for v in xs:\n{line}\n            n += 1\n    return n\n",
+        "        if v > {t}:",
+        "        if v < {t}:",
+        "list",
+        lambda p: lambda xs: sum(1 for v in xs if v > p["t"]),
+    ),
+    (
+        "def {f}(n):\n{line}\n",
+        "    return sum(range({a}, n + 1))",
+        "    return sum(range({a}, n))",
+        "int",
+        lambda p: lambda n: sum(range(p["a"], n + 1)),
+    ),
+    (
+        "def {f}(s):\n{line}\n",
+        "    return s.upper() + {suffix!r}",
+        "    return s.lower() + {suffix!r}",
+        "str",
+        lambda p: lambda s: s.upper() + p["suffix"],
+    ),
+    (
+        "def {f}(xs):\n    best = xs[0]\n    for v in xs:\n{line}\n            best = v\n    return best - {c}\n",
+        "        if v > best:",
+        "        if v < best:",
+        "list",
+        lambda p: lambda xs: max(xs) - p["c"],
+    ),
 ]
 
 
 def _fix_bug(rng: random.Random, split: str) -> dict:
     template, good, bad, kind, reference = rng.choice(_BUGGY)
     module, function = _name(rng), _name(rng)
-    params = {"f": function, "k": rng.randint(2, 9), "t": rng.randint(0, 9), "a": rng.randint(0, 4),
-              "suffix": rng.choice(["!", "?", "..", "#"]), "c": rng.randint(1, 9)}
+    params = {
+        "f": function,
+        "k": rng.randint(2, 9),
+        "t": rng.randint(0, 9),
+        "a": rng.randint(0, 4),
+        "suffix": rng.choice(["!", "?", "..", "#"]),
+        "c": rng.randint(1, 9),
+    }
     good, bad = good.format(**params), bad.format(**params)
     run = reference(params)
     while True:  # a visible case the bug gets wrong, so the test really fails
@@ -142,28 +215,32 @@ def _fix_bug(rng: random.Random, split: str) -> dict:
         if kind == "str":
             visible = visible.capitalize()
         buggy_scope: dict = {}
-        exec(template.format(line=bad, **params), buggy_scope)  # noqa: S102 (our own generated code)
+        exec(template.format(line=bad, **params), buggy_scope)
         if buggy_scope[function](visible) != run(visible):
             break
     hidden = [_spec_input(rng, kind) if kind != "int" else rng.randint(5, 30) for _ in range(2)]
     hidden = [h.capitalize() if kind == "str" else h for h in hidden]
     test_file = f"test_{module}.py"
-    test = (f"from {module} import {function}\n\n"
-            f"ARGS = {visible!r}\nWANT = {run(visible)!r}\n"
-            f"got = {function}(ARGS)\n"
-            f"assert got == WANT, f\"{function}({{ARGS!r}}) returned {{got!r}}, expected {{WANT!r}}\"\n"
-            f"print('ok')\n")
+    test = (
+        f"from {module} import {function}\n\n"
+        f"ARGS = {visible!r}\nWANT = {run(visible)!r}\n"
+        f"got = {function}(ARGS)\n"
+        f'assert got == WANT, f"{function}({{ARGS!r}}) returned {{got!r}}, expected {{WANT!r}}"\n'
+        f"print('ok')\n"
+    )
     check = f"tests/check_{module}.py"
     return dict(
         instruction=f"`python3 {test_file}` fails. Find the bug in `{module}.py` and fix it so that the test "
-                    f"passes; do not change the test.",
+        f"passes; do not change the test.",
         files={f"{module}.py": template.format(line=bad, **params), test_file: test},
         verify_files={check: _hidden_check(module, function, [[h, run(h)] for h in hidden])},
         verify=[f"python3 {test_file}", f"python3 {check} 0", f"python3 {check} 1"],
-        solution=[{"tool": "bash", "command": f"python3 {test_file}"},
-                  {"tool": "read", "path": f"{module}.py"},
-                  {"tool": "edit", "path": f"{module}.py", "old": bad, "new": good},
-                  {"tool": "bash", "command": f"python3 {test_file}"}],
+        solution=[
+            {"tool": "bash", "command": f"python3 {test_file}"},
+            {"tool": "read", "path": f"{module}.py"},
+            {"tool": "edit", "path": f"{module}.py", "old": bad, "new": good},
+            {"tool": "bash", "command": f"python3 {test_file}"},
+        ],
     )
 
 
@@ -171,20 +248,27 @@ def _rename_symbol(rng: random.Random, split: str) -> dict:
     package, old = _name(rng), _name(rng)
     new = _name(rng, taken=[old, package])
     op, c, x, y = rng.choice(["+", "*", "-"]), rng.randint(1, 20), rng.randint(2, 12), rng.randint(2, 12)
-    out = eval(f"{x} {op} {y} + {c}")  # noqa: S307 (our own generated arithmetic)
+    out = eval(f"{x} {op} {y} + {c}")
     helpers = f"{package}/helpers.py"
     return dict(
         instruction=f"Rename the function `{old}` to `{new}` everywhere: its definition in `{helpers}` and its "
-                    f"uses in `main.py`. `python3 main.py` must still print {out}.",
-        files={f"{package}/__init__.py": "",
-               helpers: f"def {old}(a, b):\n    return a {op} b + {c}\n",
-               "main.py": f"from {package}.helpers import {old}\n\nprint({old}({x}, {y}))\n"},
-        verify=[f"test \"$(python3 main.py)\" = {out}", f"! grep -rnw --include=*.py {old} .",
-                f"grep -q 'def {new}(' {helpers}"],
-        solution=[{"tool": "edit", "path": helpers, "old": f"def {old}(", "new": f"def {new}("},
-                  {"tool": "edit", "path": "main.py", "old": f"import {old}", "new": f"import {new}"},
-                  {"tool": "edit", "path": "main.py", "old": f"print({old}(", "new": f"print({new}("},
-                  {"tool": "bash", "command": "python3 main.py"}],
+        f"uses in `main.py`. `python3 main.py` must still print {out}.",
+        files={
+            f"{package}/__init__.py": "",
+            helpers: f"def {old}(a, b):\n    return a {op} b + {c}\n",
+            "main.py": f"from {package}.helpers import {old}\n\nprint({old}({x}, {y}))\n",
+        },
+        verify=[
+            f'test "$(python3 main.py)" = {out}',
+            f"! grep -rnw --include=*.py {old} .",
+            f"grep -q 'def {new}(' {helpers}",
+        ],
+        solution=[
+            {"tool": "edit", "path": helpers, "old": f"def {old}(", "new": f"def {new}("},
+            {"tool": "edit", "path": "main.py", "old": f"import {old}", "new": f"import {new}"},
+            {"tool": "edit", "path": "main.py", "old": f"print({old}(", "new": f"print({new}("},
+            {"tool": "bash", "command": "python3 main.py"},
+        ],
     )
 
 
@@ -195,15 +279,26 @@ def _data_program(rng: random.Random, split: str) -> dict:
     files, question, answer, params = DATA_FAMILIES[family](rng)
     while answer == 0:  # a program printing 0 must not pass by luck
         files, question, answer, params = DATA_FAMILIES[family](rng)
-    problem = WorkspaceTask(task_id="", family=family, language="python", question=question, files=files,
-                            program="solution.py", expected=answer, split=split, metadata=params)
+    problem = WorkspaceTask(
+        task_id="",
+        family=family,
+        language="python",
+        question=question,
+        files=files,
+        program="solution.py",
+        expected=answer,
+        split=split,
+        metadata=params,
+    )
     return dict(
         instruction=f"{question} Write a Python program `solution.py` that computes it from the file and prints "
-                    f"only the number, then run it with `python3 solution.py`.",
+        f"only the number, then run it with `python3 solution.py`.",
         files=files,
-        verify=[f"test \"$(python3 solution.py)\" = {answer}"],
-        solution=[{"tool": "write", "path": "solution.py", "content": reference_program(problem)},
-                  {"tool": "bash", "command": "python3 solution.py"}],
+        verify=[f'test "$(python3 solution.py)" = {answer}'],
+        solution=[
+            {"tool": "write", "path": "solution.py", "content": reference_program(problem)},
+            {"tool": "bash", "command": "python3 solution.py"},
+        ],
     )
 
 
@@ -216,8 +311,14 @@ CODING_FAMILIES: dict[str, Callable[[random.Random, str], dict]] = {
 }
 
 
-def generate_coding_tasks(n: int, *, split: str = "train", seed: int = 0, families: Sequence[str] | None = None,
-                          exclude: set[str] = frozenset()) -> list[PiTask]:
+def generate_coding_tasks(
+    n: int,
+    *,
+    split: str = "train",
+    seed: int = 0,
+    families: Sequence[str] | None = None,
+    exclude: set[str] = frozenset(),
+) -> list[PiTask]:
     """`n` distinct PiTasks, the same for the same arguments on every machine; families take
     turns. `exclude`: task digests never to produce (another split's)."""
     families = list(families or CODING_FAMILIES)
@@ -234,9 +335,12 @@ def generate_coding_tasks(n: int, *, split: str = "train", seed: int = 0, famili
             raise ValueError(f"could not draw {n} distinct tasks from families {families}")
         family = families[index % len(families)]
         fields = CODING_FAMILIES[family](task_rng(split, seed, index, NAMESPACE), split)
-        task = PiTask(task_id=f"{split}-{seed}-{index}-{family}", **fields,
-                      metadata={"family": family, "split": split, "seed": seed, "index": index},
-                      setup_network=False)
+        task = PiTask(
+            task_id=f"{split}-{seed}-{index}-{family}",
+            **fields,
+            metadata={"family": family, "split": split, "seed": seed, "index": index},
+            setup_network=False,
+        )
         index += 1
         if task.digest() in seen:
             continue
@@ -245,11 +349,13 @@ def generate_coding_tasks(n: int, *, split: str = "train", seed: int = 0, famili
     return tasks
 
 
-def make_coding_splits(n_train: int, n_eval: int, *, seed: int = 0,
-                       families: Sequence[str] | None = None) -> tuple[list[PiTask], list[PiTask]]:
+def make_coding_splits(
+    n_train: int, n_eval: int, *, seed: int = 0, families: Sequence[str] | None = None
+) -> tuple[list[PiTask], list[PiTask]]:
     """Train and eval PiTasks; eval never holds a train task (checked: SplitOverlapError)."""
     train = generate_coding_tasks(n_train, split="train", seed=seed, families=families)
-    evaluation = generate_coding_tasks(n_eval, split="eval", seed=seed, families=families,
-                                       exclude={task.digest() for task in train})
+    evaluation = generate_coding_tasks(
+        n_eval, split="eval", seed=seed, families=families, exclude={task.digest() for task in train}
+    )
     check_disjoint(train=train, eval=evaluation)
     return train, evaluation

@@ -1,10 +1,10 @@
 """WorkspaceEnv: the plain-Python loop API over one workspace episode.
 
-    with WorkspaceEnv(task) as env:
-        messages = env.initial_messages()
-        ...  # the trainer samples; for each tool call:
-        messages.append({"role": "tool", "tool_call_id": id, "content": env.call(name, args)})
-        score = env.reward(messages)  # Score(reward, metrics)
+with WorkspaceEnv(task) as env:
+    messages = env.initial_messages()
+    ...  # the trainer samples; for each tool call:
+    messages.append({"role": "tool", "tool_call_id": id, "content": env.call(name, args)})
+    score = env.reward(messages)  # Score(reward, metrics)
 """
 
 from __future__ import annotations
@@ -22,8 +22,14 @@ class WorkspaceEnv:
     """One episode. `mode` is "train" (shaped reward) or "eval" (binary). Close it (or use
     `with`): that deletes the episode's sandbox."""
 
-    def __init__(self, task: WorkspaceTask | Mapping[str, Any], *, mode: reward.Mode = "train",
-                 limits: WorkspaceLimits | None = None, backend: str = "local"):
+    def __init__(
+        self,
+        task: WorkspaceTask | Mapping[str, Any],
+        *,
+        mode: reward.Mode = "train",
+        limits: WorkspaceLimits | None = None,
+        backend: str = "local",
+    ):
         if mode not in ("train", "eval"):
             raise ValueError(f"mode: {mode!r}; give 'train' or 'eval'")
         self.task = task if isinstance(task, WorkspaceTask) else WorkspaceTask.from_dict(dict(task))
@@ -50,7 +56,7 @@ class WorkspaceEnv:
     def close(self) -> None:
         self.workspace.close()
 
-    def __enter__(self) -> "WorkspaceEnv":
+    def __enter__(self) -> WorkspaceEnv:
         return self
 
     def __exit__(self, *exc_info) -> None:

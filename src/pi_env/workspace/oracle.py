@@ -116,13 +116,16 @@ def reference_program(task: WorkspaceTask) -> str:
 def oracle_turns(task: WorkspaceTask) -> list[dict[str, Any]]:
     """The assistant turns of a perfect episode (OpenAI-style messages): write the reference
     program, run it with the task's command, state the answer."""
+
     def call(i: int, name: str, args: dict) -> dict:
-        return {"id": f"call_{i}", "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args)}}
+        return {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
 
     return [
-        {"role": "assistant", "content": "",
-         "tool_calls": [call(0, "write", {"path": task.program, "content": reference_program(task)})]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [call(0, "write", {"path": task.program, "content": reference_program(task)})],
+        },
         {"role": "assistant", "content": "", "tool_calls": [call(1, "bash", {"command": task.command})]},
         {"role": "assistant", "content": f"The answer is {task.expected}"},
     ]

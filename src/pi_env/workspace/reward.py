@@ -49,8 +49,9 @@ def message_text(message: Mapping[str, Any]) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content
-                       if isinstance(part, Mapping) and part.get("type") == "text")
+        return "".join(
+            part.get("text", "") for part in content if isinstance(part, Mapping) and part.get("type") == "text"
+        )
     return ""
 
 
@@ -63,8 +64,7 @@ def final_integer(messages: Sequence[Mapping[str, Any]]) -> int | None:
     return None
 
 
-def tool_results(messages: Sequence[Mapping[str, Any]],
-                 trusted: Collection[str] | None = None) -> list[dict[str, Any]]:
+def tool_results(messages: Sequence[Mapping[str, Any]], trusted: Collection[str] | None = None) -> list[dict[str, Any]]:
     results = []
     for message in messages:
         if message.get("role") != "tool":
@@ -81,16 +81,22 @@ def tool_results(messages: Sequence[Mapping[str, Any]],
     return results
 
 
-def score(messages: Sequence[Mapping[str, Any]], expected: int, *, mode: Mode = "train",
-          trusted: Collection[str] | None = None) -> Score:
+def score(
+    messages: Sequence[Mapping[str, Any]],
+    expected: int,
+    *,
+    mode: Mode = "train",
+    trusted: Collection[str] | None = None,
+) -> Score:
     if mode not in ("train", "eval"):
         raise ValueError(f"mode: {mode!r}; give 'train' or 'eval'")
     results = tool_results(messages, trusted)
     parts = {
         "mutation": any(r["tool"] in ("write", "edit") and r["status"] == "ok" for r in results),
         "executed": any(r["tool"] == "bash" and r["status"] == "ok" for r in results),
-        "output_correct": any(r["tool"] == "bash" and r["status"] == "ok" and r.get("output_correct") is True
-                              for r in results),
+        "output_correct": any(
+            r["tool"] == "bash" and r["status"] == "ok" and r.get("output_correct") is True for r in results
+        ),
         "final_correct": final_integer(messages) == expected,
     }
     infrastructure = any(r["status"] == "infrastructure_error" for r in results)

@@ -89,7 +89,7 @@ class WorkspaceTask:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "WorkspaceTask":
+    def from_dict(cls, data: dict) -> WorkspaceTask:
         return cls(**data)
 
 
@@ -103,21 +103,24 @@ Problem = tuple[dict[str, str], str, int, dict[str, str]]
 def _csv_filter_sum(rng: random.Random) -> Problem:
     regions = ["north", "south", "east", "west"]
     items = ["apple", "bolt", "cable", "drill", "easel", "flute", "gear", "hinge"]
-    rows = [(rng.choice(regions), rng.choice(items), rng.randint(1, 50), rng.randint(1, 200))
-            for _ in range(rng.randint(20, 40))]
+    rows = [
+        (rng.choice(regions), rng.choice(items), rng.randint(1, 50), rng.randint(1, 200))
+        for _ in range(rng.randint(20, 40))
+    ]
     region = rng.choice([row[0] for row in rows])
     # A threshold some rows of that region meet, so the answer is never trivially 0.
     threshold = rng.choice([row[3] for row in rows if row[0] == region])
     answer = sum(qty for reg, _, qty, price in rows if reg == region and price >= threshold)
     text = "region,item,qty,price\n" + "".join(f"{r},{i},{q},{p}\n" for r, i, q, p in rows)
-    question = (f"In `sales.csv`, add up the `qty` column over the rows whose `region` is "
-                f"`{region}` and whose `price` is at least {threshold}.")
+    question = (
+        f"In `sales.csv`, add up the `qty` column over the rows whose `region` is "
+        f"`{region}` and whose `price` is at least {threshold}."
+    )
     return {"sales.csv": text}, question, answer, {"region": region, "threshold": str(threshold)}
 
 
 def _word(rng: random.Random) -> str:
-    return "".join(rng.choice("bcdfghklmnprstvz") + rng.choice("aeiou")
-                   for _ in range(rng.randint(1, 4)))
+    return "".join(rng.choice("bcdfghklmnprstvz") + rng.choice("aeiou") for _ in range(rng.randint(1, 4)))
 
 
 def _count_words(rng: random.Random) -> Problem:
@@ -125,12 +128,15 @@ def _count_words(rng: random.Random) -> Problem:
     letter = rng.choice(sorted({w[0] for w in words}))
     min_len = rng.randint(3, 6)
     answer = sum(1 for w in words if w[0] == letter and len(w) >= min_len)
-    decorated = [(w.capitalize() if rng.random() < 0.2 else w) + rng.choice(["", "", "", ",", ".", "!", "?", ";"])
-                 for w in words]
-    lines = [" ".join(decorated[i:i + 12]) for i in range(0, len(decorated), 12)]
-    question = (f"Count the words in `words.txt` (split on whitespace, strip the punctuation "
-                f"characters `.,;:!?` from each word, compare case-insensitively) that start "
-                f"with the letter `{letter}` and have at least {min_len} letters.")
+    decorated = [
+        (w.capitalize() if rng.random() < 0.2 else w) + rng.choice(["", "", "", ",", ".", "!", "?", ";"]) for w in words
+    ]
+    lines = [" ".join(decorated[i : i + 12]) for i in range(0, len(decorated), 12)]
+    question = (
+        f"Count the words in `words.txt` (split on whitespace, strip the punctuation "
+        f"characters `.,;:!?` from each word, compare case-insensitively) that start "
+        f"with the letter `{letter}` and have at least {min_len} letters."
+    )
     return {"words.txt": "\n".join(lines) + "\n"}, question, answer, {"letter": letter, "min_len": str(min_len)}
 
 
@@ -163,8 +169,10 @@ def _shortest_path(rng: random.Random) -> Problem:
                 heapq.heappush(heap, (d + w, u))
     lines = [f"{a} {b} {w}" for (a, b), w in edges.items()]
     rng.shuffle(lines)
-    question = (f"`edges.txt` lists undirected weighted edges, one per line as `u v weight`. "
-                f"What is the total weight of the shortest path from `{source}` to `{target}`?")
+    question = (
+        f"`edges.txt` lists undirected weighted edges, one per line as `u v weight`. "
+        f"What is the total weight of the shortest path from `{source}` to `{target}`?"
+    )
     return {"edges.txt": "\n".join(lines) + "\n"}, question, dist[target], {"source": source, "target": target}
 
 
@@ -179,8 +187,10 @@ def _date_union(rng: random.Random) -> Problem:
     for first, last in ranges:
         covered.update(first + datetime.timedelta(days=k) for k in range((last - first).days + 1))
     text = "".join(f"{a.isoformat()} {b.isoformat()}\n" for a, b in ranges)
-    question = ("`intervals.txt` holds inclusive date ranges, one per line as `start end` "
-                "(YYYY-MM-DD). How many distinct calendar days lie in at least one range?")
+    question = (
+        "`intervals.txt` holds inclusive date ranges, one per line as `start end` "
+        "(YYYY-MM-DD). How many distinct calendar days lie in at least one range?"
+    )
     return {"intervals.txt": text}, question, len(covered), {}
 
 
@@ -196,9 +206,16 @@ def _log_errors(rng: random.Random) -> Problem:
         msg = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(4, 10)))
         lines.append(f"{hour:02d}:{minute:02d} {level} {svc} {msg}")
         answer += svc == service and level == "ERROR" and hour_from <= hour < hour_to
-    question = (f"Each line of `app.log` is `HH:MM LEVEL service message`. How many `ERROR` "
-                f"lines of service `{service}` have an hour HH with {hour_from} <= HH < {hour_to}?")
-    return {"app.log": "\n".join(lines) + "\n"}, question, answer, {"service": service, "hour_from": str(hour_from), "hour_to": str(hour_to)}
+    question = (
+        f"Each line of `app.log` is `HH:MM LEVEL service message`. How many `ERROR` "
+        f"lines of service `{service}` have an hour HH with {hour_from} <= HH < {hour_to}?"
+    )
+    return (
+        {"app.log": "\n".join(lines) + "\n"},
+        question,
+        answer,
+        {"service": service, "hour_from": str(hour_from), "hour_to": str(hour_to)},
+    )
 
 
 FAMILIES: dict[str, Callable[[random.Random], Problem]] = {
@@ -227,7 +244,8 @@ def _check_languages(languages: Sequence[str], require_runtimes: bool) -> None:
                 f"languages: {name!r} needs a `{LANGUAGES[name].binary}` binary in "
                 f"{', '.join(SANDBOX_BIN_DIRS)} (what the sandbox sees), and this machine has none; "
                 f"installed here: {', '.join(available_languages()) or 'none'}. Install it, drop "
-                f"{name!r}, or pass require_runtimes=False to generate tasks to run elsewhere.")
+                f"{name!r}, or pass require_runtimes=False to generate tasks to run elsewhere."
+            )
 
 
 def task_rng(split: str, seed: int, index: int, namespace: str = "pi-env-workspace") -> random.Random:
@@ -268,9 +286,16 @@ def generate_tasks(
         files, question, answer, params = FAMILIES[family](rng)
         task = WorkspaceTask(
             task_id=f"{split}-{seed}-{index}-{family}-{language.name}",
-            family=family, language=language.name, question=question, files=files,
-            program="solution" + language.extension, expected=answer, split=split, seed=seed,
-            metadata=params)
+            family=family,
+            language=language.name,
+            question=question,
+            files=files,
+            program="solution" + language.extension,
+            expected=answer,
+            split=split,
+            seed=seed,
+            metadata=params,
+        )
         index += 1
         if task.digest() in seen:
             continue
@@ -290,7 +315,8 @@ def check_disjoint(**splits: Iterable) -> None:
                 other, other_id = owner[digest]
                 raise SplitOverlapError(
                     f"task {task.task_id!r} ({name}) and {other_id!r} ({other}) are the same "
-                    f"problem (digest {digest[:12]}); splits must not share tasks")
+                    f"problem (digest {digest[:12]}); splits must not share tasks"
+                )
             owner.setdefault(digest, (name, task.task_id))
 
 

@@ -33,8 +33,8 @@ try:
     from tinker_cookbook.tool_use.types import ToolInput, ToolResult
 except ImportError as exc:  # pragma: no cover - depends on the optional extra
     raise ImportError(
-        f"pi_env.workspace.tinker needs tinker-cookbook ({exc}); install the extra: "
-        "pip install 'pi-env[tinker]'") from exc
+        f"pi_env.workspace.tinker needs tinker-cookbook ({exc}); install the extra: pip install 'pi-env[tinker]'"
+    ) from exc
 
 from pi_env.workspace.env import WorkspaceEnv
 from pi_env.workspace.reward import Mode
@@ -66,11 +66,12 @@ class WorkspaceTool:
     def to_spec(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "parameters": self.parameters_schema}
 
-    async def run(self, input: ToolInput) -> ToolResult:  # noqa: A002 (the protocol's name)
+    async def run(self, input: ToolInput) -> ToolResult:
         # bash blocks for the program's run: keep the event loop (other rollouts) going.
         text = await asyncio.to_thread(self._env.call, self._name, input.arguments)
-        return ToolResult(messages=[{"role": "tool", "content": text,
-                                     "tool_call_id": input.call_id or "", "name": self._name}])
+        return ToolResult(
+            messages=[{"role": "tool", "content": text, "tool_call_id": input.call_id or "", "name": self._name}]
+        )
 
 
 class _SerializedTokenizer:
@@ -169,18 +170,21 @@ class WorkspaceEnvGroupBuilder(EnvGroupBuilder):
             tools = [WorkspaceTool(episode, name) for name in TOOL_SPECS]
             system, user = episode.initial_messages()
             messages = renderer.create_conversation_prefix_with_tools(
-                tools=[t.to_spec() for t in tools], system_prompt=system["content"])
-            envs.append(build_agent_tool_env(
-                renderer=renderer,
-                tools=tools,
-                initial_messages=[*messages, user],
-                reward_fn=_Grader(episode),
-                rollout_config=RolloutConfig(tool_execution="sequential"),
-                max_turns=self.max_turns,
-                max_tool_calls=self.max_tool_calls,
-                max_trajectory_tokens=self.max_trajectory_tokens,
-                max_generation_tokens=self.max_generation_tokens,
-            ))
+                tools=[t.to_spec() for t in tools], system_prompt=system["content"]
+            )
+            envs.append(
+                build_agent_tool_env(
+                    renderer=renderer,
+                    tools=tools,
+                    initial_messages=[*messages, user],
+                    reward_fn=_Grader(episode),
+                    rollout_config=RolloutConfig(tool_execution="sequential"),
+                    max_turns=self.max_turns,
+                    max_tool_calls=self.max_tool_calls,
+                    max_trajectory_tokens=self.max_trajectory_tokens,
+                    max_generation_tokens=self.max_generation_tokens,
+                )
+            )
         return envs
 
     async def cleanup(self) -> None:
@@ -202,7 +206,7 @@ class WorkspaceRLDataset(RLDataset):
     def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
         if not 0 <= index < len(self):
             raise IndexError(f"batch {index} of {len(self)}")
-        return self.builders[index * self.batch_size:(index + 1) * self.batch_size]
+        return self.builders[index * self.batch_size : (index + 1) * self.batch_size]
 
     def __len__(self) -> int:
         return (len(self.builders) + self.batch_size - 1) // self.batch_size
@@ -231,17 +235,23 @@ class WorkspaceDatasetBuilder(RLDatasetBuilder):
     def _builders(self, tasks: list[WorkspaceTask], group_size: int, mode: Mode) -> list[WorkspaceEnvGroupBuilder]:
         return [
             WorkspaceEnvGroupBuilder(
-                task, model_name=self.model_name, renderer_name=self.renderer_name,
-                group_size=group_size, mode=mode, max_turns=self.max_turns,
-                max_tool_calls=self.max_tool_calls, max_trajectory_tokens=self.max_trajectory_tokens,
+                task,
+                model_name=self.model_name,
+                renderer_name=self.renderer_name,
+                group_size=group_size,
+                mode=mode,
+                max_turns=self.max_turns,
+                max_tool_calls=self.max_tool_calls,
+                max_trajectory_tokens=self.max_trajectory_tokens,
                 max_generation_tokens=self.max_generation_tokens,
-                limits=WorkspaceLimits(timeout_s=self.timeout_s))
+                limits=WorkspaceLimits(timeout_s=self.timeout_s),
+            )
             for task in tasks
         ]
 
     async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
-        train, evaluation = make_splits(self.n_train, self.n_eval, seed=self.seed,
-                                        languages=self.languages, families=self.families)
+        train, evaluation = make_splits(
+            self.n_train, self.n_eval, seed=self.seed, languages=self.languages, families=self.families
+        )
         test = WorkspaceRLDataset(self._builders(evaluation, 1, "eval"), self.batch_size) if evaluation else None
         return WorkspaceRLDataset(self._builders(train, self.group_size, "train"), self.batch_size), test
-

@@ -45,24 +45,32 @@ class WorkspaceLimits:
 
 def _spec(description: str, **properties: str) -> dict[str, Any]:
     """A tool's description and JSON schema: every argument is a required string."""
-    return {"description": description, "parameters": {
-        "type": "object",
-        "properties": {name: {"type": "string", "description": text} for name, text in properties.items()},
-        "required": list(properties),
-        "additionalProperties": False,
-    }}
+    return {
+        "description": description,
+        "parameters": {
+            "type": "object",
+            "properties": {name: {"type": "string", "description": text} for name, text in properties.items()},
+            "required": list(properties),
+            "additionalProperties": False,
+        },
+    }
 
 
 _PATH = "Path relative to the workspace"
 TOOL_SPECS: dict[str, dict[str, Any]] = {
     "read": _spec("Read a text file of the workspace.", path=_PATH),
-    "write": _spec("Create or overwrite a text file of the workspace.", path=_PATH,
-                   content="The whole new content"),
-    "edit": _spec("Replace text in a file: oldText must occur exactly once.", path=_PATH,
-                  oldText="Exact text to replace (must match once)", newText="Replacement text"),
-    "bash": _spec("Run a program you wrote: exactly `<runtime> <file>` (for example `python3 solution.py`), "
-                  "in a sandbox with the workspace files beside it.",
-                  command="`<runtime> <relative-file>`"),
+    "write": _spec("Create or overwrite a text file of the workspace.", path=_PATH, content="The whole new content"),
+    "edit": _spec(
+        "Replace text in a file: oldText must occur exactly once.",
+        path=_PATH,
+        oldText="Exact text to replace (must match once)",
+        newText="Replacement text",
+    ),
+    "bash": _spec(
+        "Run a program you wrote: exactly `<runtime> <file>` (for example `python3 solution.py`), "
+        "in a sandbox with the workspace files beside it.",
+        command="`<runtime> <relative-file>`",
+    ),
 }
 
 
@@ -84,8 +92,7 @@ class Workspace:
     """The files of one episode and the tools over them. Not shared between episodes: close()
     (or `with`) deletes the sandbox the first bash call created."""
 
-    def __init__(self, task: WorkspaceTask, *, limits: WorkspaceLimits | None = None,
-                 backend: str = "local"):
+    def __init__(self, task: WorkspaceTask, *, limits: WorkspaceLimits | None = None, backend: str = "local"):
         self.task = task
         self.limits = limits or WorkspaceLimits()
         self.backend = backend
@@ -112,12 +119,16 @@ class Workspace:
         params = TOOL_SPECS[name]["parameters"]
         for key in args:
             if key not in params["properties"]:
-                return self._result(name, "error", error=f"unknown argument {key!r}; {name} takes {', '.join(params['properties'])}")
+                return self._result(
+                    name, "error", error=f"unknown argument {key!r}; {name} takes {', '.join(params['properties'])}"
+                )
         for key in params["required"]:
             if key not in args:
                 return self._result(name, "error", error=f"missing argument {key!r}")
             if not isinstance(args[key], str):
-                return self._result(name, "error", error=f"argument {key!r} must be a string, got {type(args[key]).__name__}")
+                return self._result(
+                    name, "error", error=f"argument {key!r} must be a string, got {type(args[key]).__name__}"
+                )
         with self._lock:
             if self._closed:
                 return self._result(name, "infrastructure_error", error="the workspace is closed")
@@ -129,7 +140,7 @@ class Workspace:
     def write(self, path: str, content: str) -> dict[str, Any]:
         return self.call("write", {"path": path, "content": content})
 
-    def edit(self, path: str, oldText: str, newText: str) -> dict[str, Any]:  # noqa: N803 (Pi's names)
+    def edit(self, path: str, oldText: str, newText: str) -> dict[str, Any]:
         return self.call("edit", {"path": path, "oldText": oldText, "newText": newText})
 
     def bash(self, command: str) -> dict[str, Any]:
@@ -142,19 +153,24 @@ class Workspace:
         if why:
             return self._result("read", "error", path=path, error=why)
         if checked not in self.files:
-            return self._result("read", "error", path=checked,
-                                error=f"no file {checked!r}; the workspace holds {', '.join(sorted(self.files)) or 'no files'}")
+            return self._result(
+                "read",
+                "error",
+                path=checked,
+                error=f"no file {checked!r}; the workspace holds {', '.join(sorted(self.files)) or 'no files'}",
+            )
         content, truncated = self.files[checked], False
         if len(content) > self.limits.read_chars:
             content, truncated = content[: self.limits.read_chars], True
-        return self._result("read", "ok", path=checked, content=content,
-                            bytes=len(self.files[checked].encode()), truncated=truncated)
+        return self._result(
+            "read", "ok", path=checked, content=content, bytes=len(self.files[checked].encode()), truncated=truncated
+        )
 
     def _write(self, path: str, content: str) -> dict[str, Any]:
         checked, why = self._check_path(path)
         return self._store("write", path, checked, content, why)
 
-    def _edit(self, path: str, oldText: str, newText: str) -> dict[str, Any]:  # noqa: N803
+    def _edit(self, path: str, oldText: str, newText: str) -> dict[str, Any]:
         checked, why = self._check_path(path)
         content = ""
         if why is None and checked not in self.files:
@@ -164,8 +180,12 @@ class Workspace:
         if why is None:
             count = self.files[checked].count(oldText)
             if count != 1:
-                why = (f"oldText occurs {count} times in {checked!r}; it must match exactly once "
-                       "(include more surrounding text)" if count else f"oldText not found in {checked!r}")
+                why = (
+                    f"oldText occurs {count} times in {checked!r}; it must match exactly once "
+                    "(include more surrounding text)"
+                    if count
+                    else f"oldText not found in {checked!r}"
+                )
         if why is None:
             content = self.files[checked].replace(oldText, newText, 1)
         return self._store("edit", path, checked, content, why)
@@ -186,10 +206,16 @@ class Workspace:
         try:
             argv = shlex.split(command)
         except ValueError as exc:
-            return self._result("bash", "submission_error", command=command, error=f"cannot parse the command ({exc}); {usage}")
+            return self._result(
+                "bash", "submission_error", command=command, error=f"cannot parse the command ({exc}); {usage}"
+            )
         if len(argv) != 2 or argv[0] not in lang.commands:
-            return self._result("bash", "submission_error", command=command,
-                                error=f"bash only runs `<runtime> <file>` with runtime {' or '.join(lang.commands)}; {usage}")
+            return self._result(
+                "bash",
+                "submission_error",
+                command=command,
+                error=f"bash only runs `<runtime> <file>` with runtime {' or '.join(lang.commands)}; {usage}",
+            )
         program, why = self._check_path(argv[1])
         if why is None and program not in self.files:
             why = f"no file {program!r}; write it first"
@@ -199,9 +225,13 @@ class Workspace:
             return self._result("bash", "submission_error", command=command, error=why)
         runtime = lang.runtime_path()
         if runtime is None:
-            return self._result("bash", "infrastructure_error", command=command,
-                                error=f"the {lang.name} runtime `{lang.binary}` is not installed on this "
-                                      f"machine (looked in {', '.join(SANDBOX_BIN_DIRS)})")
+            return self._result(
+                "bash",
+                "infrastructure_error",
+                command=command,
+                error=f"the {lang.name} runtime `{lang.binary}` is not installed on this "
+                f"machine (looked in {', '.join(SANDBOX_BIN_DIRS)})",
+            )
         from pi_env.sandbox import SandboxError
 
         try:
@@ -209,22 +239,28 @@ class Workspace:
             sandbox.remove(RUN_DIR)  # nothing a previous run left (or planted) survives
             for path, content in self.files.items():
                 sandbox.write_file(f"{RUN_DIR}/{path}", content)
-            done = sandbox.exec([runtime, program], cwd=RUN_DIR, timeout_s=self.limits.timeout_s,
-                                network="none")
+            done = sandbox.exec([runtime, program], cwd=RUN_DIR, timeout_s=self.limits.timeout_s, network="none")
         except (SandboxError, OSError) as exc:
-            return self._result("bash", "infrastructure_error", command=command,
-                                error=f"sandbox failure: {type(exc).__name__}: {exc}")
+            return self._result(
+                "bash", "infrastructure_error", command=command, error=f"sandbox failure: {type(exc).__name__}: {exc}"
+            )
         if self._closed:  # killed by close(): the program's fate says nothing about it
-            return self._result("bash", "infrastructure_error", command=command,
-                                error="the workspace was closed while the program ran")
+            return self._result(
+                "bash", "infrastructure_error", command=command, error="the workspace was closed while the program ran"
+            )
         stdout, stdout_truncated = _tail(done.stdout, self.limits.output_chars)
         stderr, stderr_truncated = _tail(done.stderr, self.limits.output_chars)
         succeeded = done.exit_code == 0 and not done.timed_out
         output_correct = succeeded and _last_line(done.stdout) == str(self.task.expected)
         fields: dict[str, Any] = {
-            "command": command, "returncode": done.exit_code, "timed_out": done.timed_out,
-            "stdout": stdout, "stderr": stderr, "stdout_truncated": stdout_truncated,
-            "stderr_truncated": stderr_truncated, "duration_s": round(done.duration_s, 3),
+            "command": command,
+            "returncode": done.exit_code,
+            "timed_out": done.timed_out,
+            "stdout": stdout,
+            "stderr": stderr,
+            "stdout_truncated": stdout_truncated,
+            "stderr_truncated": stderr_truncated,
+            "duration_s": round(done.duration_s, 3),
             "output_correct": output_correct,
         }
         if done.timed_out:
@@ -250,7 +286,8 @@ class Workspace:
                 max_open_files=256,
             )
             self._sandbox = get_backend(self.backend).create(
-                SandboxSpec(limits=limits, env={"PYTHONDONTWRITEBYTECODE": "1"}))
+                SandboxSpec(limits=limits, env={"PYTHONDONTWRITEBYTECODE": "1"})
+            )
             return self._sandbox
 
     def _check_path(self, path: str) -> tuple[str, str | None]:
@@ -294,7 +331,7 @@ class Workspace:
         if sandbox is not None:
             sandbox.close()
 
-    def __enter__(self) -> "Workspace":
+    def __enter__(self) -> Workspace:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -50,8 +50,7 @@ def _pi_env_verify_startup():
 
     # After the builtin and frozen importers, before the path search.
     finders = sys.meta_path
-    index = finders.index(importlib.machinery.PathFinder) if importlib.machinery.PathFinder in finders \
-        else len(finders)
+    index = finders.index(importlib.machinery.PathFinder) if importlib.machinery.PathFinder in finders else len(finders)
     finders.insert(index, VerifierFirst)
 
     # The interpreter's own sitecustomize (Debian has one), as it would have run without this file.
