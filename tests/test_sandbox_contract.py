@@ -61,6 +61,16 @@ def wait_for_file(sandbox, path: str, timeout_s: float = 30) -> None:
 # --- exec ---------------------------------------------------------------------------------
 
 
+def test_the_sandbox_offers_a_clean_world_for_verify(sandbox):
+    """Verify never runs in the world the agent shaped: a sandbox either puts its home back
+    (RestoresHome) or hands the work dir to a fresh one (ExportsTrees); its abilities are
+    declared Protocols, checked with isinstance."""
+    from pi_env.sandbox.base import ExportsTrees, RestoresHome, Sandbox
+
+    assert isinstance(sandbox, Sandbox)
+    assert isinstance(sandbox, RestoresHome) or isinstance(sandbox, ExportsTrees), type(sandbox)
+
+
 def test_exec_exit_code_output_env_and_cwd(backend, monkeypatch):
     monkeypatch.setenv("PI_ENV_FAKE_SECRET", "hunter2")
     with backend.create(SandboxSpec(env={"FROM_SPEC": "spec", "BOTH": "spec"})) as sb:

@@ -64,7 +64,7 @@ from .sandbox import (
     SandboxSpec,
     get_backend,
 )
-from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported
+from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported, ExportsTrees, RestoresHome
 from .task import PiTask
 from .training import TrainingTrace, build_training_trace
 from .verify import (
@@ -550,7 +550,7 @@ class PiSession:
         in place, which hooks setup itself made."""
         sandbox = self.sandbox
         setup_env = record_setup(sandbox, self.task, setup_ran=self._setup_ran(), env=self._spec.env)
-        if hasattr(sandbox, "checkpoint_home"):
+        if isinstance(sandbox, RestoresHome):
             sandbox.checkpoint_home()
             self._reserve()
         self._verify_env = verify_env(sandbox, self.task, setup_env, self.config.extra_env)
@@ -561,7 +561,7 @@ class PiSession:
 
     def _reserve(self) -> None:
         """Room for verify's own files in a capped home, out of the agent's reach (pi_env.verify)."""
-        if not hasattr(self.sandbox, "restore_home"):
+        if not isinstance(self.sandbox, RestoresHome):
             return  # verify gets a fresh sandbox
         try:
             reserve(self.sandbox, self.task, self._spec.limits.max_disk_bytes)
@@ -575,7 +575,7 @@ class PiSession:
         sandbox's own TMPDIR), or else (remote services, where the agent was root of the whole
         machine) a fresh sandbox gets the task's files, setup again, and the agent's work dir."""
         sandbox = self.sandbox
-        if hasattr(sandbox, "restore_home"):
+        if isinstance(sandbox, RestoresHome):
             # A later step's agent continues in its own home: keep it aside meanwhile.
             self._agent_home_aside = (
                 bool(later_steps(self.task)) if not self._in_later_step else self._later_steps_left > 0
@@ -587,7 +587,7 @@ class PiSession:
                 self._result.agent_log_tail += f"\n[pi-env] {problem}"
             sandbox.remove(RESERVE_DIR)
             return sandbox
-        if not hasattr(sandbox, "export_tree"):
+        if not isinstance(sandbox, ExportsTrees):
             raise SandboxError(
                 f"the {self.factory.backend.name!r} backend can neither restore its home "
                 "(restore_home) nor hand a work dir to a fresh sandbox (export_tree/import_tree): "

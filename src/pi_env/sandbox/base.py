@@ -172,12 +172,51 @@ class Sandbox(Protocol):
         """Kill everything and delete the sandbox. Idempotent."""
         ...
 
-    # Optional, for verify's clean world (pi_env.rollout: PiSession._verify_world). A sandbox whose
-    # commands can write only its home offers checkpoint_home() (after setup) and
-    # restore_home(keep, set_aside=) (before verify: all but the work dir and `keep` back as
-    # checkpointed; put_back_agent_home() undoes it for a multi-step task's next agent). One whose
-    # commands can change the whole machine offers export_tree(path) -> bytes and
-    # import_tree(path, data), and verify runs in a fresh sandbox that receives only the work dir.
+    # Optional abilities, each a Protocol below, checked with isinstance(): RestoresHome or
+    # ExportsTrees (one of them is needed for verify's clean world), HostPaths.
+
+
+@runtime_checkable
+class RestoresHome(Protocol):
+    """A sandbox whose commands can write only its home (local, podman, unsafe-local): verify
+    runs in it once the home is back as setup left it (pi_env.rollout: PiSession._verify_world)."""
+
+    def checkpoint_home(self) -> None:
+        """After setup, with nothing running: keep the home (all but the work dir) out of reach."""
+        ...
+
+    def restore_home(self, keep: tuple[str, ...] = (), *, set_aside: bool = False) -> list[str]:
+        """Before verify: kill every command, put all but the work dir and `keep` back as
+        checkpointed; `set_aside` keeps the agent's home for put_back_agent_home(). Returns
+        what could not be put back, as sentences."""
+        ...
+
+    def put_back_agent_home(self) -> None:
+        """Undo a set-aside restore: a multi-step task's next agent continues in its home."""
+        ...
+
+
+@runtime_checkable
+class ExportsTrees(Protocol):
+    """A sandbox whose commands can change the whole machine (remote services): verify runs in a
+    fresh sandbox that receives only the agent's work dir and output dirs."""
+
+    def export_tree(self, path: str) -> bytes:
+        """The directory `path` as a tar archive (nothing followed)."""
+        ...
+
+    def import_tree(self, path: str, data: bytes) -> None:
+        """Replace the directory `path` with an export_tree() archive."""
+        ...
+
+
+@runtime_checkable
+class HostPaths(Protocol):
+    """A sandbox that mounts nothing (unsafe-local): its commands see host paths."""
+
+    def host_path(self, path: str) -> str:
+        """The host path standing for a sandbox path."""
+        ...
 
 
 @runtime_checkable

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox
+from ..sandbox.base import HostPaths
 from ..task import PiTask
 
 VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"
@@ -139,7 +140,7 @@ def verify_env(sandbox: Sandbox, task: PiTask, setup_env: dict[str, str], caller
             env[name] = _in_sandbox(sandbox, value)
     env = {name: value for name, value in env.items() if name not in caller_env}
     # unsafe-local mounts nothing: its commands read the start-up where pi-env is installed.
-    startup = STARTUP_HOST_DIR if hasattr(sandbox, "host_path") else STARTUP_DIR
+    startup = STARTUP_HOST_DIR if isinstance(sandbox, HostPaths) else STARTUP_DIR
     env["PYTHONPATH"] = ":".join(filter(None, [startup, setup_env.get("PYTHONPATH")]))
     env["PI_ENV_WORKDIR"] = workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/")
     # Top-level modules of the hidden files (a staged `test/` package, a `helpers.py`): the
@@ -462,8 +463,7 @@ def _glob_escape(path: str) -> str:
 
 def _in_sandbox(sandbox: Sandbox, path: str) -> str:
     """A sandbox path as the sandbox's commands see it (unsafe-local runs on host paths)."""
-    host_path = getattr(sandbox, "host_path", None)
-    return host_path(path) if host_path is not None and path.startswith("/") else path
+    return sandbox.host_path(path) if isinstance(sandbox, HostPaths) and path.startswith("/") else path
 
 
 def _own(sandbox: Sandbox, argv: list[str], *, keep_path: bool = False):
