@@ -475,21 +475,21 @@ def test_32_concurrent_sessions_keep_their_traces_apart(gateway, server, open_se
 
 
 def test_a_large_answer_is_assembled_in_the_worker_process_exactly(gateway, server, open_session):
-    """Answers past OFFLOAD_MIN_BYTES are parsed off the event loop, in the worker process (the
-    worker counts it, the capture names no failure); the capture is the same as the inline path's."""
+    """Answers past OFFLOAD_MIN_BYTES are parsed off the event loop, in a capture worker process (the
+    pool counts it, the capture names no failure); the capture is the same as the inline path's."""
     from pi_env.proxy import transparent
     from pi_env.proxy.capture_worker import capture_pool
 
-    worker = capture_pool()
-    before = worker.assembled
+    pool = capture_pool()
+    before = pool.assembled
     long_turn = ScriptedTurn(text="abcd" * 3000, chunk_chars=4)
     session = open_session([long_turn])
     status, _, raw = call(gateway, session, body=chat())
     assert status == 200 and len(raw) > transparent.OFFLOAD_MIN_BYTES
     capture = only_turns(session).capture
     assert capture.worker_error is None
-    assert worker.assembled == before + 1, "the large answer was not parsed in the worker process"
-    assert worker.pids and os.getpid() not in worker.pids and worker.cpu_s > 0
+    assert pool.assembled == before + 1, "the large answer was not parsed in a worker process"
+    assert pool.pids and os.getpid() not in pool.pids and pool.cpu_s > 0
     assert capture.completion_token_ids == script_ids(long_turn, 0)
     assert capture.choices[0].content == long_turn.text and capture.request["logprobs"] is True
     inline = assembled(raw)

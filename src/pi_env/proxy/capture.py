@@ -213,7 +213,7 @@ def parse_chunks(payloads: list[bytes]) -> tuple[list[WireChunk], int]:
     """Parse every chunk in one call (much cheaper than one call per chunk); on a malformed
     or oddly typed chunk fall back to one by one and count the bad ones."""
     try:
-        return _chunks.decode(b"[" + b",".join(payloads) + b"]"), 0
+        return _chunks.decode(json_array(payloads)), 0
     except msgspec.DecodeError:
         chunks, bad = [], 0
         for payload in payloads:
