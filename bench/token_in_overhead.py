@@ -67,7 +67,7 @@ def tool_output(step: int) -> str:
 
 def render_parse(tok_dir: str, target_tokens: int, turns: int) -> dict:
     from pi_env.proxy.token_in import TokenLedger, load_renderer
-    from pi_env.scripted.server import ScriptedToolCall, ScriptedTurn
+    from pi_env.scripted.script import ScriptedToolCall, ScriptedTurn
     from pi_env.scripted.token_engine import TokenEngine
 
     spec = load_renderer("chatml-hermes", tok_dir)

@@ -27,7 +27,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # find_spec, not import: openenv alone takes seconds to import.
 if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
-    ['pi_env', 'pytest', 'pytest_timeout', 'ruff', 'openenv', 'mcp', 'rich', 'datasets', 'ray', 'playwright', 'mkdocs']))" 2>/dev/null \
+    ['pi_env', 'pytest', 'pytest_timeout', 'ruff', 'mypy', 'openenv', 'mcp', 'rich', 'datasets', 'ray', 'playwright', 'mkdocs']))" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.pi-env-installed ]; then
   echo "[bootstrap] installing pi-env into .venv" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'

@@ -11,12 +11,15 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 TINY = {
+    "against.py": ["HEAD", "--rounds", "1", "--", "sandbox_overhead.py", "2"],
     "collect_throughput.py": ["--levels", "1", "--per-level", "1", "--rounds", "1", "--stress", "2"],
     "gate_overhead.py": ["--calls", "4", "--sessions", "1", "2", "--generate-ms", "1"],
     # 100 tokens with top-5 logprobs is ~75 KB: past OFFLOAD_MIN_BYTES, so the capture worker works
     "proxy_overhead.py": ["--n", "4", "--tokens", "100", "--concurrency", "1", "2", "--capture-workers", "1", "2",
                           "--held-sessions", "4"],
+    "replica_failover.py": ["--rollouts", "2", "--concurrency", "2"],
     "rollout_overhead.py": ["-n", "1"],
+    "reverify_stored.py": ["--rollouts", "6"],
     "sandbox_overhead.py": ["2"],
     "scripted_memory.py": ["--requests", "20", "--turn-bytes", "200"],
     "token_in_overhead.py": ["--tokens", "2000", "--turns", "3", "--sessions", "2"],

@@ -32,8 +32,7 @@ def open_gate(gateway):
     opened = []
 
     def open_(timeout_s=30.0, **kwargs):
-        session = gateway.open_session(NOWHERE, mode="interception_gate", **kwargs)
-        session.strategy.timeout_s = timeout_s
+        session = gateway.open_session(NOWHERE, mode="interception_gate", gate_timeout_s=timeout_s, **kwargs)
         opened.append(session)
         return session
 
@@ -313,6 +312,7 @@ def test_a_trainer_that_never_answers_gets_the_agent_a_clean_stop(gateway, open_
     assert turn.capture.synthetic_answer == "gate_timeout" and turn.capture.completion_token_ids == []
     assert "did not deliver" in turn.upstream_error and "within 0.5 s" in turn.upstream_error
     assert session.strategy.stop_reason == "gate_timeout"
+    assert session.stopped().reason == "gate_timeout" and "did not deliver" in session.stopped().message
 
     # The trainer answers late: refused, and it says why.
     with pytest.raises(RequestNotPending, match="expired after 0.5 s") as late:

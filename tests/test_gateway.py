@@ -181,7 +181,7 @@ def test_upstream_dying_mid_stream_fails_the_agent_call(gateway, server):
         call(gateway, session, unix=True)
     (turn,) = session.turns
     assert turn.upstream_status == 200 and turn.upstream_error.startswith("upstream stream broken")
-    assert turn.response_bytes > 0 and not turn.client_disconnected
+    assert turn.response_bytes > 0 and not turn.client_disconnected and turn.upstream_broke
     gateway.close_session(session)
 
 
@@ -202,6 +202,7 @@ def test_agent_hanging_up_cancels_upstream_and_is_recorded(gateway, server):
     assert time.monotonic() - started < 2
     (turn,) = session.turns
     assert turn.client_disconnected and turn.upstream_status == 200 and turn.upstream_error is None
+    assert not turn.upstream_broke  # the agent's doing: never an endpoint failure
     gateway.close_session(session)
 
 
@@ -243,7 +244,7 @@ def test_a_relay_that_falls_behind_still_sends_every_byte(gateway, server, mode,
     """A relay slower than its upstream reads from a buffer the upstream has filled to its end:
     the answer must reach the agent whole, never cleanly cut where the upstream's end was seen
     while bytes were still buffered."""
-    from pi_env.proxy.gateway import RelayedResponse
+    from pi_env.proxy.wire import RelayedResponse
 
     write = RelayedResponse.write
 
@@ -284,7 +285,7 @@ def engine_process(tmp_path):
 
 def relayed_writes(gateway, base_url, key, monkeypatch) -> tuple[int, bytes]:
     """How many sends the gateway made to relay one answer (black_box), and what the agent got."""
-    from pi_env.proxy.gateway import RelayedResponse
+    from pi_env.proxy.wire import RelayedResponse
 
     writes, write = [], RelayedResponse.write
 
@@ -357,8 +358,9 @@ def test_trace_file_gets_one_flushed_line_per_turn(gateway, server, tmp_path):
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [r["turn"] for r in records] == [0, 1] and records[1]["upstream_status"] == 500
     assert set(records[0]) == {"turn", "started_at", "latency_s", "ttfb_s", "upstream_status", "upstream_error",
-                               "request_bytes", "response_bytes", "client_disconnected", "streamed", "total_tokens",
-                               "reserved_tokens", "capture"}
+                               "request_bytes", "response_bytes", "client_disconnected", "upstream_broke", "streamed", "total_tokens",
+                               "reserved_tokens", "policy_version", "policy_version_source", "replica",
+                               "failed_over", "capture"}
     gateway.close_session(session)
 
 
@@ -388,10 +390,10 @@ def test_turns_keep_the_agents_order_when_a_slow_first_answer_finishes_last(gate
     assert finished == [1, 0]  # the slow answer's record really finished last
     assert [t.turn for t in session.turns] == [0, 1]
     if mode == "transparent_proxy":
-        from pi_env.rollout import _rollout_turn
+        from pi_env.turns import rollout_turn
         from pi_env.training import build_training_trace
 
-        turns = [_rollout_turn(record) for record in reversed(session.turns)]  # handed over in finish order
+        turns = [rollout_turn(record) for record in reversed(session.turns)]  # handed over in finish order
         assert [t.turn for t in build_training_trace(turns).turns] == [0, 1]
 
 
@@ -914,7 +916,9 @@ def test_only_allowed_agent_headers_reach_the_upstream(gateway, server, mode):
         assert {k.lower(): v for k, v in PI_HEADERS.items()}.items() <= received.headers.items()
         assert received.headers["authorization"] == f"Bearer {REAL_KEY}"
         assert set(received.headers) - {k.lower() for k in PI_HEADERS} <= {
-            "host", "content-length", "content-type", "accept-encoding", "authorization"}
+            "host", "content-length", "content-type", "accept-encoding", "authorization",
+            "x-session-id"}  # the gateway's own: the session's id (test_policy_version.py)
+        assert received.headers["x-session-id"] == session.id
 
 
 MODES = ["black_box", "transparent_proxy", "interception_gate"]
@@ -923,10 +927,8 @@ MODES = ["black_box", "transparent_proxy", "interception_gate"]
 def open_in_mode(gateway, server, mode):
     """A session in `mode` whose upstream serves "served-model"; in interception_gate nobody plays
     the trainer, so a call the gate wrongly held ends after 1 s (a stop answer), never hangs."""
-    session = gateway.open_session(upstream(server, [ScriptedTurn(text="ok")], model="served-model"), mode=mode)
-    if mode == "interception_gate":
-        session.strategy.timeout_s = 1.0
-    return session
+    return gateway.open_session(upstream(server, [ScriptedTurn(text="ok")], model="served-model"), mode=mode,
+                                gate_timeout_s=1.0)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -13,7 +13,7 @@ from pi_env import PiConfig, PiTask, run_rollout
 from pi_env.collect.records import to_record
 from pi_env.proxy.capture import ChoiceCapture, TurnCapture
 from pi_env.proxy.conversation import gateway_conversation
-from pi_env.proxy.gateway import TurnRecord
+from pi_env.proxy.records import TurnRecord
 
 SESSION_DIR = "/root/logs/agent/session"
 FORGERY = "I wrote a correct, fully tested implementation"

@@ -163,6 +163,7 @@ def test_sessions_satisfy_openenv_and_the_training_trace_passes_its_validation(o
     from openenv.core.harness.capture.validate import check_turn, validate_training_turn
 
     factory = factory_for(TWO_TURNS, sampling=training_sampling({"temperature": 0.7}))
+    factory.set_policy_version(7)  # the trainer's step: every turn says which weights made it
     key = factory.config.api_key
     with factory.create([{"role": "user", "content": "write a.txt"}], seed=11, episode_id="ep-1") as session:
         assert isinstance(session, oe.ResourceSession)
@@ -205,6 +206,10 @@ def test_sessions_satisfy_openenv_and_the_training_trace_passes_its_validation(o
     assert all(p["reward"] == 1.0 and p["metadata"]["node_id"].startswith("ep-1:") for p in proxy)
     assert verdict.env_reward == 1.0 and verdict.done and verdict.metrics["error_kind"] is None
     assert verdict.artifacts["episode_id"] == "ep-1" and verdict.artifacts["seed"] == 11
+    # What a trainer computes staleness from (docs/async-rl.md): per turn, and the trace's span.
+    assert [t.metadata["policy_version"] for t in trace.turns] == [7, 7]
+    assert verdict.artifacts["policy_version_min"] == verdict.artifacts["policy_version_max"] == 7
+    assert verdict.artifacts["session_id"] == result.session_id and result.session_id
     assert result.trace_path is None  # no trace_dir: the trace was scratch, deleted with the rollout
 
 

@@ -85,3 +85,106 @@ def test_importing_a_room_pulls_in_no_room_above_it(room):
     layer = layers()
     above = [m for m in json.loads(done.stdout) if layer[room_of(m)] > layer[room]]
     assert not above, f"importing pi_env.{room} (layer {layer[room]}) loads {above}"
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the pi_env modules it imports (at the top, inside functions, under
+    TYPE_CHECKING: every import statement counts). `from package import name` is an edge to the
+    module package.name when there is one, else to the package; a package's own __init__ is
+    the package's name. Importing a submodule runs its packages' __init__ first, but that is
+    Python's doing, not an edge: only what a module's own statements name counts."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+                target = ".".join(part for part in (base, node.module or "") if part)
+                found |= {f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target
+                          for alias in node.names}
+        graph[module] = {name for name in found if name in modules and name != module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[tuple[list[str], set[str]]]:
+    """Per strongly connected component of more than one module (Tarjan): a shortest cycle
+    through its first module (the modules along it, the first repeated at the end) and the
+    whole component (a tangle may hold more modules than one cycle shows)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    cycles = []
+    for component in components:  # a shortest way back to the component's first module
+        start = min(component)
+        paths, seen, cycle = [[start]], {start}, None
+        while paths and cycle is None:
+            path = paths.pop(0)
+            for target in sorted(graph[path[-1]] & component):
+                if target == start:
+                    cycle = path + [start]
+                    break
+                if target not in seen:
+                    seen.add(target)
+                    paths.append(path + [target])
+        cycles.append((cycle, component))
+    return sorted(cycles, key=lambda found: found[0])
+
+
+def test_no_import_cycle_between_modules():
+    """No pi_env module imports, however indirectly or lazily, a module that imports it back:
+    the base a module builds on is always below it, so each can be read (and loaded) alone."""
+    cycles = import_cycles(import_graph())
+    shown = [" -> ".join(cycle) + (f"  (one tangle with {', '.join(sorted(set(component) - set(cycle)))})"
+                                   if len(component) > len(cycle) - 1 else "")
+             for cycle, component in cycles]
+    assert not cycles, ("import cycles between pi_env modules (break each: what both need goes in a module "
+                        "that imports neither):\n  " + "\n  ".join(shown))
+
+
+def test_the_cycle_check_sees_a_cycle_however_it_is_imported(tmp_path, monkeypatch):
+    """The check itself: a lazy relative import and a TYPE_CHECKING one each close a cycle."""
+    package = tmp_path / "pi_env"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "low.py").write_text("def f():\n    from . import high\n")
+    (package / "sub" / "high.py").write_text("from pi_env.sub.low import f\n")
+    (package / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pi_env import plain\n")
+    (package / "plain.py").write_text("import pi_env.typed\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    assert [cycle for cycle, _ in import_cycles(import_graph())] == [
+        ["pi_env.plain", "pi_env.typed", "pi_env.plain"],
+        ["pi_env.sub.high", "pi_env.sub.low", "pi_env.sub.high"],
+    ]

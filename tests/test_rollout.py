@@ -126,6 +126,14 @@ def test_llm_error_is_reported_not_scored(server, status, kind):
     assert result.proxy_turns[0].upstream_status == status
 
 
+def test_an_answer_the_endpoint_breaks_mid_stream_is_unscored(server):
+    # The engine dies after a few tokens of Pi's only answer: infrastructure, never a reward of 0.
+    key = server.add_script([ScriptedTurn(text="x" * 200, chunk_chars=1, fault=Fault(disconnect_after_chunks=5))])
+    result = run_rollout(PiTask(instruction="x", verify=["true"]), scripted_config(server, key))
+    assert result.reward is None and result.error_kind == "endpoint_error", (result.error, result.agent_log_tail)
+    assert "broke its answer mid-stream" in result.error
+
+
 def test_unreachable_endpoint_is_an_endpoint_error():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -331,7 +331,7 @@ def test_sandboxes_of_a_killed_owner_are_swept_and_live_ones_kept(monkeypatch):
     import subprocess
     import sys
 
-    from pi_env.sandbox import hostdir
+    from pi_env.sandbox import owned_dirs
 
     outer = tempfile.mkdtemp(prefix="pi-env-sweep-")  # not tmp_path: pytest makes its parents 0o700
     os.chmod(outer, 0o711)
@@ -346,7 +346,7 @@ def test_sandboxes_of_a_killed_owner_are_swept_and_live_ones_kept(monkeypatch):
     live = LocalSandboxBackend(root).create(SandboxSpec())
     try:
         assert os.path.isdir(host_dir)  # a free lock younger than STALE_LOCK_AGE_S is left alone
-        monkeypatch.setattr(hostdir, "STALE_LOCK_AGE_S", 0.0)
+        monkeypatch.setattr(owned_dirs, "STALE_LOCK_AGE_S", 0.0)
         LocalSandboxBackend(root)
         assert not os.path.exists(host_dir) and not os.path.exists(host_dir + ".lock")
         assert os.path.isdir(live.host_dir) and live.exec("echo alive").stdout == "alive\n"
@@ -371,7 +371,7 @@ def test_a_stale_sandbox_with_its_capped_home_still_mounted_is_swept(monkeypatch
     """A dead owner's dir whose size-capped home tmpfs is still mounted (with another tmpfs
     stacked on it and one inside the work dir): rmdir of a mount point is EBUSY, so the sweep
     detaches every mount under the dir first; nothing is left mounted or on disk."""
-    from pi_env.sandbox import hostdir
+    from pi_env.sandbox import owned_dirs
     from pi_env.sandbox.totals import host_totals, mount_capped_home, mount_points_under
 
     if not host_totals().disk:
@@ -381,7 +381,7 @@ def test_a_stale_sandbox_with_its_capped_home_still_mounted_is_swept(monkeypatch
     root = os.path.join(outer, "root")
     os.mkdir(root, 0o711)
     try:
-        host_dir, lock_fd = hostdir.make_host_dir(root, None, disk_bytes=1 << 20)
+        host_dir, lock_fd = owned_dirs.make_host_dir(root, None, disk_bytes=1 << 20)
         home = os.path.join(host_dir, "home")
         mount_capped_home(home, 1 << 20, None)  # stacked on the capped home
         os.mkdir(os.path.join(home, "workdir"))
@@ -390,8 +390,8 @@ def test_a_stale_sandbox_with_its_capped_home_still_mounted_is_swept(monkeypatch
             f.write("x")
         os.close(lock_fd)  # the owner dies: no discard, its lock is free
         assert len(mount_points_under(host_dir)) == 3
-        monkeypatch.setattr(hostdir, "STALE_LOCK_AGE_S", 0.0)
-        assert hostdir.sweep_stale_host_dirs(root) == [host_dir]
+        monkeypatch.setattr(owned_dirs, "STALE_LOCK_AGE_S", 0.0)
+        assert owned_dirs.sweep_stale_host_dirs(root) == [host_dir]
         assert os.listdir(root) == [] and mount_points_under(outer) == []
     finally:
         from pi_env.sandbox.totals import unmount_all

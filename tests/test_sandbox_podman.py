@@ -101,7 +101,7 @@ time.sleep(300)
 
 
 def test_containers_of_a_killed_owner_are_swept(backend, monkeypatch):
-    from pi_env.sandbox import hostdir
+    from pi_env.sandbox import owned_dirs
 
     root = tempfile.mkdtemp(prefix="pi-env-podman-sweep-")
     owner = subprocess.Popen([sys.executable, "-c", SANDBOX_OWNER, root], stdout=subprocess.PIPE, text=True)
@@ -117,7 +117,7 @@ def test_containers_of_a_killed_owner_are_swept(backend, monkeypatch):
     assert containers(backend, sandbox_id) != [] and os.path.isdir(host_dir)
     live = PodmanBackend(root=root).create(SandboxSpec())
     try:
-        monkeypatch.setattr(hostdir, "STALE_LOCK_AGE_S", 0.0)
+        monkeypatch.setattr(owned_dirs, "STALE_LOCK_AGE_S", 0.0)
         PodmanBackend(root=root)
         assert containers(backend, sandbox_id) == [] and not os.path.exists(host_dir)
         assert live.exec("echo alive").stdout == "alive\n"

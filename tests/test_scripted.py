@@ -13,7 +13,7 @@ import pytest
 from helpers import USER, chat
 
 from pi_env.scripted import Fault, ScriptedToolCall, ScriptedTurn
-from pi_env.scripted.server import SCRIPT_FINISHED_TEXT, synthetic_token_id
+from pi_env.scripted.script import SCRIPT_FINISHED_TEXT, synthetic_token_id
 
 
 

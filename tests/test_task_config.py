@@ -123,3 +123,16 @@ def test_run_help_shows_the_config_fields_own_words():
                            timeout=60).stdout
     flat = " ".join(shown.split())
     assert "upstream key" in flat and " ".join(PiConfig.model_fields["model"].description.split()) in flat
+
+
+def test_max_tokens_is_the_one_cap_and_the_old_second_knob_still_loads():
+    assert "proxy_max_tokens_cap" not in PiConfig.model_fields
+    # The smaller of the two was in force before they were one knob, so an old config keeps it.
+    for given, expected in [({"proxy_max_tokens_cap": 64}, 64), ({"max_tokens": 48, "proxy_max_tokens_cap": 96}, 48),
+                            ({"max_tokens": 300, "proxy_max_tokens_cap": 200}, 200)]:
+        with pytest.warns(DeprecationWarning, match="max_tokens is the one cap"):
+            config = PiConfig(**given)
+        assert config.max_tokens == expected == config.proxy_max_tokens_cap
+        assert "proxy_max_tokens_cap" not in config.model_dump()
+    with pytest.raises(ValueError, match="greater than 0"), pytest.warns(DeprecationWarning):
+        PiConfig(proxy_max_tokens_cap=0)

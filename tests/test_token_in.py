@@ -295,6 +295,36 @@ def open_token_in(gateway, token_server, tokenizer_dir, turns, spec=None):
                                 capture=CaptureOptions(model="scripted-model", top_logprobs=2), token_in=spec)
 
 
+def test_token_in_sends_the_session_id_and_salts_the_engine_request_per_version(gateway, token_server,
+                                                                               tokenizer_dir):
+    """Token-in sends its own /v1/completions request: the session header, the version stamp and
+    the cache salt (docs/async-rl.md) are on it as on any transparent_proxy call."""
+    from pi_env.proxy import PolicyVersion, Routing
+    from pi_env.proxy.records import cache_salt
+    from pi_env.proxy.rewrite import CaptureOptions
+
+    key = token_server.add_script([ScriptedTurn(text="one"), ScriptedTurn(text="two")])
+    policy = PolicyVersion(1)
+    session = gateway.open_session(Upstream(token_server.base_url, key, "scripted-model"), mode="transparent_proxy",
+                                   capture=CaptureOptions(model="scripted-model", top_logprobs=2),
+                                   token_in=load_renderer("chatml-hermes", str(tokenizer_dir)),
+                                   policy=policy, routing=Routing(cache_salt=True))
+    try:
+        first = ask(gateway, session, [USER])
+        policy.set(2)
+        ask(gateway, session, [USER, {"role": "assistant", "content": first["content"]},
+                               {"role": "user", "content": "again"}])
+        assert session.wait_idle(5)
+    finally:
+        gateway.close_session(session)
+    sent = [r for r in token_server.requests if r.path.endswith("/completions")]
+    assert [r.headers["x-session-id"] for r in sent] == [session.id] * 2
+    assert [r.body["cache_salt"] for r in sent] == [cache_salt(1), cache_salt(2)]
+    assert [t.policy_version for t in session.turns] == [1, 2]
+    assert [t.capture.token_in["engine_request"]["cache_salt"] for t in session.turns] == [cache_salt(1),
+                                                                                          cache_salt(2)]
+
+
 def test_token_in_bridges_each_turn_and_records_what_it_sent_and_received(gateway, token_server, tokenizer_dir,
                                                                           tokenizer):
     turns = [ScriptedTurn(text="I will list the files.", tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls"})]),
@@ -758,6 +788,6 @@ def test_an_engine_dying_mid_answer_fails_the_call_and_the_next_one_starts_a_new
     finally:
         gateway.close_session(session)
     first, second = (t.capture.token_in for t in session.turns)
-    assert session.turns[0].upstream_error.startswith("upstream stream broken")
+    assert session.turns[0].upstream_error.startswith("upstream stream broken") and session.turns[0].upstream_broke
     assert second["outcome"] == "full_render" and second["sequence"] == 1
     assert second["reason"].startswith("the previous call failed")

@@ -19,16 +19,8 @@ from test_gateway import REAL_KEY, _call, call, sse_json
 from pi_env.proxy import Upstream
 from pi_env.proxy.capture import Assembler, TurnCapture
 from pi_env.proxy.rewrite import CaptureOptions
-from pi_env.scripted.server import (
-    GROQ_LOGPROBS_ERROR,
-    LLAMA_CPP_LOGPROBS_ERROR,
-    EngineQuirks,
-    Fault,
-    ScriptedToolCall,
-    ScriptedTurn,
-    answer_deltas,
-    synthetic_token_id,
-)
+from pi_env.scripted.script import Fault, ScriptedToolCall, ScriptedTurn, synthetic_token_id
+from pi_env.scripted.server import GROQ_LOGPROBS_ERROR, LLAMA_CPP_LOGPROBS_ERROR, EngineQuirks, answer_deltas
 from pi_env.training import build_training_trace
 
 UPSTREAM_MODEL = "upstream/exact-model-id"
@@ -296,6 +288,7 @@ def test_upstream_dying_mid_stream_is_recorded_with_what_arrived(gateway, server
         call(gateway, session, body=chat())
     turn = only_turns(session)
     assert turn.upstream_status == 200 and turn.upstream_error.startswith("upstream stream broken")
+    assert turn.upstream_broke
     assert not turn.client_disconnected
     choice = turn.capture.choices[0]
     assert choice.content == "xxxx" and choice.finish_reason is None  # role chunk + 4 content chunks
@@ -371,6 +364,7 @@ def test_non_streaming_fallback_answer_cut_short_is_a_502_with_a_record(gateway,
     assert status == 502 and json.loads(raw)["error"]["type"] == "upstream_error"
     turn = only_turns(session)
     assert turn.upstream_status == 200 and turn.upstream_error.startswith("upstream answer broken")
+    assert turn.upstream_broke
     assert turn.capture.fallback.startswith("non_streaming:")
 
 
@@ -477,7 +471,7 @@ def test_32_concurrent_sessions_keep_their_traces_apart(gateway, server, open_se
 def test_a_large_answer_is_assembled_in_the_worker_process_exactly(gateway, server, open_session):
     """Answers past OFFLOAD_MIN_BYTES are parsed off the event loop, in a capture worker process (the
     pool counts it, the capture names no failure); the capture is the same as the inline path's."""
-    from pi_env.proxy import transparent
+    from pi_env.proxy import assembly
     from pi_env.proxy.capture_worker import capture_pool
 
     pool = capture_pool()
@@ -485,7 +479,7 @@ def test_a_large_answer_is_assembled_in_the_worker_process_exactly(gateway, serv
     long_turn = ScriptedTurn(text="abcd" * 3000, chunk_chars=4)
     session = open_session([long_turn])
     status, _, raw = call(gateway, session, body=chat())
-    assert status == 200 and len(raw) > transparent.OFFLOAD_MIN_BYTES
+    assert status == 200 and len(raw) > assembly.OFFLOAD_MIN_BYTES
     capture = only_turns(session).capture
     assert capture.worker_error is None
     assert pool.assembled == before + 1, "the large answer was not parsed in a worker process"
@@ -507,7 +501,7 @@ def test_a_failing_worker_is_logged_and_recorded_and_the_answer_still_captured(g
     monkeypatch.setattr(module.sys, "executable", "/bin/false")
     long_turn = ScriptedTurn(text="abcd" * 3000, chunk_chars=4)
     session = open_session([long_turn])
-    with caplog.at_level("WARNING", logger="pi_env.proxy.transparent"):
+    with caplog.at_level("WARNING", logger="pi_env.proxy.assembly"):
         status, _, raw = call(gateway, session, body=chat())
         capture = only_turns(session).capture
     assert status == 200

@@ -288,6 +288,24 @@ def test_hidden_tests_in_a_package_named_like_the_standard_librarys_still_run():
     assert result.files["test.py"] == EXIT_0  # the agent's, back after verify
 
 
+def test_a_later_steps_own_test_package_is_the_verifiers_too():
+    """A multi-step Harbor task's second step stages a `test/` package the first step did not:
+    verifying that step finds it as its own, not the standard library's `test` (the hidden
+    modules are the verified step's, not the first step's)."""
+    one = {"run.sh": "python3 check.py\n", "check.py": HIDDEN_CHECK}
+    two = {"run.sh": "python3 -m unittest -q test.test_hidden\n", "test/__init__.py": "",
+           "test/test_hidden.py": HIDDEN_UNITTEST}
+    write = [{"tool": "write", "path": "solution.py", "content": RIGHT}]
+    steps = [{"name": "one", "instruction": "make answer() return 42", "verify_files": one, "solution": write},
+             {"name": "two", "instruction": "keep answer() at 42", "verify_files": two, "solution": write}]
+    task = PiTask(task_id="later-test-package", instruction="make answer() return 42", verify_files=one,
+                  verify=["bash run.sh"], solution=write,
+                  metadata={"harbor": {"source": "t", "path_map": {"/app": "/root/workdir"}, "steps": steps}})
+    result = run_rollout(task)
+    assert [r.exit_code for r in result.verify_results] == [0, 0], _scores(result)
+    assert result.reward == 1.0, _scores(result)
+
+
 def test_verify_runs_the_source_the_agent_left_never_a_stale_compiled_copy():
     """Python prefers __pycache__/x.pyc to x.py when the source's mtime and size match: an edit of
     the same size within the same second (here pinned with touch) was verified as the old code.

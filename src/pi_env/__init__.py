@@ -3,6 +3,8 @@
 Kept light: heavy parts are imported where they are used.
 """
 
+# Plugs the Harbor task format into pi_env.task (load_tasks, metadata["harbor"] checked) before any task loads.
+from . import harbor as _harbor  # noqa: F401
 from .config import PiConfig
 from .results import CommandResult, RolloutEvent, RolloutResult, RolloutTurn
 from .task import PiTask, TaskError, load_tasks

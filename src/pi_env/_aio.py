@@ -24,7 +24,7 @@ def background_loop() -> asyncio.AbstractEventLoop:
     """The shared loop, started on first use (thread-safe)."""
     global _loop, _thread
     with _lock:
-        if _loop is None or not _thread.is_alive():
+        if _loop is None or _thread is None or not _thread.is_alive():  # set together
             loop = asyncio.new_event_loop()
             thread = threading.Thread(target=loop.run_forever, name="pi-env-event-loop", daemon=True)
             thread.start()

@@ -17,7 +17,9 @@ def endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoint",
         default="oracle",
-        help="vllm, openai, hf_router, oracle (replays the task's solution) or an http(s) URL",
+        help="vllm, openai, hf_router, oracle (replays the task's solution), an http(s) URL, or several "
+        "replicas' URLs, comma-separated (each rollout sticks to one; a replica that fails before "
+        "answering is retried on another)",
     )
     for name in ("base_url", "model", "api_key"):
         parser.add_argument("--" + name.replace("_", "-"), default=None, help=field_help(name))
@@ -25,7 +27,9 @@ def endpoint_arguments(parser: argparse.ArgumentParser) -> None:
 
 def field_help(name: str) -> str:
     """A PiConfig field's docstring, as a flag's help."""
-    return " ".join(PiConfig.model_fields[name].description.split()).replace("%", "%%")
+    description = PiConfig.model_fields[name].description
+    assert description is not None, f"PiConfig.{name} has no docstring (its description)"
+    return " ".join(description.split()).replace("%", "%%")
 
 
 def backend_argument(parser: argparse.ArgumentParser, default: str | None = "local") -> None:
@@ -81,7 +85,7 @@ def config_from_args(args, **extra) -> PiConfig:
         **extra,
     )
     if getattr(args, "max_tokens", None) is not None:
-        fields.update(max_tokens=args.max_tokens, proxy_max_tokens_cap=args.max_tokens)
+        fields["max_tokens"] = args.max_tokens
     if getattr(args, "sampling", None) is not None:
         from .proxy.rewrite import parse_sampling
 

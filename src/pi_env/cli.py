@@ -27,6 +27,10 @@ ROOM_COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pi_env.server.command", "the OpenEnv server: MCP run_rollout, web UI at /web, /health, /docs"),
     "collect": ("pi_env.collect.command", "run a task set into a resumable dataset directory (SFT/GRPO data)"),
     "export": ("pi_env.collect.export_command", "export a collected dataset as sft, grpo or atif JSON lines"),
+    "reverify": (
+        "pi_env.collect.reverify_command",
+        "score a collected dataset's kept work dirs again with new tasks' verifiers (no agent runs)",
+    ),
 }
 
 
@@ -170,13 +174,13 @@ def _run(args) -> int:
 def _environments_not_honoured(tasks, backend: str, include: bool) -> str | None:
     """Harbor tasks: say what of each environment is approximated; refuse (the message) those
     whose environment `backend` cannot honour unless `include` (then they run unscored)."""
-    from .harbor import is_harbor, unsupported_reasons
+    from .harbor import harbor_facts, unsupported_reasons
 
     lines = []
     for task in tasks:
-        if not is_harbor(task):
+        if (facts := harbor_facts(task)) is None:
             continue
-        for note in (task.metadata["harbor"].get("environment") or {}).get("approximated") or []:
+        for note in facts.environment.approximated if facts.environment else []:
             print(f"pi-env: {task.task_id}: {note}", file=sys.stderr)
         if why := unsupported_reasons(task, backend):
             lines.append(f"  {task.task_id}: " + "\n    ".join(why))
@@ -222,7 +226,7 @@ def _print_summary(result) -> None:
     )
 
 
-def _bad_input(error: Exception) -> int:
+def _bad_input(error: Exception | str) -> int:
     print(f"pi-env: {error}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
@@ -247,8 +251,11 @@ def _doctor(args) -> int:
             print(f"[FAIL] {name}: {error}")
 
     def sandbox_check() -> str:
-        with get_backend(config.sandbox_backend).create(SandboxSpec()) as sandbox:
+        sandbox = get_backend(config.sandbox_backend).create(SandboxSpec())
+        try:  # the Sandbox protocol has close(), not the context manager every backend adds
             outcome = sandbox.exec("echo sandbox-ok", timeout_s=30)
+        finally:
+            sandbox.close()
         if outcome.stdout.strip() != "sandbox-ok":
             raise SandboxError(f"unexpected output {outcome.stdout!r} {outcome.stderr!r}")
         return f"backend {config.sandbox_backend!r} runs commands"

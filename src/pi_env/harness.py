@@ -45,7 +45,7 @@ TimeoutError for a killed agent, as TRL's worker expects.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,10 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from . import rollout
 from .config import Mode, PiConfig
-from .proxy.gateway import TurnRecord
+from .proxy.capture import TurnCapture
+from .proxy.records import TurnRecord
 from .proxy.rewrite import SAMPLING_KEYS
-from .results import RolloutResult
+from .results import RolloutEvent, RolloutResult
 from .rollout import PiSession
 from .sandbox import SandboxBackend
 from .task import PiTask, TaskError, load_tasks
@@ -98,8 +99,16 @@ class HarnessSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["Ha
             tasks = load_tasks(tasks)
         self.tasks: list[PiTask] = [PiTask.coerce(task) for task in tasks or ()]
 
-    def create(
-        self, task: Any = None, seed: int | None = None, episode_id: str | None = None, *, on_event=None
+    # openenv's ResourceSessionFactory.create, not the core factory's: it takes any task reference
+    # and returns an openenv session (HarnessSession wraps the PiSession), so it cannot match
+    # PiSessionFactory.create's signature; the core create stays reachable through super().
+    def create(  # type: ignore[override]
+        self,
+        task: Any = None,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        *,
+        on_event: Callable[[RolloutEvent], None] | None = None,
     ) -> HarnessSession:
         """Start one rollout of the task `task` names (see `select_task`). Bad input raises;
         infrastructure failures surface as an unscored rollout (`verify().env_reward` None).
@@ -253,6 +262,10 @@ class HarnessSession(ResourceSession):
             "model": result.model,
             "pi_version": result.pi_version,
             "synthetic": result.synthetic,
+            "session_id": result.session_id,
+            # The policy versions its tokens came from (numbers only; per turn: fetch_training_trace's metadata).
+            "policy_version_min": result.training.policy_version_min if result.training else None,
+            "policy_version_max": result.training.policy_version_max if result.training else None,
             **self._ids(),
         }
         return VerifyResult(env_reward=result.reward, done=True, metrics=metrics, artifacts=artifacts)
@@ -354,7 +367,8 @@ def _training_turn(record: TurnRecord, node_id: str) -> TrainingTurn:
         raise ValueError(f"{where}: the engine gave no complete completion ids ({reason})")
     completion = list(choice.token_ids)
     logprobs = list(choice.logprobs)
-    if len(logprobs) != len(completion) or any(lp is None for lp in logprobs):
+    known = [lp for lp in logprobs if lp is not None]
+    if not len(known) == len(logprobs) == len(completion):
         missing = sum(1 for lp in logprobs if lp is None) + max(0, len(completion) - len(logprobs))
         raise ValueError(f"{where}: {missing} of {len(completion)} completion tokens have no logprob from the engine")
     prompt = list(capture.prompt_token_ids)
@@ -362,10 +376,10 @@ def _training_turn(record: TurnRecord, node_id: str) -> TrainingTurn:
         node_id=node_id,
         prompt_token_ids=prompt,
         completion_token_ids=completion,
-        per_token_logps=[float(lp) for lp in logprobs],
+        per_token_logps=[float(lp) for lp in known],
         loss_mask=[0] * len(prompt) + [1] * len(completion),
         request=dict(capture.request),
-        response=_response(record),
+        response=_response(capture),
         metadata=_metadata(record),
     )
 
@@ -394,7 +408,7 @@ def _trace_entry(record: TurnRecord, node_id: str) -> dict[str, Any]:
         return entry
     choice = capture.choices[0] if capture.choices else None
     entry["request"] = dict(capture.request)
-    entry["response"] = _response(record)
+    entry["response"] = _response(capture)
     entry["prompt_token_ids"] = list(capture.prompt_token_ids)
     entry["completion_token_ids"] = list(capture.completion_token_ids)
     if choice is not None and choice.tokens:
@@ -405,8 +419,7 @@ def _trace_entry(record: TurnRecord, node_id: str) -> dict[str, Any]:
     return entry
 
 
-def _response(record: TurnRecord) -> dict[str, Any]:
-    capture = record.capture
+def _response(capture: TurnCapture) -> dict[str, Any]:
     response: dict[str, Any] = {
         "choices": [
             {"index": c.index, "message": c.message(), "finish_reason": c.finish_reason} for c in capture.choices
@@ -427,6 +440,9 @@ def _metadata(record: TurnRecord) -> dict[str, Any]:
         "upstream_status": record.upstream_status,
         "latency_s": record.latency_s,
         "ttfb_s": record.ttfb_s,
+        # The weights that generated it (docs/async-rl.md): a trainer drops or weighs stale turns by it.
+        "policy_version": record.policy_version,
+        "policy_version_source": record.policy_version_source,
     }
     if record.upstream_error:
         metadata["upstream_error"] = record.upstream_error[:500]

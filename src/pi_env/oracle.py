@@ -55,7 +55,7 @@ def _shared_server() -> ScriptedServer:
 def oracle_endpoint(task: PiTask) -> Endpoint:
     """Register the task's solution with the process-wide scripted server; the returned
     endpoint's api key selects that script. Release it with `release_oracle`."""
-    turns = solution_turns(task)
+    turns: list[ScriptedTurn | dict] = [*solution_turns(task)]  # add_script also takes dict turns
     server = _shared_server()
     key = server.add_script(turns)
     return Endpoint(

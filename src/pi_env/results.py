@@ -13,7 +13,7 @@ ErrorKind = Literal[
     "setup_failed",  # a setup command failed: the task or its environment is broken
     "agent_error",  # Pi never got going: it could not start, or its first call was refused
     "agent_timeout",  # the agent's limit passed while the model had not begun its answer
-    "endpoint_error",  # the model endpoint was unreachable or answered 5xx
+    "endpoint_error",  # the model endpoint was unreachable, answered 5xx or broke an answer mid-stream
     "gate_timeout",  # interception_gate: the trainer did not deliver a held call within gate_timeout_s
     "invalid_reward",  # results of older pi-env only: a bad reward file is now a 0.0 (see verify_notes)
     "no_verify",  # nothing to score: no verify commands and no reward file
@@ -64,6 +64,15 @@ class RolloutTurn(BaseModel):
     # Token-in (docs/token-in.md): the renderer, how the prompt was made ("first", "bridged", or
     # "full_render" with its `reason`), the `sequence` index, whether the engine echoed the ids sent.
     token_in: dict[str, Any] | None = None
+    # The policy version that produced this call's answer (docs/async-rl.md): the one in force when
+    # it was sent upstream (set_policy_version), unless the engine or the trainer reported its own;
+    # `policy_version_source` says which ("gateway", "engine", "trainer"). None: never set, or never sent.
+    policy_version: int | float | str | bool | None = None
+    policy_version_source: str | None = None
+    # Which replica answered (host:port, never credentials); `failed_over`: not the one the
+    # rollout was on before this call (it failed, or was in back-off), docs/async-rl.md.
+    replica: str | None = None
+    failed_over: bool = False
     latency_s: float | None = None
     ttfb_s: float | None = None
     timestamp: float | None = None
@@ -71,12 +80,15 @@ class RolloutTurn(BaseModel):
     upstream_error: str | None = None
 
 
+EventKind = Literal["phase_start", "phase_end", "turn", "done"]
+
+
 class RolloutEvent(BaseModel):
     """What a running rollout reports as it goes (`PiSessionFactory.create(..., on_event=)`):
     a phase starting or ending (runtime, sandbox_create, setup, agent_start, agent, verify,
     collect), each model call once the gateway has recorded it, and the end with the reward."""
 
-    kind: Literal["phase_start", "phase_end", "turn", "done"]
+    kind: EventKind
     elapsed_s: float  # since the rollout started
     phase: str | None = None
     turn: RolloutTurn | None = None
@@ -93,6 +105,13 @@ class RolloutResult(BaseModel):
 
     task_id: str
     sandbox_id: str = ""
+    # The id the gateway sent upstream in PiConfig.gateway_session_header on every call of this
+    # rollout (random, never its gateway token): what a router kept the rollout on a replica by.
+    session_id: str | None = None
+    # An endpoint of several replicas (docs/async-rl.md): each replica's health as the rollout
+    # ended (replica host:port, healthy, sessions, in_flight, calls, failures, last_error,
+    # unhealthy_until), shared by the process's rollouts on it. None: one base URL.
+    replicas: list[dict[str, Any]] | None = None
     reward: float | None = None
     reward_source: Literal["reward_file", "pass_rate"] | None = None
     error: str | None = None
@@ -127,6 +146,10 @@ class RolloutResult(BaseModel):
     # debugging only; never the record, never training data.
     pi_session_messages: list[dict[str, Any]] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)  # the work dir after the agent (bounded)
+    # PiConfig.keep_workdir: the work dir as verify first saw it, whole (pi_env.verify.workdir),
+    # a base64 tar.gz, or why it was not kept. `pi-env collect` stores it beside the dataset.
+    workdir_archive: str | None = Field(None, repr=False)
+    workdir_not_kept: str | None = None
     # What pi-env did so that verify stayed the verifier's: the agent's files set aside, a reward
     # file ignored (a pass-rate task) or rejected (missing, not a number, out of range: a 0.0).
     verify_notes: list[str] = Field(default_factory=list)

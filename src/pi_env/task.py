@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
@@ -91,6 +93,23 @@ def read_bounded(path: Path, what: str, limit: int = MAX_TASK_FILE_BYTES) -> byt
     if len(data) > limit:
         raise TaskError(f"{path}: larger than {limit >> 20} MiB; a {what} this big is not supported")
     return data
+
+
+def check_file_keys(files: dict[str, str], field: str) -> dict[str, str]:
+    """`files` (a `files` or `verify_files` map) when every key is a relative work-dir path."""
+    for path in files:
+        check_relative_path(path, f"{field}[{path!r}]")
+    return files
+
+
+def check_solution(steps: list[SolutionStep] | None) -> list[SolutionStep] | None:
+    """`steps` when each tool call's path is relative and each bash command well-formed."""
+    for index, step in enumerate(steps or []):
+        if isinstance(step, (WriteStep, EditStep, ReadStep)):
+            check_relative_path(step.path, f"solution[{index}].path")
+        elif isinstance(step, BashStep):
+            check_command(step.command, f"solution[{index}].command")
+    return steps
 
 
 def check_relative_path(path: str, where: str) -> str:
@@ -211,19 +230,21 @@ class PiTask(BaseModel):
     @field_validator("files", "verify_files")
     @classmethod
     def _relative_keys(cls, files: dict[str, str], info) -> dict[str, str]:
-        for path in files:
-            check_relative_path(path, f"{info.field_name}[{path!r}]")
-        return files
+        return check_file_keys(files, info.field_name)
 
     @field_validator("solution")
     @classmethod
     def _relative_solution_paths(cls, steps):
-        for index, step in enumerate(steps or []):
-            if isinstance(step, (WriteStep, EditStep, ReadStep)):
-                check_relative_path(step.path, f"solution[{index}].path")
-            elif isinstance(step, BashStep):
-                check_command(step.command, f"solution[{index}].command")
-        return steps
+        return check_solution(steps)
+
+    @field_validator("metadata")
+    @classmethod
+    def _format_facts(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        # Another format's facts (metadata["harbor"]), checked by that format (TaskFormat.check).
+        for key, task_format in _FORMATS.items():
+            if key in metadata:
+                task_format.check(metadata[key])
+        return metadata
 
     @field_validator("setup", "verify")
     @classmethod
@@ -301,24 +322,43 @@ def _read_json(path: Path) -> Any:
     return parse_json(read_bounded(path, "task file"), str(path))
 
 
+@dataclass(frozen=True)
+class TaskFormat:
+    """A task format beyond pi-env's JSON, plugged in by its own package (`pi_env.harbor`, which
+    `pi_env` imports): this module names no format, the format imports this module."""
+
+    key: str  # its facts live under PiTask.metadata[key]
+    what: str  # what one of its task directories is, for load_tasks's error
+    task_dirs: Callable[[Path], list[Path]]  # its task directories at a directory ([]: none)
+    load: Callable[[Path], list[PiTask]]  # the tasks of those directories
+    check: Callable[[Any], object]  # metadata[key] checked; a ValueError naming what to fix
+
+
+_FORMATS: dict[str, TaskFormat] = {}
+
+
+def register_task_format(task_format: TaskFormat) -> None:
+    """`load_tasks` takes the format's directories; a task's metadata[key] is checked by it."""
+    _FORMATS[task_format.key] = task_format
+
+
 def load_tasks(path: str | Path) -> list[PiTask]:
     """A task set: a JSONL file (one task per line), a JSON file (one task or a list), a
     directory of task JSON files (sorted by name), or a Harbor task directory or a directory of
-    them (see pi_env.harbor). Task ids must be unique."""
+    them (see pi_env.harbor, a `TaskFormat`). Task ids must be unique."""
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix == ".json")
         if files:
             tasks = [PiTask.from_file(p) for p in files]
         else:
-            from .harbor import harbor_task_dirs, load_harbor_tasks
-
-            if not harbor_task_dirs(path):
+            task_format = next((f for f in _FORMATS.values() if f.task_dirs(path)), None)
+            if task_format is None:
                 raise TaskError(
-                    f"{path}: directory holds no *.json task files and no Harbor task "
-                    "(a directory with instruction.md and task.toml)"
+                    f"{path}: directory holds no *.json task files"
+                    + "".join(f" and no {f.what}" for f in _FORMATS.values())
                 )
-            tasks = load_harbor_tasks(path)
+            tasks = task_format.load(path)
     elif path.suffix == ".jsonl":
         tasks = _load_jsonl(path)
     else:

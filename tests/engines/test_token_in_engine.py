@@ -128,7 +128,7 @@ def rollout(relay, vllm_engine, tmp_path, token_in: bool, index: int):
     config = PiConfig(endpoint=relay.base_url, model=vllm_engine.model, proxy_return_token_ids=True,
                       mode="transparent_proxy", proxy_token_in=token_in, proxy_renderer="auto",
                       proxy_tokenizer=str(vllm_engine.model_dir), max_turns=FORCED_CALLS + 1, max_tokens=96,
-                      proxy_max_tokens_cap=96, context_window=8192, proxy_top_logprobs=1,
+                      context_window=8192, proxy_top_logprobs=1,
                       proxy_sampling={"temperature": 0.0, "seed": 1000 + index},
                       trace_dir=str(tmp_path / ("token-in" if token_in else "plain")))
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta"]

@@ -1,5 +1,6 @@
-"""Hermetic Pi: the files the harness writes for one run, its command line, and reading the
-outcome back from Pi's own session file (stopReason/errorMessage), not from the exit code."""
+"""Hermetic Pi: the files the harness writes for one run, its command line, starting it in a
+sandbox, and reading the outcome back from Pi's own session file (stopReason/errorMessage), not
+from the exit code."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..config import PiConfig
 from ..endpoints import Endpoint
+from ..sandbox import SANDBOX_WORKDIR, Sandbox, SandboxProcess
 from .runtime import PiRuntime
 
 # Sandbox paths of one run (home is /root; the reference layout).
@@ -98,6 +100,24 @@ def pi_command(runtime: PiRuntime, config: PiConfig, endpoint: Endpoint) -> list
     if config.append_system_prompt:
         command += ["--append-system-prompt", config.append_system_prompt]
     return command
+
+
+def write_run_files(sandbox: Sandbox, config: PiConfig, endpoint: Endpoint, session_token: str, prompt: str) -> None:
+    """One run's files in the sandbox: Pi's provider config and hermetic settings, the prompt."""
+    sandbox.write_file(f"{AGENT_DIR}/models.json", json.dumps(models_json(config, endpoint, session_token)))
+    sandbox.write_file(f"{AGENT_DIR}/settings.json", json.dumps(HERMETIC_SETTINGS))
+    sandbox.write_file(PROMPT_PATH, prompt)
+
+
+def start_pi(sandbox: Sandbox, runtime: PiRuntime, config: PiConfig, endpoint: Endpoint) -> SandboxProcess:
+    """Pi started on the files `write_run_files` wrote, in the work dir, reaching only the gateway."""
+    return sandbox.start(
+        pi_command(runtime, config, endpoint),
+        cwd=SANDBOX_WORKDIR,
+        env=pi_env(runtime),
+        network="gateway",
+        stdin_path=PROMPT_PATH,
+    )
 
 
 @dataclass

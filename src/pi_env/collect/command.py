@@ -59,6 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="where transparent_proxy writes per-turn trace files (default: OUT/traces, kept with the dataset)",
     )
+    parser.add_argument(
+        "--keep-workdir",
+        action="store_true",
+        help="keep each rollout's final work dir (OUT/workdirs/, tar.gz) so pi-env reverify can score it again",
+    )
+    parser.add_argument(
+        "--keep-workdir-max-mb",
+        type=float,
+        default=None,
+        help="a larger work dir (its files' bytes) is not kept, and its record says so (default 64)",
+    )
     backend_argument(parser)
     parser.add_argument("--push-to-hub", metavar="REPO", default=None, help="upload the dataset to this Hub repo")
     parser.add_argument("--private", action="store_true", help="create the Hub repo private")
@@ -81,6 +92,8 @@ def run(args) -> int:
             max_turns=args.max_turns,
             agent_timeout_s=args.agent_timeout,
             trace_dir=args.trace_dir or str(Path(args.out) / "traces"),
+            keep_workdir=args.keep_workdir or None,
+            keep_workdir_max_bytes=int(args.keep_workdir_max_mb * (1 << 20)) if args.keep_workdir_max_mb else None,
         )
         runner = CollectRunner(
             args.tasks,

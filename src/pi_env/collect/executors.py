@@ -11,10 +11,14 @@ import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..config import PiConfig
 from ..results import RolloutResult
 from ..task import PiTask
+
+if TYPE_CHECKING:
+    from ..rollout import PiSessionFactory
 
 
 @dataclass
@@ -108,6 +112,7 @@ class LocalExecutor:
 
     def submit(self, job: Job) -> None:
         def work():
+            outcome: RolloutResult | BaseException
             try:
                 outcome = run_one(self.factory, job.task, self.live)
             except BaseException as error:  # noqa: BLE001 - handed to the driver, which decides
@@ -145,7 +150,7 @@ def _ray_rollout(task_json: str, config_json: str, backend: str | None) -> dict:
     return {"result": result.model_dump(mode="json"), "worker": worker_name()}
 
 
-_worker_factory = None
+_worker_factory: tuple[tuple[str, str | None], PiSessionFactory] | None = None
 
 
 class RayExecutor:

@@ -73,6 +73,7 @@ def to_record(
         "pi_version": result.pi_version,
         "synthetic": result.synthetic,
         "sandbox_id": result.sandbox_id,
+        "session_id": result.session_id,  # sent upstream in PiConfig.gateway_session_header
         "worker": worker,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "record_version": RECORD_VERSION,
@@ -92,6 +93,10 @@ def _turn(turn) -> dict[str, Any]:
         "token_ids_source": turn.token_ids_source,
         "token_ids_missing_reason": turn.token_ids_missing_reason,
         "upstream_status": turn.upstream_status,
+        "policy_version": turn.policy_version,  # the weights that generated it (docs/async-rl.md)
+        "policy_version_source": turn.policy_version_source,
+        "replica": turn.replica,  # host:port that answered (several replicas: docs/async-rl.md)
+        "failed_over": turn.failed_over,
         "latency_s": turn.latency_s,
         "timestamp": turn.timestamp,
     }
@@ -113,20 +118,20 @@ def sft_messages(messages: list[dict], tools: list[dict] | None = None) -> tuple
             reasoning = message.get("reasoning_content") or message.get("reasoning")
             if isinstance(reasoning, str) and reasoning:
                 entry["reasoning_content"] = reasoning
-            calls = []
+            calls: list[dict[str, Any]] = []
             for call in [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]:
-                function = call.get("function") if isinstance(call.get("function"), dict) else {}
+                function = call.get("function")
+                if not isinstance(function, dict):
+                    function = {}
+                call_id, name = call.get("id") or "", function.get("name") or ""
                 calls.append(
                     {
-                        "id": call.get("id") or "",
+                        "id": call_id,
                         "type": "function",
-                        "function": {
-                            "name": function.get("name") or "",
-                            "arguments": _arguments(function.get("arguments")),
-                        },
+                        "function": {"name": name, "arguments": _arguments(function.get("arguments"))},
                     }
                 )
-                names[calls[-1]["id"]] = calls[-1]["function"]["name"]
+                names[call_id] = name
             if calls:
                 entry["tool_calls"] = calls
             out.append(entry)
@@ -142,7 +147,9 @@ def sft_messages(messages: list[dict], tools: list[dict] | None = None) -> tuple
             )
     schemas = []
     for tool in [t for t in tools or [] if isinstance(t, dict)]:
-        function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            function = tool
         schemas.append(
             {
                 "type": "function",

@@ -12,7 +12,9 @@ from pathlib import Path
 class _Stats:
     def __init__(self, total: int, done: int):
         self.total, self.done, self.started = total, done, time.monotonic()
-        self.ran, self.rewards, self.errors = 0, [], Counter()
+        self.ran = 0
+        self.rewards: list[float] = []
+        self.errors: Counter[str] = Counter()
 
     def add(self, record: dict) -> None:
         self.done += 1

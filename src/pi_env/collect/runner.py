@@ -28,6 +28,7 @@ from ..task import PiTask
 from .executors import BadInput, Job, make_executor
 from .records import record_id, to_record
 from .store import DISCARDED, RESULTS, ResultStore, StoreError, read_records
+from .workdirs import store_workdir
 
 METADATA = "metadata.json"
 RETRY_KINDS = INFRA_ERROR_KINDS  # the infrastructure failed, not the agent: retried, never scored
@@ -159,7 +160,7 @@ class CollectRunner:
     def _run_identity(self) -> dict[str, Any]:
         config = self.config
         return {
-            "endpoint": config.endpoint,
+            "endpoint": config.redacted()["endpoint"],  # a URL's user:password masked
             "model": config.model,
             "mode": config.mode,
             "group_size": self.group_size,
@@ -245,6 +246,8 @@ class CollectRunner:
                     failed_attempts=job.failed_attempts,
                     worker=worker,
                 )
+                if self.config.keep_workdir:  # the archive on disk before its record (workdirs.py)
+                    record["workdir"] = store_workdir(self.out_dir, record["id"], outcome)
                 store.append(record, kept=self.keep(record))
                 summary.ran += 1
                 view.update(record)
@@ -271,7 +274,7 @@ class CollectRunner:
         previous = _read_json(self.out_dir / METADATA) or {}
         runs = previous.get("runs", [])
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        this_run = {
+        this_run: dict[str, Any] = {
             "started_at": self._started_at,
             "status": status,
             "executor": self.executor_name,
@@ -352,7 +355,11 @@ def _resolved(config: PiConfig) -> PiConfig:
         return config
     endpoint = resolve_endpoint(config)
     return config.model_copy(
-        update={"base_url": endpoint.base_url, "api_key": endpoint.api_key, "model": endpoint.model}
+        update={
+            "base_url": list(endpoint.base_urls) or endpoint.base_url,  # every replica's
+            "api_key": endpoint.api_key,
+            "model": endpoint.model,
+        }
     )
 
 

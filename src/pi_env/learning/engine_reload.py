@@ -4,8 +4,17 @@ on this CPU). Called through vLLM's `/collective_rpc` (`Engine.load` in the pipe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 
 class WeightReload:
+    if TYPE_CHECKING:
+        # vLLM mixes this class into its GPU/CPU worker, which provides these (vLLM is not a
+        # dependency of pi-env, so they are declared here for the checker only).
+        model_runner: Any
+
+        def reload_weights(self, *, weights_path: str) -> None: ...
+
     def load_checkpoint(self, path: str) -> None:
         self.reload_weights(weights_path=path)
         # vLLM's in-place reload re-packs every layer whose weights it loaded for the CPU GEMM

@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pi_env.config import PiConfig
 from pi_env.task import PiTask
@@ -356,7 +357,7 @@ class Engines:
 
 
 def rollout_config(cfg: LearnConfig, engine: Engine, temperature: float, max_turns: int | None = None) -> PiConfig:
-    token_in = (
+    token_in: dict[str, Any] = (
         {"proxy_token_in": True, "proxy_renderer": "chatml-hermes", "proxy_tokenizer": str(engine.model_dir)}
         if cfg.token_in
         else {}
@@ -368,7 +369,7 @@ def rollout_config(cfg: LearnConfig, engine: Engine, temperature: float, max_tur
         api_key="none",
         mode="transparent_proxy",
         max_turns=max_turns or cfg.max_turns,
-        proxy_max_tokens_cap=cfg.max_tokens,
+        max_tokens=cfg.max_tokens,
         agent_timeout_s=cfg.agent_timeout_s,
         proxy_return_token_ids=True,
         proxy_sampling={"temperature": temperature, "top_p": 1.0},
@@ -477,7 +478,7 @@ def stage_eval(cfg: LearnConfig, name: str, model_dir: Path, engines: Engines) -
         sets["heldout"] = (heldout_tasks(cfg), cfg.rl_temperature)
     trained = check_held_out(cfg, [task for tasks, _ in sets.values() for task in tasks])
     engine, engine_time = engines.serve(model_dir, f"eval_{name}")
-    summary = {
+    summary: dict[str, Any] = {
         "stage": name,
         "model_dir": str(model_dir),
         "held_out_checked_against": trained,
@@ -515,7 +516,7 @@ def stage_probe(cfg: LearnConfig, engines: Engines) -> dict:
         return done
     started = time.monotonic()
     if cfg.rl_families:
-        summary = {"rl_families": list(cfg.rl_families), "chosen_by": "--rl-families (no probe)"}
+        summary: dict[str, Any] = {"rl_families": list(cfg.rl_families), "chosen_by": "--rl-families (no probe)"}
         _write_json(cfg.path("probe", "summary.json"), summary)
         return summary
     by_family = _rl_pool(cfg)
@@ -1018,7 +1019,7 @@ def stage_report(cfg: LearnConfig) -> dict:
     retest = heldout_rewards(cfg, "sft_retest")
     control = compare_paired(sft_rewards, retest, seed=cfg.seed) if sft_rewards and retest else None
     stage_times = _read_json(cfg.path("stage_times.json")) or {}
-    rl = {}
+    rl: dict[str, dict[str, Any]] = {}
     for arm in arms:
         steps = _jsonl(cfg.path(arm, "steps.jsonl"))
         rl[arm] = {
@@ -1063,13 +1064,13 @@ def stage_report(cfg: LearnConfig) -> dict:
     report["targets"]["sft_retest_minus_sft_pass"] = (
         {k: control["pass_points"][k] for k in ("mean", "ci95")} if control else None
     )
-    arm = rl.get("rl")
-    if arm and arm["steps"]:
+    rl_arm = rl.get("rl")
+    if rl_arm and rl_arm["steps"]:
         # No collapse: no revisit fell below its first visit, and the held-out reward did not fall
         # (CI below 0), unless the KL guard acted.
         fell = (comparisons.get("rl") or {}).get("reward_points", {}).get("ci95", [0, 0])[1] < 0
-        report["targets"]["no_collapse"] = not arm["collapse_check"]["collapsed"] and not (
-            fell and not arm["kl_guard_acted"]
+        report["targets"]["no_collapse"] = not rl_arm["collapse_check"]["collapsed"] and not (
+            fell and not rl_arm["kl_guard_acted"]
         )
     _write_json(cfg.path("report.json"), report)
     try:

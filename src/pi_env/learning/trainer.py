@@ -112,7 +112,7 @@ def render_sft_rows(messages: list[dict], tools: list[dict], tokenizer) -> list[
     session's turns, so SFT and RL train on sequences of the same shape."""
     messages = _template_messages(messages)
     eos = tokenizer.eos_token_id
-    turns = []
+    turns: list[_Turn] = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -172,10 +172,10 @@ def backward_rows(
     leaves: list[torch.Tensor] = []
     prefix_out: list[torch.Tensor] = []
     if prefix_len:
-        cache = DynamicCache()
-        body(input_ids=torch.tensor([rows[0].token_ids[:prefix_len]]), past_key_values=cache, use_cache=True)
-        for layer in range(len(cache)):
-            key, value = _layer_kv(cache, layer)
+        prefix_cache = DynamicCache()
+        body(input_ids=torch.tensor([rows[0].token_ids[:prefix_len]]), past_key_values=prefix_cache, use_cache=True)
+        for layer in range(len(prefix_cache)):
+            key, value = _layer_kv(prefix_cache, layer)
             prefix_out += [key, value]
             leaves += [
                 key.detach().requires_grad_(key.requires_grad),
@@ -191,7 +191,7 @@ def backward_rows(
             suffix = row.token_ids[prefix_len:]
             ids[b, : len(suffix)] = torch.tensor(suffix)
             attention[b, prefix_len : prefix_len + len(suffix)] = 1
-        cache = None
+        cache: DynamicCache | None = None
         if prefix_len:
             cache = DynamicCache()
             for layer in range(len(leaves) // 2):
@@ -333,7 +333,7 @@ def grpo_step(
     `temperature`: the one the rollouts were sampled at (the engine's logprobs are of that
     distribution: vLLM's `--logprobs-mode processed_logprobs`). The result's `_before` holds the
     trainer's own logprobs before the step (for `kl_after`)."""
-    rows = [r for r in rows if r.weight != 0.0 and sum(r.loss_mask)]
+    rows = [r for r in rows if r.weight != 0.0 and sum(r.loss_mask) != 0]
     if not rows:
         return {"rows": 0, "loss": 0.0, "tokens": 0, "skipped": "every group had equal rewards"}
     trained = sum(sum(r.loss_mask) for r in rows)
@@ -343,6 +343,7 @@ def grpo_step(
 
     def loss_fn(row: Row, logprobs: torch.Tensor, targets: list[int]) -> torch.Tensor:
         nonlocal missing
+        assert row.old_logprobs is not None, "GRPO rows carry the engine's sampled logprobs (only SFT rows lack them)"
         old = [row.old_logprobs[t] for t in targets]
         known = torch.tensor([o is not None for o in old])
         missing += int((~known).sum())

@@ -14,6 +14,7 @@ keeps the raw bytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -348,7 +349,8 @@ class Assembler:
         entries = (raw.logprobs.content if raw.logprobs is not None else None) or []
         ids = raw.token_ids
         if ids is None and entries:
-            parsed = [entry.id if entry.id is not None else _token_id(entry.token) for entry in entries]
+            # int | None each; Any because mypy cannot narrow the list to list[int] through `None not in`
+            parsed: list[Any] = [entry.id if entry.id is not None else _token_id(entry.token) for entry in entries]
             ids = parsed if None not in parsed else None
             if ids is not None:
                 choice.ids_from_logprobs = True
@@ -428,7 +430,7 @@ def _append_entries(choice: ChoiceCapture, tops: list[msgspec.Raw], entries: lis
         tops.append(entry.top_logprobs or NO_TOP_LOGPROBS)
 
 
-def json_array(items: list[msgspec.Raw]) -> msgspec.Raw:
+def json_array(items: Sequence[bytes | msgspec.Raw]) -> msgspec.Raw:
     """One JSON array of the given JSON values, as bytes."""
     return msgspec.Raw(b"[" + b",".join(items) + b"]")
 

@@ -64,6 +64,7 @@ class CaptureWorker:
         with self._lock:
             try:
                 process = self._ensure_started()
+                assert process.stdin is not None and process.stdout is not None  # started with both pipes
                 process.stdin.write(_REQUEST.pack(len(raw), streaming))
                 process.stdin.write(raw)
                 process.stdin.flush()
@@ -96,6 +97,7 @@ class CaptureWorker:
             close_fds=True,
         )
         for pipe in (self._process.stdin, self._process.stdout):
+            assert pipe is not None  # stdin and stdout are PIPE
             try:  # a large answer goes across in one write, not in 64 KB turns of both processes
                 fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
             except OSError:
@@ -107,6 +109,7 @@ class CaptureWorker:
         process, self._process = self._process, None
         if process is None:
             return
+        assert process.stdin is not None and process.stdout is not None  # started with both pipes
         try:
             process.stdin.close()  # the child exits at end of input
             process.wait(2)
@@ -119,6 +122,7 @@ class CaptureWorker:
 def _load_alone(name: str, path: str):
     """Load one module file under its package name, without importing its packages."""
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, f"{path} is not a loadable module file"
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

@@ -86,7 +86,8 @@ def content_text(content: Any) -> str:
 
 
 def tool_call_text(call: dict[str, Any]) -> str:
-    function = call.get("function") if isinstance(call.get("function"), dict) else call
+    function = call.get("function")
+    function = function if isinstance(function, dict) else call
     arguments = function.get("arguments", {})
     arguments = arguments if isinstance(arguments, str) else tojson(arguments)
     return (
@@ -163,7 +164,8 @@ class ChatMLHermesRenderer:
 
     @staticmethod
     def _tool_text(tool: dict[str, Any]) -> str:
-        function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        function = tool.get("function")
+        function = function if isinstance(function, dict) else tool
         text = '\n{"type": "function", "function": {"name": ' + tojson(function.get("name"))
         if function.get("description"):
             text += ', "description": ' + tojson(function["description"])

@@ -84,7 +84,7 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else ""
 
 
-def _calls(calls: Any) -> list[tuple[str, Any]]:
+def _calls(calls: Any) -> list[tuple[str | None, Any]]:
     out = []
     for call in calls if isinstance(calls, list) else []:
         function = call.get("function") if isinstance(call, dict) else None

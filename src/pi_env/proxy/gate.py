@@ -10,7 +10,8 @@ whose ids and logprobs are the trainer's (`token_ids_source="trainer"`), so the 
 `fetch_proxy_trace()` and the training view read it like any captured turn.
 
 Ending cleanly, whatever the trainer does:
-  - a held call not delivered within `timeout_s` (PiConfig.gate_timeout_s) is answered with a
+  - a held call not delivered within `timeout_s` (the session's `gate_timeout_s`,
+    PiConfig.gate_timeout_s; default 600 s) is answered with a
     clean, empty final message (finish_reason "stop"), so the agent stops; the turn is recorded
     with `synthetic_answer="gate_timeout"`, the gate answers every later call the same way at
     once, and the rollout is reported unscored with `error_kind="gate_timeout"`;
@@ -25,6 +26,7 @@ any event loop); the held call itself waits on pi-env's background loop.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import secrets
 import threading
@@ -32,22 +34,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from aiohttp import web
 
 from pi_env._aio import background_loop
 from pi_env.proxy.capture import ChoiceCapture, TurnCapture, sse_from_capture
-from pi_env.proxy.gateway import (
-    Call,
-    GatewaySession,
-    RelayedResponse,
-    TurnRecord,
-    agent_request,
-    describe,
-    not_a_json_object,
-)
+from pi_env.proxy.records import SessionStop, TurnRecord, check_policy_version
 from pi_env.proxy.rewrite import SAMPLING_KEYS, CaptureOptions
 from pi_env.proxy.tool_json import (
     CALL_CLOSE,
@@ -58,6 +52,15 @@ from pi_env.proxy.tool_json import (
     json_too_deep,
     load_call_json,
     nests_deeper,
+)
+from pi_env.proxy.wire import (
+    Call,
+    RelayedResponse,
+    Strategy,
+    StrategySession,
+    agent_request,
+    describe,
+    not_a_json_object,
 )
 
 MAX_ARGUMENTS_DEPTH = MAX_TOOL_CALL_DEPTH - 1  # a call's arguments sit one level inside the call
@@ -105,6 +108,9 @@ class GateRequest:
     # Deliver only `token_ids` (+ logprobs): the same renderer parses them for the agent.
     prompt_token_ids: list[int] | None = field(default=None, repr=False)
     token_in: dict[str, Any] | None = None
+    # The policy version in force when the call was handed over (what the turn records unless
+    # the completion names the version that generated it).
+    policy_version: Any = None
 
 
 @dataclass
@@ -124,6 +130,9 @@ class GateCompletion:
     prompt_token_ids: list[int] | None = None
     usage: dict[str, Any] | None = None
     model: str | None = None
+    # The version of the weights that generated it (a JSON scalar); recorded on the turn (source
+    # "trainer") in place of the version in force when the call was handed over. None: that one.
+    policy_version: Any = None
 
     @classmethod
     def coerce(cls, value: GateCompletion | dict | str) -> GateCompletion:
@@ -209,7 +218,8 @@ def _logprob_list(value: Any, count: int) -> list[float | None]:
 def _tool_call(call: Any, position: int) -> dict[str, Any]:
     if not isinstance(call, dict):
         raise CompletionInvalid(f"tool_calls[{position}] must be an object")
-    function = call.get("function") if isinstance(call.get("function"), dict) else call
+    function = call.get("function")
+    function = function if isinstance(function, dict) else call
     name, arguments = function.get("name"), function.get("arguments", {})
     if not isinstance(name, str) or not name:
         raise CompletionInvalid(f"tool_calls[{position}] has no name")
@@ -276,7 +286,9 @@ def build_capture(body: dict[str, Any], completion: GateCompletion) -> TurnCaptu
     if not isinstance(raw_calls, list):
         raise CompletionInvalid("message.tool_calls must be a list")
     ids = _int_list(completion.token_ids, "token_ids")
-    logprobs = [None] * len(ids) if completion.logprobs is None else _logprob_list(completion.logprobs, len(ids))
+    logprobs: list[float | None] = (
+        [None] * len(ids) if completion.logprobs is None else _logprob_list(completion.logprobs, len(ids))
+    )
     prompt = [] if completion.prompt_token_ids is None else _int_list(completion.prompt_token_ids, "prompt_token_ids")
     tool_calls = [_tool_call(call, i) for i, call in enumerate(raw_calls)]
     finish = completion.finish_reason or ("tool_calls" if tool_calls else "stop")
@@ -361,17 +373,26 @@ def answer_body(capture: TurnCapture) -> bytes:
 # --------------------------------------------------------------------------- the strategy
 
 _QUEUED, _TAKEN, _DELIVERED = "queued", "taken", "delivered"
-_NOTHING = object()
+
+
+class _Nothing(enum.Enum):
+    """The type of _NOTHING, so that `outcome is not _NOTHING` narrows for mypy."""
+
+    NOTHING = enum.auto()
+
+
+_NOTHING: Final = _Nothing.NOTHING
 
 
 class _Held:
-    __slots__ = ("request", "record_body", "loop", "future", "state", "capture", "plan")
+    __slots__ = ("request", "record_body", "loop", "future", "state", "capture", "plan", "policy_version")
 
     def __init__(self, request: GateRequest, record_body: dict, loop: asyncio.AbstractEventLoop, plan=None):
         self.request, self.record_body, self.loop, self.plan = request, record_body, loop, plan
         self.future: asyncio.Future = loop.create_future()
         self.state = _QUEUED
         self.capture: TurnCapture | None = None
+        self.policy_version: Any = None  # the delivered completion's, if it named one
 
     @property
     def pending(self) -> bool:
@@ -383,12 +404,12 @@ def _wake(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-class InterceptionGate:
+class InterceptionGate(Strategy):
     """The interception_gate strategy of one gateway session (see the module docstring)."""
 
-    def __init__(self, session: GatewaySession):
+    def __init__(self, session: StrategySession):
         self.session = session
-        self.timeout_s = DEFAULT_TIMEOUT_S
+        self.timeout_s = DEFAULT_TIMEOUT_S if session.gate_timeout_s is None else session.gate_timeout_s
         self.stop_reason: str | None = None  # "gate_timeout" once a held call expired
         self.stop_message: str | None = None
         self.ended: str | None = None  # "closed" / "agent_exited": no more requests
@@ -411,6 +432,7 @@ class InterceptionGate:
             return not_a_json_object()
         if self.stop_reason or self.ended:  # after a timeout or the end: stop at once
             reason = self.stop_reason or self.ended
+            assert reason is not None  # one of them is set: the test just above
             turn.upstream_error = self.stop_message or f"interception_gate: the session ended ({reason})"
             return await self._answer(call, turn, request, stop_capture(request, reason, turn.upstream_error))
         mine = msgspec.json.decode(body)  # the trainer's own copy: what it does to it is not recorded
@@ -418,6 +440,8 @@ class InterceptionGate:
         if self.ledger is not None:
             plan = await self.ledger.aplan(request.get("messages") or [], request.get("tools") or None)
         now = time.time()
+        # Handing the call to the trainer is what sending it upstream is in the other modes.
+        turn.policy_version, turn.policy_version_source = self.session.policy.value, "gateway"
         held = _Held(
             GateRequest(
                 request_id=f"gate-{secrets.token_hex(12)}",
@@ -431,7 +455,9 @@ class InterceptionGate:
                 received_at=now,
                 expires_at=now + self.timeout_s,
                 prompt_token_ids=list(plan.token_ids) if plan else None,
-                token_in=plan.record(self.session.token_in) if plan else None,
+                # a plan comes only from the ledger, which exists only with token_in
+                token_in=plan.record(self.session.token_in) if plan and self.session.token_in is not None else None,
+                policy_version=turn.policy_version,
             ),
             request,
             asyncio.get_running_loop(),
@@ -454,6 +480,9 @@ class InterceptionGate:
             self.ledger.forget(f"the call was not delivered ({held.state})")
         if held.state == _DELIVERED:
             capture = held.capture
+            assert capture is not None  # deliver() sets it before marking the call delivered
+            if held.policy_version is not None:  # the trainer said which weights generated it
+                turn.policy_version, turn.policy_version_source = held.policy_version, "trainer"
         elif held.state == GATE_TIMEOUT:
             self.stop_reason = GATE_TIMEOUT
             self.stop_message = turn.upstream_error = (
@@ -573,7 +602,7 @@ class InterceptionGate:
         with self._lock:
             self._async_waiters = [(loop, w) for loop, w in self._async_waiters if w is not waiter]
 
-    def _take(self, alive: Callable[[], bool] | None) -> GateRequest | None | object:
+    def _take(self, alive: Callable[[], bool] | None) -> GateRequest | None | Literal[_Nothing.NOTHING]:
         """With the lock held: a request, None (no more will come), or _NOTHING (not yet)."""
         if self.ended:
             return None
@@ -597,6 +626,7 @@ class InterceptionGate:
             held = self._check_pending(request, request_id)
         try:
             completion = GateCompletion.coerce(completion)
+            version = _completion_version(completion.policy_version)
             if held.plan is not None:
                 capture = self._token_in_capture(held, completion)
             else:
@@ -610,8 +640,9 @@ class InterceptionGate:
             ) from None
         with self._lock:
             self._check_pending(request, request_id)
-            held.capture = capture
+            held.capture, held.policy_version = capture, version
             if held.plan is not None:
+                assert self.ledger is not None  # a held call has a plan only when the session has a ledger
                 self.ledger.remember(held.plan, capture.choices[0].token_ids, capture.choices[0].message())
             self._settled(held, _DELIVERED)  # in flight again at once: a trace read now waits for it
         held.loop.call_soon_threadsafe(_wake, held.future)
@@ -640,6 +671,7 @@ class InterceptionGate:
                 "prompt_token_ids differ from the request's: generate from "
                 "GateRequest.prompt_token_ids (or leave prompt_token_ids out)"
             )
+        assert self.ledger is not None  # held.plan is set: it came from the ledger
         message, unparsed, parse_error = self.ledger.parse(ids, plan.token_ids, held.request.tools)
         stops = set(self.ledger.renderer.get_stop_token_ids())
         finish = completion.finish_reason or (
@@ -687,6 +719,12 @@ class InterceptionGate:
 
     # -- the end
 
+    def stopped(self) -> SessionStop | None:
+        """After a held call expired: the reason ("gate_timeout") and what it says."""
+        if self.stop_reason is None:
+            return None
+        return SessionStop(self.stop_reason, self.stop_message or self.stop_reason)
+
     def end(self, reason: str = "closed") -> None:
         """No more requests will be handed out; every held call is answered with a stop."""
         with self._lock:
@@ -705,6 +743,13 @@ class InterceptionGate:
                 held.loop.call_soon_threadsafe(_wake, held.future)
         self._queue.clear()
         self._notify()
+
+
+def _completion_version(version: Any) -> Any:
+    try:
+        return check_policy_version(version)
+    except (TypeError, ValueError) as error:
+        raise CompletionInvalid(f"policy_version: {error}") from None
 
 
 def _request_id(request: GateRequest | str | dict) -> str:

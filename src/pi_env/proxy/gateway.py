@@ -1,26 +1,23 @@
-"""The host-side model gateway: the only way a sandboxed agent reaches a model.
+"""The host-side model gateway: the only way a sandboxed agent reaches a model. This module is
+the dispatcher: the server, the sessions, and which strategy answers a session's calls.
 
 One `Gateway` per process listens on a Unix socket (bind-mounted into sandboxes, which have no
 network) and on 127.0.0.1 TCP (unsandboxed use, benchmarks). Each rollout opens a
 `GatewaySession`; the agent authenticates with the session's random token, and the gateway
 relays its calls to the session's `Upstream` with the real API key, which never enters the
-sandbox. Per chat/completions call it records a `TurnRecord`, enforces the `max_turns` budget
-and, if asked, appends the record to a JSONL trace file as soon as the turn ends.
+sandbox. Per chat/completions call it records a `TurnRecord`, enforces the budgets
+(`max_turns`, `max_total_tokens`: past them, a clean empty answer ends the agent's turn) and,
+if asked, appends the record to a JSONL trace file as soon as the turn ends.
 
 Before any mode sees a call, the gateway applies the rules of policy.py to it, the same in
 every mode: the exact routes, the session's limits (request bodies read incrementally within
 its byte budget and time limit, a cap on its calls in flight), the allow-list of headers
 relayed upstream, and the body rules (the session's model, one choice, capped token limits,
 `stream` a boolean, no engine extra the config did not allow). What a session then does with
-a chat/completions call is its mode's `Strategy`. "black_box" relays the policed body: a
-well-formed call (Pi's) byte for byte, a call that breaks a rule rewritten (the model, `n`,
-token limits) or refused with a 400; it adds no capture parameters and records what was asked
-and answered. Capturing modes (transparent_proxy, interception_gate) plug in as further
-strategies.
-
-Hot path: the answer is relayed per upstream read (never per SSE line, never buffered whole),
-through one pooled aiohttp client session; pieces of a fast stream are gathered for up to
-RELAY_BATCH_S so that one read and one send carry many tokens.
+a chat/completions call is its mode's `Strategy` (STRATEGIES): black_box.py, transparent.py
+(token_in.py when the gateway renders), gate.py. They build on the leaf modules records.py
+(what is recorded), wire.py (`Call`: the streaming relay, and the HTTP helpers) and
+assembly.py (an answer parsed into its capture); this module imports them, never the reverse.
 """
 
 from __future__ import annotations
@@ -35,168 +32,56 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterable
+from typing import IO, Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from multidict import CIMultiDict
-from yarl import URL
 
 from pi_env._aio import run_sync
-from pi_env.proxy.capture import TurnCapture
+from pi_env.proxy.black_box import BlackBox
 from pi_env.proxy.policy import (
     PolicyError,
     SessionLimits,
     check_allow_fields,
     police_request,
-    relayed_request_headers,
-    scrub,
     secrets_of,
     upstream_path,
 )
+from pi_env.proxy.records import PolicyVersion, Routing, SessionStop, TokenInSpec, TurnRecord, Upstream
+from pi_env.proxy.replicas import Replica, ReplicaSet
 from pi_env.proxy.rewrite import CaptureOptions
+from pi_env.proxy.wire import Call, Strategy, describe, json_error
 from pi_env.sandbox.hostdir import discard_host_dir, make_owned_dir, sweep_stale_host_dirs
-
-if TYPE_CHECKING:
-    from pi_env.proxy.token_in import TokenInSpec
 
 log = logging.getLogger(__name__)
 
 BASE_URL_PATH = "/v1"
 GATEWAY_DIR_PREFIX = "pi-env-gateway-"  # <tmp>/pi-env-gateway-<id>/: the Unix socket's dir
-ERROR_BODY_LIMIT = 4096  # bytes of an upstream error body kept in the TurnRecord
-ERROR_RELAY_LIMIT = 1 << 20  # bytes of it relayed to the agent (read whole, to mask secrets)
 # A refused call's unread body is drained (read and discarded, never kept) this long so the
 # agent can read its error, then the connection is closed (aiohttp's default: 10 s).
 LINGER_S = 2.0
-# Pieces of an answer that arrive less than this apart are relayed together: the upstream's
-# socket is left unread for this long, so one read and one send carry what a fast stream (an
-# engine at thousands of tokens a second) sent meanwhile. A slow stream is relayed piece by
-# piece as before; the first piece never waits.
-RELAY_BATCH_S = 0.001
-
-# RFC 9110 section 7.6.1: meaningful for one connection only, never relayed back to the agent.
-# (What reaches the upstream of the agent's own headers is an allow-list: see policy.py.)
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-
-
-@dataclass
-class Upstream:
-    """Where a session's model calls go. The key (and extra headers, which may hold secrets
-    too) stay out of repr so they cannot leak through logs or tracebacks."""
-
-    base_url: str  # e.g. "http://127.0.0.1:8000/v1"; "/<rest>" of /v1/<rest> is appended
-    api_key: str | None = field(default=None, repr=False)
-    model: str | None = None
-    headers: dict[str, str] = field(default_factory=dict, repr=False)
-    # Per session; None: the gateway's defaults. read bounds each wait for upstream bytes,
-    # headers included: long enough for a slow prefill, short enough to free a stuck agent.
-    connect_timeout_s: float | None = None
-    read_timeout_s: float | None = None
-
-    def timeout(self) -> aiohttp.ClientTimeout | None:
-        if self.connect_timeout_s is None and self.read_timeout_s is None:
-            return None
-        return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s)
-
-    @property
-    def host(self) -> str:
-        """host:port only: the base URL may carry user:password."""
-        url = URL(self.base_url)
-        return f"{url.host}:{url.port}"
-
-
-@dataclass
-class TurnRecord:
-    """One chat/completions call as the gateway saw it."""
-
-    turn: int  # 0-based index of the call within its session
-    started_at: float  # unix time
-    latency_s: float | None = None  # until the last byte was relayed (or the call failed)
-    ttfb_s: float | None = None  # until the first upstream body byte
-    upstream_status: int | None = None  # None: no answer from upstream at all
-    upstream_error: str | None = None  # a non-2xx body (first 4 KB), or why the call failed
-    request_bytes: int = 0
-    response_bytes: int = 0
-    client_disconnected: bool = False  # the agent hung up before the answer ended
-    streamed: bool | None = None  # the agent asked for a streamed answer (None: the body was refused)
-    total_tokens: int | None = None  # usage.total_tokens, when the answer reported it
-    reserved_tokens: int = 0  # held against max_total_tokens while the call ran
-    capture: TurnCapture | None = None  # transparent_proxy: request, answer, ids, logprobs
-
-    def to_json(self) -> dict:
-        data = {k: v for k, v in vars(self).items() if k != "capture"}
-        data["capture"] = self.capture.to_json() if self.capture else None
-        return data
-
-
-class Strategy(Protocol):
-    """How a session answers the agent's chat/completions calls (one per mode)."""
-
-    def __init__(self, session: GatewaySession) -> None: ...
-
-    async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse: ...
-
-
-class BlackBox:
-    """Relay the policed body as it is (no capture parameters; a well-formed call is the
-    agent's bytes), and record what was asked and answered: the conversation comes from the
-    gateway, never from the agent's own files (see transparent.assemble_after: a small answer
-    is parsed inline, a large one in a worker)."""
-
-    def __init__(self, session: GatewaySession):
-        self.session = session
-
-    async def chat_completions(self, call: Call, body: bytes, turn: TurnRecord) -> web.StreamResponse:
-        from pi_env.proxy.transparent import assemble_after  # parses: loaded only when used
-
-        request = agent_request(body)
-        if request is None:
-            return await call.relay(body, turn)
-        answer = await call.open(body, turn)
-        if isinstance(answer, web.Response):
-            return answer
-        if answer.status >= 400:  # as relay(): read whole (bounded), secrets echoed in it masked
-            error = await call.read_error(answer, turn)
-            return web.Response(status=answer.status, body=error, headers=call.agent_headers(answer))
-        turn.capture = capture = TurnCapture(request=request)
-        # finish=False: a small answer is recorded before the agent sees its end, as before
-        # black_box parsed anything.
-        return await assemble_after(call, answer, capture, turn, request.get("stream") is True, finish=False)
 
 
 def _transparent_proxy(session: GatewaySession) -> Strategy:
     if session.token_in is not None:  # the gateway renders: ids in, ids out (proxy/token_in.py)
-        from pi_env.proxy.token_in import TokenIn
+        from pi_env.proxy.token_in import TokenIn  # loaded only when a session uses it
 
         return TokenIn(session, session.token_in)
-    from pi_env.proxy.transparent import TransparentProxy  # parses: loaded only when used
+    from pi_env.proxy.transparent import TransparentProxy  # loaded only when a session uses it
 
     return TransparentProxy(session)
 
 
 def _interception_gate(session: GatewaySession) -> Strategy:
-    from pi_env.proxy.gate import InterceptionGate  # loaded only when used
+    from pi_env.proxy.gate import InterceptionGate  # loaded only when a session uses it
 
     return InterceptionGate(session)
 
 
+_REWRITES_BODIES = frozenset({"transparent_proxy"})  # the modes that may put a cache_salt in
 STRATEGIES: dict[str, Callable[[GatewaySession], Strategy]] = {
     "black_box": BlackBox,
     "transparent_proxy": _transparent_proxy,
@@ -221,9 +106,14 @@ class GatewaySession:
         max_tokens_cap: int | None = None,
         limits: SessionLimits | None = None,
         allow_fields: Iterable[str] = (),
+        gate_timeout_s: float | None = None,
+        policy: PolicyVersion | None = None,
+        routing: Routing | None = None,
     ):
         if mode not in STRATEGIES:
             raise ValueError(f"unknown gateway mode {mode!r}; supported: {sorted(STRATEGIES)}")
+        # The session's id, sent upstream in routing.session_header: random and apart from the
+        # token (the secret the agent authenticates with), stable for the session.
         self.id = secrets.token_hex(8)
         self.token = secrets.token_urlsafe(32)
         self.upstream = upstream
@@ -235,6 +125,19 @@ class GatewaySession:
         self.max_tokens_cap = max_tokens_cap  # per call (max_tokens / max_completion_tokens)
         self.limits = limits or SessionLimits()
         self.allow_fields = check_allow_fields(allow_fields)  # policy.RESTRICTED_FIELDS let through
+        self.gate_timeout_s = gate_timeout_s  # interception_gate: a held call's deadline (None: gate's default)
+        self.policy = policy or PolicyVersion()  # the version in force: shared with whoever sets it
+        self.routing = routing or Routing()
+        if self.routing.cache_salt and mode not in _REWRITES_BODIES:
+            raise ValueError(
+                f"cache_salt goes into request bodies, which a {mode} session relays as the agent "
+                "sent them (or, interception_gate, never sends to an engine): use transparent_proxy"
+            )
+        # Several base URLs (proxy/replicas.py): the set the gateway shares between the sessions
+        # of that endpoint (open_session sets it), and the replica this session sticks to.
+        self.replicas: ReplicaSet | None = None
+        self.replica: Replica | None = None
+        self.closed = False
         self.calls_open = 0  # requests of any route in the handler now (at most limits.max_concurrent_calls)
         self.body_bytes_held = 0  # request body bytes those calls hold (at most limits.max_request_bytes)
         self.secrets = secrets_of(upstream.api_key, upstream.headers)  # masked in all it relays
@@ -330,6 +233,16 @@ class GatewaySession:
             except Exception:
                 log.exception("on_record listener failed for turn %s", turn.turn)
 
+    @property
+    def policy_version(self) -> Any:
+        """The policy version in force: what the next call sent upstream records."""
+        return self.policy.value
+
+    def set_policy_version(self, version: Any) -> None:
+        """Set the version for calls sent from now on (a JSON scalar). The holder is shared with
+        whoever opened the session with it: a factory's sessions all follow its version."""
+        self.policy.set(version)
+
     def set_waiting(self, waiting: bool) -> None:
         """A call held for someone outside the gateway (interception_gate's trainer) is not in
         flight for wait_idle(): nothing can be recorded until it is answered."""
@@ -343,80 +256,30 @@ class GatewaySession:
         with self._idle:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout_s)
 
+    def stopped(self) -> SessionStop | None:
+        """Why the session's strategy answers every call with a stop (interception_gate: a held
+        call was never delivered); None while it answers them."""
+        return self.strategy.stopped()
+
+    def replica_health(self) -> list[dict[str, Any]] | None:
+        """The health of this session's endpoint's replicas (shared with every session on it);
+        None for an endpoint of one base URL."""
+        return self.replicas.health() if self.replicas is not None else None
+
     def close(self) -> None:
-        release = getattr(self.strategy, "close", None)
-        if release is not None:  # interception_gate: answer every held call
-            release()
+        if self.replicas is not None:
+            self.replicas.leave(self)
+        self.closed = True
+        self.strategy.close()  # interception_gate: answer every held call
         with self._trace_lock:
             if self._trace is not None:
                 self._trace.close()
                 self._trace = None
 
 
-def json_error(status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": error_type}}, status=status, headers=headers)
-
-
-def agent_request(body: bytes) -> dict | None:
-    """The agent's chat/completions body as a JSON object; None when it is not one (answer
-    with `not_a_json_object()`)."""
-    try:
-        request = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return None
-    return request if isinstance(request, dict) else None
-
-
-def not_a_json_object() -> web.Response:
-    return json_error(400, "pi-env gateway: the request body is not a JSON object", "invalid_request")
-
-
 def bearer_token(request: web.Request) -> str | None:
     value = request.headers.get("Authorization", "")
     return value[7:].strip() if value[:7].lower() == "bearer " else None
-
-
-def connection_listed(headers) -> set[str]:
-    """Header names a `Connection:` header declares hop-by-hop for this message."""
-    return {name.strip().lower() for name in headers.get("Connection", "").split(",")}
-
-
-def upstream_request_headers(agent_headers, upstream: Upstream) -> CIMultiDict:
-    """The agent's allowed headers (policy.relayed_request_headers), then the gateway's own."""
-    headers = CIMultiDict(relayed_request_headers(agent_headers))
-    # Uncompressed answers cost nothing on SSE streams and keep error bodies readable.
-    headers["Accept-Encoding"] = "identity"
-    if upstream.api_key is not None:
-        headers["Authorization"] = f"Bearer {upstream.api_key}"
-    headers.update(upstream.headers)
-    return headers
-
-
-def agent_response_headers(upstream_headers) -> CIMultiDict:
-    # Content-Length goes too: the answer is re-sent chunked, so the agent sees it end only at
-    # the terminating chunk, which is written after the turn is recorded.
-    drop = HOP_BY_HOP | {"content-length"} | connection_listed(upstream_headers)
-    return CIMultiDict((k, v) for k, v in upstream_headers.items() if k.lower() not in drop)
-
-
-class RelayedResponse(web.StreamResponse):
-    """A streamed answer that costs one send (a syscall, and a wake-up of the agent) fewer at
-    each end: the headers leave with the first body bytes, and the last body piece (`tail`)
-    leaves with the terminating chunk, which aiohttp writes after the handler returned, i.e.
-    after the turn was recorded."""
-
-    _send_headers_immediately = False  # aiohttp's own switch; web.Response sets it likewise
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.tail = b""
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        await super().write_eof(self.tail + data)
-
-
-def describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
 
 
 class Gateway:
@@ -427,6 +290,8 @@ class Gateway:
         # a slow prefill, short enough that a dead upstream frees the agent.
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self._sessions: dict[str, GatewaySession] = {}
+        self._replica_sets: dict[tuple[str, ...], ReplicaSet] = {}  # several base URLs -> their shared state
+        self._replica_lock = threading.Lock()
         self._dir: str | None = None
         self._runner: web.AppRunner | None = None
         self._client: aiohttp.ClientSession | None = None
@@ -457,10 +322,17 @@ class Gateway:
         max_tokens_cap: int | None = None,
         limits: SessionLimits | None = None,
         allow_fields: Iterable[str] = (),
+        gate_timeout_s: float | None = None,
+        policy: PolicyVersion | None = None,
+        routing: Routing | None = None,
     ) -> GatewaySession:
         """`limits`: the session's body budget, calls in flight and body time limit (None: the
         defaults of policy.SessionLimits); `allow_fields`: policy.RESTRICTED_FIELDS its calls
-        may carry."""
+        may carry; `gate_timeout_s`: interception_gate's deadline for a held call (None: the
+        gate's default); `policy`: the policy version holder the session reads at each call
+        (None: its own, at None; share one to set the version of many sessions at once);
+        `routing`: its session id header, cache salt and engine version header (None: the
+        defaults of records.Routing)."""
         session = GatewaySession(
             upstream,
             mode,
@@ -472,7 +344,13 @@ class Gateway:
             max_tokens_cap,
             limits,
             allow_fields,
+            gate_timeout_s,
+            policy,
+            routing,
         )
+        if len(upstream.base_urls) > 1:  # several replicas: one shared state per list of URLs
+            with self._replica_lock:
+                session.replicas = self._replica_sets.setdefault(upstream.base_urls, ReplicaSet(upstream.base_urls))
         self._sessions[session.token] = session
         return session
 
@@ -480,6 +358,13 @@ class Gateway:
         """Revoke the session's token and close its trace file. Idempotent."""
         self._sessions.pop(session.token, None)
         session.close()
+
+    def replica_health(self) -> list[dict[str, Any]]:
+        """Every endpoint of several base URLs this gateway has served, each replica's health
+        (host:port only, never credentials): what /endpoints shows."""
+        with self._replica_lock:
+            sets = list(self._replica_sets.values())
+        return [{"replicas": replicas.health()} for replicas in sets]
 
     # -- lifecycle
 
@@ -533,6 +418,9 @@ class Gateway:
 
     async def _stop(self) -> None:
         runner, self._runner = self._runner, None
+        if runner is None:  # two close() calls from two threads: the other one stopped it
+            return
+        assert self._client is not None and self._dir is not None  # _start set both before the runner
         await runner.cleanup()
         await self._client.close()
         discard_host_dir(self._dir, self._dir_lock)
@@ -571,7 +459,12 @@ class Gateway:
             if path == "/models":
                 # Harmless and sometimes probed; relayed, but not a turn: not recorded.
                 untracked = TurnRecord(turn=-1, started_at=time.time())
-                return await Call(self, session, request, time.perf_counter(), path).relay(b"", untracked)
+                assert self._client is not None  # handlers run only after _start
+                listing = Call(self._client, self._timeout, session, request, time.perf_counter(), path)
+                try:
+                    return await listing.relay(b"", untracked)
+                finally:
+                    listing.done()
             body = await read_body(request, session)
             if isinstance(body, web.Response):
                 return body
@@ -591,11 +484,12 @@ class Gateway:
                 allow_fields=session.allow_fields,
             )
         except PolicyError as error:
-            allowed, body, refusal = 0, None, error
+            allowed, body, refusal = 0, b"", error
         index = session.claim_turn(reserve=allowed)  # no await since tokens_left(): one step
         if index is None:
             # End the agent's turn cleanly (an empty final answer), so it stops rather than
             # failing; the rollout reads session.budget_exhausted.
+            assert session.budget_exhausted is not None  # claim_turn returns None only once it is set
             return budget_answer(body or b"", session.budget_exhausted)
         turn = TurnRecord(turn=index, started_at=time.time(), streamed=streamed)
         if refusal is not None:  # a call, but not one to relay: recorded, never sent upstream
@@ -606,7 +500,8 @@ class Gateway:
         if session.max_total_tokens is not None:
             turn.reserved_tokens = allowed or 0
         started = time.perf_counter()
-        call = Call(self, session, request, started)
+        assert self._client is not None  # handlers run only after _start
+        call = Call(self._client, self._timeout, session, request, started)
         try:
             turn.request_bytes = len(body)
             return await session.strategy.chat_completions(call, body, turn)
@@ -614,6 +509,7 @@ class Gateway:
             turn.client_disconnected = True  # handler cancelled: the agent hung up
             raise
         finally:
+            call.done()
             if turn.latency_s is None:
                 turn.latency_s = time.perf_counter() - started
             if call.finishing is None:
@@ -687,138 +583,6 @@ def _budget_in_use(session: GatewaySession, size: int) -> web.Response:
     )
 
 
-class Call:
-    """One agent call in flight: how a strategy talks to the upstream and answers the agent."""
-
-    def __init__(
-        self,
-        gateway: Gateway,
-        session: GatewaySession,
-        request: web.Request,
-        started: float,
-        path: str = "/chat/completions",
-    ):
-        self.gateway, self.session, self.request, self.started = gateway, session, request, started
-        self.path = path  # on the upstream, after its base URL (see policy.ALLOWED_ROUTES)
-        self.finishing: asyncio.Task | None = None  # see finish_record_later
-
-    def finish_record_later(self, work: Awaitable[None]) -> None:
-        """Complete the turn's record in a task of its own, after the handler returned: work done
-        once the agent has its whole answer must neither delay the agent nor be cut short when
-        the agent then closes its connection (which cancels the handler). The turn is recorded
-        when `work` ends; GatewaySession.wait_idle() waits for it."""
-        self.finishing = asyncio.ensure_future(work)
-
-    async def relay(self, body: bytes, turn: TurnRecord, *, keep: bytearray | None = None) -> web.StreamResponse:
-        """Forward the body upstream and stream the answer back as it arrives."""
-        answer = await self.open(body, turn)
-        if isinstance(answer, web.Response):
-            return answer
-        if answer.status >= 400:  # read whole (bounded) so that secrets echoed in it are masked
-            error = await self.read_error(answer, turn)
-            return web.Response(status=answer.status, body=error, headers=self.agent_headers(answer))
-        return await self.stream(answer, turn, keep=keep)
-
-    def agent_headers(self, answer: aiohttp.ClientResponse) -> CIMultiDict:
-        """The upstream's answer headers for the agent, minus any that carry a secret."""
-        headers = agent_response_headers(answer.headers)
-        for name in [k for k, v in headers.items() if any(s.decode() in v for s in self.session.secrets)]:
-            headers.popall(name, None)
-        return headers
-
-    async def open(self, body: bytes, turn: TurnRecord) -> aiohttp.ClientResponse | web.Response:
-        """Send the request upstream; a 502 answer for the agent when the upstream is unreachable."""
-        request, upstream = self.request, self.session.upstream
-        url = URL(upstream.base_url.rstrip("/") + self.path)
-        headers = upstream_request_headers(request.headers, upstream)
-        try:
-            timeout = upstream.timeout() or self.gateway._timeout
-            return await self.gateway._client.request(request.method, url, data=body, headers=headers,
-                                                       allow_redirects=False, timeout=timeout)  # fmt: skip
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            turn.upstream_error = f"upstream {upstream.host} unreachable: {describe(exc)}"
-            return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_unreachable")
-
-    async def read_error(self, answer: aiohttp.ClientResponse, turn: TurnRecord) -> bytes:
-        """Read a non-2xx answer's body (bounded), masking the upstream's secrets, and record it."""
-        try:
-            body = await answer.content.readexactly(ERROR_RELAY_LIMIT)
-        except asyncio.IncompleteReadError as short:
-            body = short.partial
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            body = f"(error body unreadable: {describe(exc)})".encode()
-        finally:
-            answer.close()
-        body = scrub(body, self.session.secrets)
-        turn.upstream_status = answer.status
-        turn.upstream_error = body[:ERROR_BODY_LIMIT].decode(errors="replace") or f"HTTP {answer.status} (empty body)"
-        return body
-
-    async def stream(
-        self, answer: aiohttp.ClientResponse, turn: TurnRecord, *, keep: bytearray | None = None, finish: bool = False
-    ) -> web.StreamResponse:
-        """Stream the answer back per upstream read, filling `turn`; `keep` collects the raw
-        bytes; `finish` ends the agent's response here rather than after the handler returns
-        (so work done afterwards does not delay the agent)."""
-        request, started = self.request, self.started
-        response = RelayedResponse(status=answer.status, reason=answer.reason, headers=self.agent_headers(answer))
-        completed = False
-        response_bytes = 0
-        error_body = bytearray() if answer.status >= 400 else None
-        try:
-            await response.prepare(request)
-            content = answer.content
-            upstream = answer.connection.transport if answer.connection is not None else None
-            loop, last_read = asyncio.get_running_loop(), -1.0
-            while chunk := await content.readany():
-                if not response_bytes:
-                    turn.ttfb_s = time.perf_counter() - started
-                response_bytes += len(chunk)
-                if keep is not None:
-                    keep += chunk
-                if error_body is not None and len(error_body) < ERROR_BODY_LIMIT:
-                    error_body += chunk[: ERROR_BODY_LIMIT - len(error_body)]
-                # at_eof, not is_eof: a relay that fell behind sees the upstream's end while
-                # bytes are still buffered, and those must reach the agent too.
-                if content.at_eof():
-                    response.tail = chunk  # goes out with the terminating chunk
-                    break
-                await response.write(chunk)
-                now = loop.time()
-                if now - last_read < RELAY_BATCH_S and upstream is not None and upstream.is_reading():
-                    upstream.pause_reading()
-                    try:
-                        await asyncio.sleep(RELAY_BATCH_S)
-                    finally:
-                        if not upstream.is_closing():
-                            upstream.resume_reading()
-                last_read = now
-            completed = True
-            if finish:
-                await response.write_eof()
-            return response
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            if request.transport is None or request.transport.is_closing():
-                turn.client_disconnected = True
-            else:
-                turn.upstream_error = f"upstream stream broken: {describe(exc)}"
-                # Close without the final chunk: the agent must see a failed answer, not a
-                # cleanly truncated one.
-                request.transport.close()
-            return response
-        finally:
-            if completed:
-                answer.release()
-            else:  # never pool a connection with an unread answer on it
-                answer.close()
-            turn.upstream_status = answer.status
-            turn.response_bytes = response_bytes
-            turn.latency_s = time.perf_counter() - started
-            if error_body is not None and not turn.upstream_error:
-                text = scrub(bytes(error_body), self.session.secrets).decode(errors="replace")
-                turn.upstream_error = text or f"HTTP {answer.status} (empty body)"
-
-
 def budget_answer(body: bytes, reason: str) -> web.Response:
     """A clean, empty final answer (finish_reason "stop"), streamed if the agent asked for a
     stream, marked as the gateway's own in `system_fingerprint`."""
@@ -855,6 +619,13 @@ def budget_answer(body: bytes, reason: str) -> web.Response:
 
 _gateway: Gateway | None = None
 _gateway_lock = threading.Lock()
+
+
+def replica_health() -> list[dict[str, Any]]:
+    """`Gateway.replica_health()` of this process's gateway, without starting one."""
+    with _gateway_lock:
+        gateway = _gateway if _gateway is not None and _gateway.pid == os.getpid() else None
+    return gateway.replica_health() if gateway is not None else []
 
 
 def get_gateway() -> Gateway:

@@ -249,7 +249,8 @@ def police_request(
     too), or when it names a RESTRICTED_FIELDS field not in `allow_fields`."""
     lenient = False
     try:
-        fields = msgspec.json.decode(body, type=_Fields)
+        # Any: _Fields is built by defstruct at runtime, so mypy cannot see its attributes
+        fields: Any = msgspec.json.decode(body, type=_Fields)
     except msgspec.ValidationError:  # valid JSON, but not an object
         raise PolicyError("the request body is not a JSON object") from None
     except RecursionError:

@@ -62,7 +62,7 @@ def check_sampling(sampling: dict[str, Any], where: str = "proxy_sampling") -> d
 
 def parse_sampling(text: str, where: str = "--sampling") -> dict[str, float | int]:
     """`temperature=0,top_p=1,seed=7` -> {"temperature": 0.0, "top_p": 1.0, "seed": 7}, checked."""
-    sampling: dict[str, float | int] = {}
+    sampling: dict[str, Any] = {}  # may hold a bad value for check_sampling to name
     for item in (part.strip() for part in text.split(",")):
         name, equals, value = (piece.strip() for piece in item.partition("="))
         if not equals or not name or not value:

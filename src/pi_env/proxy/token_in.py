@@ -30,7 +30,7 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -39,18 +39,17 @@ from aiohttp import web
 from yarl import URL
 
 from pi_env.proxy.capture import NO_TOP_LOGPROBS, ChoiceCapture, TurnCapture, json_array
-from pi_env.proxy.gateway import (
+from pi_env.proxy.records import TokenInSpec, TurnRecord, Upstream
+from pi_env.proxy.rewrite import SAMPLING_KEYS, rewrite_request
+from pi_env.proxy.wire import (
     Call,
-    GatewaySession,
-    TurnRecord,
-    Upstream,
+    Strategy,
+    StrategySession,
     agent_request,
     describe,
     json_error,
     not_a_json_object,
-    upstream_request_headers,
 )
-from pi_env.proxy.rewrite import SAMPLING_KEYS, rewrite_request
 
 CHATML_HERMES = "chatml-hermes"
 EXTRA_HINT = "token-in needs the optional extra: pip install 'pi-env[token-in]'"
@@ -62,17 +61,6 @@ class TokenInUnavailable(ValueError):
 
 
 # --------------------------------------------------------------------------- the renderer
-
-
-@dataclass(frozen=True)
-class TokenInSpec:
-    """What a session renders with: the renderer's name as configured and as resolved, and the
-    renderer itself (shared by every session with the same name and tokenizer)."""
-
-    name: str
-    resolved: str
-    tokenizer: str
-    renderer: Any = field(repr=False, compare=False)
 
 
 _renderers: dict[tuple[str, str], TokenInSpec] = {}
@@ -105,7 +93,7 @@ def _load_renderer(name: str, tokenizer_id: str) -> TokenInSpec:
             f"{str(error)[:300]}); pass --tokenizer (PiConfig.proxy_tokenizer) a local "
             "directory with the model's tokenizer files"
         ) from None
-    resolved = name
+    resolved: str | None = name
     if name == "auto":
         resolved = MODEL_RENDERER_MAP.get(getattr(tokenizer, "name_or_path", "")) or _template_renderer(tokenizer)
         if resolved is None:
@@ -117,6 +105,7 @@ def _load_renderer(name: str, tokenizer_id: str) -> TokenInSpec:
                 f"renderer for); pass --renderer NAME (PiConfig.proxy_renderer), one of: {known}, or a custom "
                 "renderer class as module.Class / file.py:Class"
             )
+    assert resolved is not None  # the given name, or the auto branch raised on None
     try:
         renderer = renderers.create_renderer(tokenizer, _renderer_config(resolved))
     except TokenInUnavailable:
@@ -425,7 +414,8 @@ async def check_endpoint(client: aiohttp.ClientSession, upstream: Upstream, prob
                 "works without it)"
             )
     try:
-        choice = (_chunk.decode(raw).choices or [None])[0]
+        choices = _chunk.decode(raw).choices
+        choice = choices[0] if choices else None
     except msgspec.DecodeError:
         choice = None
     if choice is None or not choice.token_ids or choice.prompt_token_ids != probe_ids:
@@ -447,14 +437,16 @@ def check_endpoint_sync(upstream: Upstream, spec: TokenInSpec) -> None:
 
     probe = spec.renderer.render_ids([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
 
-    async def probe_once() -> None:
+    async def probe_once(one: Upstream) -> None:
         async with aiohttp.ClientSession() as client:
-            await check_endpoint(client, upstream, probe)
+            await check_endpoint(client, one, probe)
 
-    try:
-        run_sync(probe_once(), timeout=(upstream.read_timeout_s or 60) + 30)
-    except (aiohttp.ClientError, TimeoutError, OSError):
-        return
+    for url in upstream.base_urls or (upstream.base_url,):  # several replicas: the first that answers
+        try:
+            run_sync(probe_once(replace(upstream, base_url=url)), timeout=(upstream.read_timeout_s or 60) + 30)
+            return
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            continue
 
 
 @dataclass
@@ -504,10 +496,10 @@ INLINE_PARSE_IDS = 1024
 YIELD_AFTER_S = 0.002
 
 
-class TokenIn:
+class TokenIn(Strategy):
     """transparent_proxy with token-in (see the module docstring)."""
 
-    def __init__(self, session: GatewaySession, spec: TokenInSpec):
+    def __init__(self, session: StrategySession, spec: TokenInSpec):
         self.session = session
         self.options = session.capture_options
         self.spec = spec
@@ -523,6 +515,10 @@ class TokenIn:
         messages, tools = request.get("messages") or [], request.get("tools") or None
         plan = await self.ledger.aplan(messages, tools)
         engine_request = self._engine_request(rewritten, plan)
+        # The version in force as the prompt leaves (stamped on the turn; its cache salt, when the
+        # session salts, in the engine's request and so in what the capture records of it).
+        headers = call.upstream_headers(turn, engine_request)
+        headers["Content-Type"] = "application/json"
         capture = turn.capture = TurnCapture(
             request=rewritten, prompt_token_ids=plan.token_ids, model=self.options.model or request.get("model")
         )
@@ -530,21 +526,13 @@ class TokenIn:
             **plan.record(self.spec),
             "engine_request": {k: v for k, v in engine_request.items() if k != "prompt"},
         }
-        headers = upstream_request_headers(call.request.headers, self.session.upstream)
-        headers["Content-Type"] = "application/json"
-        upstream = self.session.upstream
-        try:
-            answer = await call.gateway._client.post(
-                completions_url(upstream),
-                data=msgspec.json.encode(engine_request),
-                headers=headers,
-                allow_redirects=False,
-                timeout=upstream.timeout() or call.gateway._timeout,
-            )
+        try:  # to the session's replica (with several base URLs, another if it fails before answering)
+            answer = await call.send("POST", "/completions", msgspec.json.encode(engine_request), headers, turn)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            turn.upstream_error = f"upstream {upstream.host} unreachable: {describe(exc)}"
+            turn.upstream_error = call.unreachable(exc)
             self.ledger.forget("upstream unreachable")
             return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_unreachable")
+        call.engine_reported(answer, turn)
         if answer.status >= 400:
             error = await call.read_error(answer, turn)
             self.ledger.forget(f"upstream answered {answer.status}")
@@ -638,6 +626,8 @@ class TokenIn:
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             if call.request.transport is None or call.request.transport.is_closing():
                 turn.client_disconnected = True  # the agent went away, not the engine
+            else:
+                call.broke(turn)
             turn.upstream_error = (
                 f"{'agent hung up' if turn.client_disconnected else 'upstream stream broken'}: {describe(exc)}"
             )
@@ -731,8 +721,10 @@ class TokenIn:
                 state.top.extend([NO_TOP_LOGPROBS] * len(ids))
             else:
                 state.logprobs.extend(logprobs)
-                state.tokens.extend(entries.tokens or [""] * len(ids))
-                tops = entries.top_logprobs or [None] * len(ids)
+                # logprobs is not None only when entries is not None; mypy cannot correlate the two,
+                # and an assert here would run once per chunk
+                state.tokens.extend(entries.tokens or [""] * len(ids))  # type: ignore[union-attr]
+                tops = entries.top_logprobs or [None] * len(ids)  # type: ignore[union-attr]
                 state.top.extend(
                     msgspec.Raw(msgspec.json.encode([{"token": t, "logprob": lp} for t, lp in (top or {}).items()]))
                     for top in tops
@@ -864,6 +856,7 @@ class TokenIn:
         ledger: bool = True,
     ) -> dict[str, Any]:
         """Fill the record with the ids, logprobs and the parsed answer; tell the ledger."""
+        assert capture.token_in is not None  # chat_completions sets it before the call goes upstream
         choice = ChoiceCapture(
             index=0,
             token_ids=state.ids,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import accumulate
 from typing import Any
 
@@ -50,7 +50,7 @@ def nests_deeper(value: Any, limit: int = MAX_TOOL_CALL_DEPTH) -> bool:
     while stack:
         item, depth = stack.pop()
         if isinstance(item, dict):
-            children = item.values()
+            children: Iterable[Any] = item.values()
         elif isinstance(item, (list, tuple)):
             children = item
         else:

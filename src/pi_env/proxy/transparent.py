@@ -1,6 +1,6 @@
 """transparent_proxy: rewrite each request for capture, stream the answer to the agent as it
 arrives, and assemble the turn (ids, logprobs, message) on the side, after the agent has its
-answer, so capture costs the agent no latency.
+answer (assembly.py), so capture costs the agent no latency.
 
 An upstream that rejects a capture parameter gets one well-defined fallback, remembered for
 the rest of the session once it worked, and recorded in every turn it affects:
@@ -12,34 +12,33 @@ the rest of the session once it worked, and recorded in every turn it affects:
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 
 import aiohttp
-import msgspec
 from aiohttp import web
 
-from pi_env.proxy.capture import TurnCapture, assemble_answer, sse_from_capture
-from pi_env.proxy.capture_worker import CaptureWorkerError, capture_pool
-from pi_env.proxy.gateway import (
+from pi_env.proxy.assembly import assemble_after, assemble_inline
+from pi_env.proxy.capture import TurnCapture, sse_from_capture
+from pi_env.proxy.records import TurnRecord
+from pi_env.proxy.rewrite import rejects_capture, rewrite_request, without_capture
+from pi_env.proxy.wire import (
     Call,
-    GatewaySession,
-    TurnRecord,
+    Strategy,
+    StrategySession,
     agent_request,
     describe,
     json_error,
     not_a_json_object,
 )
-from pi_env.proxy.rewrite import rejects_capture, rewrite_request, without_capture
 
-log = logging.getLogger(__name__)
 NON_STREAMING = "non_streaming"
 WITHOUT_CAPTURE = "without_capture"
 
 
-class TransparentProxy:
-    def __init__(self, session: GatewaySession):
+class TransparentProxy(Strategy):
+    """transparent_proxy without token-in (see the module docstring)."""
+
+    def __init__(self, session: StrategySession):
         self.session = session
         self.options = session.capture_options
         self.fallback: str | None = None  # sticky for the session once it worked
@@ -58,7 +57,7 @@ class TransparentProxy:
             rewritten = capture.request = without_capture(rewritten)
             capture.fallback = f"{WITHOUT_CAPTURE}: {self.fallback_reason}"
 
-        answer = await call.open(msgspec.json.encode(rewritten), turn)
+        answer = await call.open(rewritten, turn)  # salted and stamped as it leaves
         if isinstance(answer, web.Response):
             return answer
         if answer.status >= 400:
@@ -105,77 +104,23 @@ class TransparentProxy:
             raw = await answer.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             answer.close()
+            call.broke(turn)
             turn.upstream_error = f"upstream answer broken: {describe(exc)}"
             return json_error(502, f"pi-env gateway: {turn.upstream_error}", "upstream_error")
         answer.release()
         turn.ttfb_s = time.perf_counter() - call.started  # the agent's first byte leaves only now
         turn.response_bytes = len(raw)
-        _assemble(capture, turn, raw, streaming=False)
+        assemble_inline(capture, turn, raw, streaming=False)
         include_usage = bool((rewritten.get("stream_options") or {}).get("include_usage"))
         return web.Response(
             body=sse_from_capture(capture, include_usage=include_usage), content_type="text/event-stream"
         )
 
 
-async def assemble_after(
-    call: Call, answer, capture: TurnCapture, turn: TurnRecord, streaming: bool, *, finish: bool = True
-) -> web.StreamResponse:
-    """Stream the answer to the agent, then assemble it into `capture` (every mode records what
-    the model answered): inline when small, in a worker process when large. `finish`: the agent
-    has the whole answer before the assembly (else its last bytes wait for an inline one)."""
-    raw = bytearray()
-    try:
-        response = await call.stream(answer, turn, keep=raw, finish=finish)
-    except asyncio.CancelledError:  # the agent hung up: keep what had arrived
-        _assemble(capture, turn, bytes(raw), streaming)
-        raise
-    if len(raw) < OFFLOAD_MIN_BYTES:
-        _assemble(capture, turn, bytes(raw), streaming)
-    else:  # the bytearray itself: it is not written to again, and copying 1 MB is not free
-        call.finish_record_later(_assemble_in_worker(capture, turn, raw, streaming))
-    return response
-
-
-async def _assemble_in_worker(capture: TurnCapture, turn: TurnRecord, raw: bytearray, streaming: bool) -> None:
-    """Large answers are parsed in a capture worker process: milliseconds of decoding would
-    otherwise hold the gateway's event loop, and with it every other stream. When the
-    worker fails the answer is parsed inline (rather than lost), and the capture says why
-    (`worker_error`). Cancellation is never swallowed."""
-    pool = capture_pool()
-    try:
-        assembled = await asyncio.get_running_loop().run_in_executor(None, pool.assemble, raw, streaming)
-    except CaptureWorkerError as error:
-        log.warning("turn %s parsed on the event loop: %s", turn.turn, error)
-        capture.worker_error = str(error)
-        return _assemble(capture, turn, bytes(raw), streaming)
-    _merge(capture, assembled)
-    _count_tokens(capture, turn)
-
-
-def _assemble(capture: TurnCapture, turn: TurnRecord, raw: bytes, streaming: bool) -> None:
-    _merge(capture, assemble_answer(raw, streaming))
-    _count_tokens(capture, turn)
-
-
-def _merge(capture: TurnCapture, assembled: TurnCapture) -> None:
-    """Fill `capture` (which already holds the request and any fallback) from an assembly."""
-    for name, value in vars(assembled).items():
-        if name not in ("request", "fallback", "worker_error"):
-            setattr(capture, name, value)
-
-
-def _count_tokens(capture: TurnCapture, turn: TurnRecord) -> None:
-    if capture.usage and isinstance(capture.usage.get("total_tokens"), int):
-        turn.total_tokens = capture.usage["total_tokens"]
-
-
-OFFLOAD_MIN_BYTES = 64 << 10  # below this, a round trip to the worker costs more than parsing
-
-
 async def _send(call: Call, body: dict, turn: TurnRecord) -> aiohttp.ClientResponse | web.Response:
     """The upstream's 2xx answer to `body`, or what the agent gets instead (a 502 when the
     upstream is unreachable, else the upstream's own error)."""
-    answer = await call.open(msgspec.json.encode(body), turn)
+    answer = await call.open(body, turn)
     if isinstance(answer, web.Response) or answer.status < 400:
         return answer
     return _error_answer(answer.status, await call.read_error(answer, turn), answer.content_type)

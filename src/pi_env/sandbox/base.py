@@ -179,7 +179,7 @@ class Sandbox(Protocol):
 @runtime_checkable
 class RestoresHome(Protocol):
     """A sandbox whose commands can write only its home (local, podman, unsafe-local): verify
-    runs in it once the home is back as setup left it (pi_env.rollout: PiSession._verify_world)."""
+    runs in it once the home is back as setup left it (pi_env.verify.world: VerifyWorld.build)."""
 
     def checkpoint_home(self) -> None:
         """After setup, with nothing running: keep the home (all but the work dir) out of reach."""

@@ -110,7 +110,7 @@ class E2BSandboxBackend:
         if not (connection.get("api_key") or os.environ.get("E2B_API_KEY")):
             raise SandboxUnavailable("the e2b backend needs an API key: set E2B_API_KEY")
         self.template = template or os.environ.get("PI_ENV_E2B_TEMPLATE", "base")
-        self.lifetime_s = float(lifetime_s or os.environ.get("PI_ENV_REMOTE_LIFETIME_S", DEFAULT_LIFETIME_S))
+        self.lifetime_s = float(lifetime_s or os.environ.get("PI_ENV_REMOTE_LIFETIME_S", str(DEFAULT_LIFETIME_S)))
         self.labels = dict(labels or {})
         self.gateway_url = remote_gateway_url(gateway_url)
         self.connection = connection

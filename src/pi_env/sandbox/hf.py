@@ -98,7 +98,7 @@ class HfSandboxBackend:
         self.image = image or os.environ.get("PI_ENV_HF_IMAGE", "python:3.12")
         self.flavor = flavor or os.environ.get("PI_ENV_HF_FLAVOR", "cpu-basic")
         self.namespace = namespace or os.environ.get("PI_ENV_HF_NAMESPACE") or None
-        self.lifetime_s = float(lifetime_s or os.environ.get("PI_ENV_REMOTE_LIFETIME_S", DEFAULT_LIFETIME_S))
+        self.lifetime_s = float(lifetime_s or os.environ.get("PI_ENV_REMOTE_LIFETIME_S", str(DEFAULT_LIFETIME_S)))
         self.idle_timeout_s = idle_timeout_s
         self.labels = dict(labels or {})
         self.gateway_url = remote_gateway_url(gateway_url)

@@ -69,19 +69,17 @@ from pi_env.sandbox.base import (
     SandboxSpec,
     SandboxUnavailable,
 )
-from pi_env.sandbox.hostdir import (
-    HostDirSandbox,
-    LocalProcess,
+from pi_env.sandbox.hostdir import HostDirSandbox
+from pi_env.sandbox.layers import DOCKER_CAPS, Layer, ensure_layer, parse_dockerfile, unsupported_base
+from pi_env.sandbox.owned_dirs import (
     default_root,
     discard_host_dir,
     make_dir,
     make_host_dir,
     private_dir,
-    sandbox_rlimits,
-    shell,
     sweep_stale_host_dirs,
 )
-from pi_env.sandbox.layers import DOCKER_CAPS, Layer, ensure_layer, parse_dockerfile, unsupported_base
+from pi_env.sandbox.processes import LocalProcess, sandbox_rlimits, shell
 from pi_env.sandbox.totals import SandboxCgroup, sandbox_cgroup
 from pi_env.sandbox.usernet import RESOLV_CONF, UserNet, slirp4netns
 
@@ -248,6 +246,7 @@ def _make_userns(uid: int, nobody_uid: int) -> int:
         deadline = time.monotonic() + 10
         while os.stat(f"/proc/{holder.pid}/ns/user").st_ino == mine or _comm(holder.pid) != "sleep":
             if holder.poll() is not None or time.monotonic() > deadline:
+                assert holder.stderr is not None  # stderr=PIPE
                 raise SandboxError(f"could not make a user namespace: {holder.stderr.read().decode()[-300:]}")
             time.sleep(0.001)
         mapping = f"0 {uid} 1\n65534 {nobody_uid} 1\n".encode()
@@ -472,6 +471,7 @@ class LocalSandbox(HostDirSandbox):
         self.cgroup = cgroup
         self._nobody = nobody
         self._userns_fd: int | None = None
+        self.environment_info: dict | None = None  # the environment layer's, set by LocalBackend.create
         self.uid = lease.uid if lease else os.getuid()  # the host uid its processes run as
         self._spec = spec
         self._bwrap = bwrap
@@ -521,7 +521,7 @@ class LocalSandbox(HostDirSandbox):
     ) -> dict:
         pass_fds: tuple[int, ...] = ()
         if self._nobody is not None and network != "gateway":  # root of a container (see container_root)
-            fd = self._container_userns()
+            fd = self._container_userns(self._nobody)
             argv = [
                 *self._launcher,
                 self._bwrap,
@@ -559,13 +559,13 @@ class LocalSandbox(HostDirSandbox):
             return {"args": argv, "cwd": "/", "env": {}, **({"pass_fds": pass_fds} if pass_fds else {})}
         return {"args": argv, "cwd": "/", "env": {}, "pass_fds": (*usernet.pass_fds, *pass_fds), "usernet": usernet}
 
-    def _container_userns(self) -> int:
+    def _container_userns(self, nobody: _UidLease) -> int:
         """A user namespace (made once per sandbox) owned by the sandbox uid, with uid/gid 0
         mapped to it and 65534 (nobody) to the second leased uid: setuid to nobody, chown and
         su work inside, while on the host every process stays one of two unprivileged uids."""
         with self._lock:
             if self._userns_fd is None:
-                self._userns_fd = _make_userns(self.uid, self._nobody.uid)
+                self._userns_fd = _make_userns(self.uid, nobody.uid)
             return self._userns_fd
 
     def _terminate(self, popen: subprocess.Popen) -> None:
@@ -622,9 +622,10 @@ class LocalSandboxBackend:
     builds_environments = True
 
     def __init__(self, root: str | None = None, *, bwrap: str = "bwrap"):
-        self._bwrap = shutil.which(bwrap)
-        if self._bwrap is None:
+        found = shutil.which(bwrap)
+        if found is None:
             raise SandboxUnavailable(f"bubblewrap ({bwrap!r}) was not found. {INSTALL_HINT}")
+        self._bwrap = found
         self._as_root = os.geteuid() == 0
         for tool in ("setpriv", "prlimit") if self._as_root else ("prlimit",):
             if shutil.which(tool) is None:
@@ -649,7 +650,9 @@ class LocalSandboxBackend:
             )
         lease = _lease_uid() if self._as_root else None
         nobody = _lease_uid() if lease and spec.container_root else None
-        host_dir = lock_fd = cgroup = None
+        host_dir: str | None = None
+        lock_fd: int | None = None
+        cgroup: SandboxCgroup | None = None
         try:
             host_dir, lock_fd = make_host_dir(self.root, lease.uid if lease else None, spec.limits.max_disk_bytes)
             cgroup = sandbox_cgroup(os.path.basename(host_dir), spec.limits)
@@ -671,7 +674,7 @@ class LocalSandboxBackend:
         except BaseException:
             if cgroup:
                 cgroup.remove()
-            if host_dir:
+            if host_dir and lock_fd is not None:  # make_host_dir sets both
                 discard_host_dir(host_dir, lock_fd)
             for claimed in (lease, nobody):
                 if claimed:
@@ -698,7 +701,7 @@ class LocalSandboxBackend:
 
     def _ro_mount_sources(self, ro_mounts: dict[str, str], host_dir: str, lease: _UidLease | None) -> dict[str, str]:
         """Sandbox path -> host path bwrap can bind as the sandbox uid."""
-        sources = {}
+        sources: dict[str, str] = {}
         for target, source in ro_mounts.items():
             source = os.path.abspath(source)
             if not os.path.exists(source):

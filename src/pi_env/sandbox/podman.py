@@ -24,7 +24,7 @@ is one `podman run --rm` of the image, so like the local backend's namespaces:
 
 Every container is labelled `pi-env.sandbox=<id>` and `pi-env.host-dir=<host dir>`; kill_all()
 and close() remove the sandbox's containers by label, and a new backend removes the
-containers of sandboxes whose owner died (their host dir's lock is free; see hostdir.py).
+containers of sandboxes whose owner died (their host dir's lock is free; see owned_dirs.py).
 
 Host facts this is built for (Debian 12, podman 4.3): crun fails on hybrid cgroup v1 layouts,
 so the runtime is runc (`PI_ENV_PODMAN_RUNTIME` to change), and ulimits are always given
@@ -63,17 +63,17 @@ from pi_env.sandbox.base import (
     SandboxSpec,
     SandboxUnavailable,
 )
-from pi_env.sandbox.hostdir import (
+from pi_env.sandbox.hostdir import HostDirSandbox
+from pi_env.sandbox.layers import DOCKER_CAPS
+from pi_env.sandbox.local import _DEFAULT_ENV, SMALL_TMPFS_BYTES, init_argv
+from pi_env.sandbox.owned_dirs import (
     LOCK_SUFFIX,
-    HostDirSandbox,
     default_root,
     discard_host_dir,
     make_host_dir,
     private_dir,
     sweep_stale_host_dirs,
 )
-from pi_env.sandbox.layers import DOCKER_CAPS
-from pi_env.sandbox.local import _DEFAULT_ENV, SMALL_TMPFS_BYTES, init_argv
 from pi_env.sandbox.usernet import SLIRP_DNS, NetworkHolder
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,9 @@ class PodmanSandbox(HostDirSandbox):
         """Remove the command's container (the kernel kills all of its processes with it);
         `podman run` then exits. A container still being created is retried until it exists
         or the client gave up."""
-        name = popen.args[popen.args.index("--name") + 1]
+        args = popen.args
+        assert isinstance(args, list), "_popen_kwargs gives podman run its arguments as a list"
+        name = args[args.index("--name") + 1]
         deadline = time.monotonic() + KILL_WAIT_S
         while popen.poll() is None:
             _podman(self._podman, "rm", "--force", "--time", "0", name, check=False)
@@ -289,7 +291,10 @@ class PodmanBackend:
                         f"be pulled: {pulled.stderr.strip()[-400:]}"
                     )
             return environment.image, {"image": environment.image, "built_now": False, "build_s": 0.0}
-        key = _context_key(environment.dockerfile, environment.context)
+        dockerfile = environment.dockerfile
+        if not dockerfile:  # task metadata can say needs_build with neither
+            raise EnvironmentBuildError("the task's environment names neither a docker_image nor a Dockerfile")
+        key = _context_key(dockerfile, environment.context)
         tag = f"localhost/pi-env-env:{key}"
         private_dir(self.root, 0o700)
         fd = os.open(os.path.join(self.root, f"build-{key}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -317,8 +322,8 @@ class PodmanBackend:
                 "--tag",
                 tag,
                 "--file",
-                environment.dockerfile,
-                environment.context or os.path.dirname(environment.dockerfile),
+                dockerfile,
+                environment.context or os.path.dirname(dockerfile),
                 check=False,
                 timeout=environment.build_timeout_s,
             )
@@ -326,7 +331,7 @@ class PodmanBackend:
                 log_tail = (built.stdout + built.stderr).strip()[-2500:]
                 bases = [
                     b
-                    for b in _from_images(environment.dockerfile)
+                    for b in _from_images(dockerfile)
                     if _podman(self.podman, "image", "exists", b, check=False).returncode != 0
                 ]
                 if bases and re.search(
@@ -339,7 +344,7 @@ class PodmanBackend:
                         f"base image {bases[0]!r} (FROM) is not a local image and cannot be pulled here; "
                         f"`podman pull` or `podman tag` a local image as {bases[0]!r}. podman said:\n{log_tail[-800:]}"
                     )
-                raise EnvironmentBuildError(f"podman build of {environment.dockerfile} failed; log tail:\n{log_tail}")
+                raise EnvironmentBuildError(f"podman build of {dockerfile} failed; log tail:\n{log_tail}")
             return tag, {"image": tag, "built_now": True, "build_s": round(time.monotonic() - started, 3)}
         finally:
             os.close(fd)

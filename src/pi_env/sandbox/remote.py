@@ -39,7 +39,6 @@ agent_masked_paths.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import io
 import logging
@@ -66,7 +65,8 @@ from pi_env.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
-from pi_env.sandbox.hostdir import EXEC_OUTPUT_LIMIT_BYTES, _TailBuffer, relative_to_home
+from pi_env.sandbox.nofollow_files import relative_to_home
+from pi_env.sandbox.processes import EXEC_OUTPUT_LIMIT_BYTES, _TailBuffer
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class Retrying:
         attempt = 0
         while True:
             attempt += 1
+            last: Exception
             try:
                 return call()
             except (OSError, ValueError, SandboxError) as exc:  # ours (FileNotFoundError, ...)
@@ -275,32 +276,33 @@ def _safe_tree(data: bytes) -> bytes:
         links: set[str] = set()
         files: set[str] = set()
         try:
-            with tarfile.open(fileobj=io.BytesIO(data)) if data else contextlib.nullcontext([]) as tar:
-                for member in tar:
-                    name = posixpath.normpath(member.name)
-                    parts = name.split("/")
-                    if (
-                        name == "."
-                        or name.startswith("/")
-                        or ".." in parts
-                        or any("/".join(parts[:i]) in links for i in range(1, len(parts)))
-                    ):
-                        continue
-                    member.name, member.uid, member.gid, member.uname, member.gname = name, 0, 0, "root", "root"
-                    member.mode &= 0o7777 & ~0o6000  # no setuid/setgid bits
-                    if member.issym():
-                        links.add(name)
-                        clean.addfile(member)
-                    elif member.islnk():
-                        target = posixpath.normpath(member.linkname)
-                        if target in files:
-                            member.linkname = target
+            if data:  # no archive at all: an empty one
+                with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                    for member in tar:
+                        name = posixpath.normpath(member.name)
+                        parts = name.split("/")
+                        if (
+                            name == "."
+                            or name.startswith("/")
+                            or ".." in parts
+                            or any("/".join(parts[:i]) in links for i in range(1, len(parts)))
+                        ):
+                            continue
+                        member.name, member.uid, member.gid, member.uname, member.gname = name, 0, 0, "root", "root"
+                        member.mode &= 0o7777 & ~0o6000  # no setuid/setgid bits
+                        if member.issym():
+                            links.add(name)
                             clean.addfile(member)
-                    elif member.isdir():
-                        clean.addfile(member)
-                    elif member.isreg():
-                        files.add(name)
-                        clean.addfile(member, tar.extractfile(member))
+                        elif member.islnk():
+                            target = posixpath.normpath(member.linkname)
+                            if target in files:
+                                member.linkname = target
+                                clean.addfile(member)
+                        elif member.isdir():
+                            clean.addfile(member)
+                        elif member.isreg():
+                            files.add(name)
+                            clean.addfile(member, tar.extractfile(member))
         except (tarfile.TarError, EOFError, OSError) as error:
             log.warning("an exported tree was not a readable tar archive (%s): using what was read", error)
     return out.getvalue()
@@ -424,7 +426,7 @@ class RemoteSandbox:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
 
-    def _control(self, script: str, timeout_s: float) -> tuple[int | None, str]:
+    def _control(self, script: str, timeout_s: float) -> tuple[int, str]:
         code, out = self._retry("run", lambda: self._session.run(script, timeout_s + CONTROL_SLACK_S))
         if code is None:
             raise SandboxError(f"remote sandbox {self.id}: a control command ended with an unknown exit code")
@@ -708,6 +710,8 @@ class RemoteSandbox:
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             for member in tar.getmembers():
                 if member.isfile() and (left is None or member.size <= left):
-                    files[posixpath.normpath(member.name)] = tar.extractfile(member).read()
+                    content = tar.extractfile(member)
+                    assert content is not None, "a regular file member has its data in the archive"
+                    files[posixpath.normpath(member.name)] = content.read()
                     left = None if left is None else left - member.size
         return files

@@ -79,7 +79,7 @@ def _cgroup_parents() -> tuple[str, dict[str, str]] | str:
     except (OSError, ValueError, IndexError) as error:
         return f"cannot read this process's cgroups: {error}"
     if "memory" in mounts and "memory" in own:  # v1 (also on hybrid hosts: v1 has the memory controller)
-        parents = {
+        parents: dict[str, str] = {
             c: os.path.join(mounts[c], own[c].lstrip("/")) for c in ("memory", "pids") if c in mounts and c in own
         }
         if not os.access(parents["memory"], os.W_OK):
@@ -112,8 +112,10 @@ class SandboxCgroup:
     everything it starts is counted (its children inherit the cgroup)."""
 
     def __init__(self, name: str, memory_bytes: int, max_processes: int | None):
-        version, parents = _cgroup_parents()  # type: ignore[misc] - callers check host_totals() first
-        self.dirs = []
+        found = _cgroup_parents()
+        assert not isinstance(found, str), "callers check host_totals() first: it says why there is no cgroup"
+        version, parents = found
+        self.dirs: list[str] = []
         try:
             for controller, parent in sorted(set(parents.items()), key=lambda kv: kv[0] != "memory"):
                 path = os.path.join(parent, CGROUP_PREFIX + name)
@@ -147,12 +149,14 @@ class SandboxCgroup:
 
     def memory_failures(self) -> int:
         """How often the memory total was hit (v1 failcnt; v2 the oom events)."""
-        memory = self.dirs[0] if self.dirs else None
+        if not self.dirs:
+            return 0
+        memory = self.dirs[0]
         for name, key in (("memory.failcnt", None), ("memory.events", "max")):
             try:
                 with open(os.path.join(memory, name)) as f:
                     text = f.read()
-            except (OSError, TypeError):
+            except OSError:
                 continue
             if key is None:
                 return int(text.strip() or 0)

@@ -2,7 +2,7 @@
 
 For machines without bubblewrap, and only by explicit choice. What it does:
 - each sandbox gets a host dir whose `home/` stands for /root: the file API and `cwd` map
-  sandbox paths under /root there (the symlink-safe file access of hostdir.py, as for the
+  sandbox paths under /root there (the symlink-safe file access of nofollow_files.py, as for the
   local backend);
 - commands run as the caller, in that dir, with HOME set to it and a small environment
   (the caller's PATH, spec.env, the per-call env); the rlimits of spec.limits apply, with
@@ -29,17 +29,10 @@ import subprocess
 import warnings
 
 from pi_env.sandbox.base import Network, SandboxSpec
-from pi_env.sandbox.hostdir import (
-    HostDirSandbox,
-    default_root,
-    delete_tree,
-    make_host_dir,
-    private_dir,
-    relative_to_home,
-    sandbox_rlimits,
-    shell,
-    sweep_stale_host_dirs,
-)
+from pi_env.sandbox.hostdir import HostDirSandbox
+from pi_env.sandbox.nofollow_files import delete_tree, relative_to_home
+from pi_env.sandbox.owned_dirs import default_root, make_host_dir, private_dir, sweep_stale_host_dirs
+from pi_env.sandbox.processes import sandbox_rlimits, shell
 
 log = logging.getLogger(__name__)
 

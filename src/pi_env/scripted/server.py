@@ -10,7 +10,8 @@ usage chunk with `choices: []` (when `stream_options.include_usage`), then `data
 EVERYTHING it emits is synthetic and marked so: the `x-pi-env-synthetic: 1` header and
 `"system_fingerprint": "pi-env-synthetic"` in every chunk and body. The engine-like extras
 (`logprobs`, `prompt_token_ids`, `token_ids`) come from a made-up tokenizer, documented at
-`synthetic_tokens`; they are deterministic so tests can assert exact values.
+`synthetic_tokens` (script.py, beside the script itself); they are deterministic so tests can
+assert exact values.
 
 Engine-like modes (imitations of what real engines and providers do, still synthetic):
   - per turn: `ScriptedTurn.null_logprob_every=k` sends every k-th logprob as `null`;
@@ -33,89 +34,38 @@ import secrets
 import signal
 import socket
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
 
 from pi_env._aio import run_sync
+from pi_env.scripted.script import (
+    FINISHED_TURN,
+    SYNTHETIC_CREATED,
+    SYNTHETIC_FINGERPRINT,
+    Fault,
+    Script,
+    ScriptedToolCall,
+    ScriptedTurn,
+    coerce_script,
+    synthetic_logprob,
+    synthetic_token_id,
+    synthetic_tokens,
+)
 
 if TYPE_CHECKING:
     from pi_env.scripted.token_engine import TokenEngine
 
-SYNTHETIC_FINGERPRINT = "pi-env-synthetic"
 SYNTHETIC_HEADERS = {"x-pi-env-synthetic": "1"}
-SCRIPT_FINISHED_TEXT = "(script finished)"
-TOKEN_CHARS = 4  # the synthetic tokenizer: every 4 characters are one token
 MAX_RECORDED_REQUESTS = 1000
 MAX_RECORDED_BYTES = 32 << 20  # request bodies kept for tests, in all (each holds the whole conversation)
 MAX_RENDERED_BYTES = 32 << 20  # rendered answers cached, in all
 SYNTHETIC_VLLM_VERSION = "0.11.0+pi-env-synthetic"
-SYNTHETIC_CREATED = 1_700_000_000  # `created` of answers under EngineQuirks(deterministic_ids=True)
 TOKEN_ID_PREFIX = "token_id:"  # vLLM --return-tokens-as-token-ids
 GROQ_LOGPROBS_ERROR = "`logprobs` is not supported with this model"
 LLAMA_CPP_LOGPROBS_ERROR = "logprobs is not supported with tools + stream"
-
-
-# --------------------------------------------------------------------------------- the script
-
-
-class ScriptedToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    arguments: dict[str, Any] | str = Field(default_factory=dict)  # a str is sent verbatim
-    id: str | None = None  # default: "call_<turn>_<index>"
-
-    def arguments_json(self) -> str:
-        return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments)
-
-
-class Fault(BaseModel):
-    """Misbehaviour injected into one turn's answer."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    http_status: int | None = None  # answer this status with `body` instead of a completion
-    body: Any = None  # JSON value (or str sent as-is); default: an OpenAI-style error object
-    hang_s: float = 0.0  # sleep before answering at all
-    # Streaming answers only:
-    malformed_chunk: bool = False  # a non-JSON `data:` line in the middle of the stream
-    disconnect_after_chunks: int | None = None  # close the connection after N SSE events
-    delay_s: float = 0.0  # sleep between consecutive SSE events
-    # Non-streamed answers only: send the first N bytes of the body (Content-Length announces
-    # all of it), then close, like an engine that died while sending its answer.
-    truncate_body_at: int | None = Field(default=None, ge=0)
-
-
-class ScriptedTurn(BaseModel):
-    """One assistant answer. Immutable, so the server may cache its rendered stream."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    text: str = ""
-    reasoning: str = ""
-    reasoning_field: Literal["reasoning_content", "reasoning"] = "reasoning_content"
-    tool_calls: list[ScriptedToolCall] = Field(default_factory=list)
-    chunk_chars: int = Field(default=16, ge=1)  # stream text/reasoning/arguments in these pieces
-    finish_reason: str | None = None  # default: "tool_calls" if tool_calls else "stop"
-    fault: Fault | None = None
-    # Engine-like: the logprob of every k-th generated token (positions k-1, 2k-1, ...) is null.
-    null_logprob_every: int | None = Field(default=None, ge=1)
-    # Token engine only (pi_env.scripted.token_engine): the answer's ids exactly as given, the end
-    # id not added, for outputs no text spells (invalid UTF-8 bytes, a loop of one token); `text`
-    # and `tool_calls` are then ignored on /v1/completions.
-    token_ids: list[int] | None = None
-
-    def effective_finish_reason(self) -> str:
-        return self.finish_reason or ("tool_calls" if self.tool_calls else "stop")
-
-
-Script = list[ScriptedTurn]
-FINISHED_TURN = ScriptedTurn(text=SCRIPT_FINISHED_TEXT)
 
 
 @dataclass(frozen=True)
@@ -130,6 +80,9 @@ class EngineQuirks:
     reject_logprobs: Literal["always", "tools_stream"] | None = None
     reject_status: int = 400  # llama.cpp answers 400; older builds answered 500
     deterministic_ids: bool = False  # id and created derive from the request body
+    # Headers sent with every model answer, e.g. (("X-Policy-Version", "7"),): an engine (or the
+    # router before it) that reports the version of the weights that answered.
+    answer_headers: tuple[tuple[str, str], ...] = ()
 
     def rejection(self, body: dict[str, Any]) -> web.Response | None:
         """The error this engine answers `body` with, if it refuses a logprobs parameter."""
@@ -148,26 +101,7 @@ class EngineQuirks:
         return openai_error(self.reject_status, message, error_type)
 
 
-def coerce_script(turns: list[ScriptedTurn | dict]) -> Script:
-    return [ScriptedTurn.model_validate(t) for t in turns]
-
-
 # ------------------------------------------------------------------------ synthetic tokenizer
-
-
-def synthetic_tokens(text: str) -> list[str]:
-    """Made-up tokenization: consecutive 4-character slices. Not any real model's tokenizer."""
-    return [text[i : i + TOKEN_CHARS] for i in range(0, len(text), TOKEN_CHARS)]
-
-
-def synthetic_token_id(token: str) -> int:
-    """A stable id in [100, 50100) from the token's text (crc32, so identical across runs)."""
-    return 100 + zlib.crc32(token.encode()) % 50_000
-
-
-def synthetic_logprob(token: str, position: int) -> float:
-    """A stable logprob in (-4, 0] that depends on the token and its position."""
-    return -(zlib.crc32(f"{position}:{token}".encode()) % 4000) / 1000
 
 
 def logprob_entry(
@@ -304,7 +238,7 @@ class RenderedStream:
 
 def render_stream(turn: ScriptedTurn, turn_index: int, opts: TokenOptions) -> RenderedStream:
     """Every chunk's choice of the turn's stream: role, deltas, finish_reason."""
-    parts = [({"role": "assistant", "content": ""}, [], None)]
+    parts: list[tuple[dict[str, Any], list[str], str | None]] = [({"role": "assistant", "content": ""}, [], None)]
     parts += [(d.delta, d.tokens, None) for d in answer_deltas(turn, turn_index)]
     parts.append(({}, [], turn.effective_finish_reason()))
     choices, position = [], 0
@@ -602,7 +536,8 @@ class ScriptedServer:
             answer = Answer(turn, turn_index, plain, self._render_cache, script, self.quirks)
             if not body.get("stream"):
                 return web.json_response(
-                    with_engine_tokens(self.token_engine, body, turn, answer.completion()), headers=SYNTHETIC_HEADERS
+                    with_engine_tokens(self.token_engine, body, turn, answer.completion()),
+                    headers=self._answer_headers(),
                 )
             return await self._stream(
                 request, with_engine_tokens(self.token_engine, body, turn, answer.sse_events()), fault
@@ -611,7 +546,7 @@ class ScriptedServer:
         if not body.get("stream"):
             if fault.truncate_body_at is not None:
                 return await self._truncated(request, json.dumps(answer.completion()).encode(), fault.truncate_body_at)
-            return web.json_response(answer.completion(), headers=SYNTHETIC_HEADERS)
+            return web.json_response(answer.completion(), headers=self._answer_headers())
         return await self._stream(request, answer.sse_events(), fault)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -644,7 +579,8 @@ class ScriptedServer:
             return failed
         events = completion_events(engine, body, turn)
         if not body.get("stream"):
-            return web.json_response(events, headers=SYNTHETIC_HEADERS)
+            return web.json_response(events, headers=self._answer_headers())
+        assert isinstance(events, list)  # a stream was asked for: SSE events, not a body
         return await self._stream(request, events, fault)
 
     async def _stream(self, request: web.Request, events: list[bytes], fault: Fault):
@@ -656,7 +592,7 @@ class ScriptedServer:
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
                 "Cache-Control": "no-cache",
-                **SYNTHETIC_HEADERS,
+                **self._answer_headers(),
             }
         )
         await response.prepare(request)
@@ -669,8 +605,12 @@ class ScriptedServer:
             return response
         if fault.disconnect_after_chunks is not None:
             # Close without the terminating chunk, like an engine that crashed mid-answer.
-            request.transport.close()
+            if request.transport is not None:  # None: the client hung up after the last chunk
+                request.transport.close()
         return response
+
+    def _answer_headers(self) -> dict[str, str]:
+        return {**SYNTHETIC_HEADERS, **dict(self.quirks.answer_headers)}
 
     @staticmethod
     async def _truncated(request: web.Request, body: bytes, length: int) -> web.StreamResponse:
@@ -678,7 +618,8 @@ class ScriptedServer:
         response.content_length = len(body)
         await response.prepare(request)
         await response.write(body[:length])
-        request.transport.close()
+        if request.transport is not None:  # None: the client hung up already
+            request.transport.close()
         return response
 
     def _record(self, request: web.Request, body: Any, size: int = 0) -> None:
@@ -708,6 +649,7 @@ async def answer_fault(fault: Fault) -> web.Response | None:
 
 def fault_response(fault: Fault) -> web.Response:
     status = fault.http_status
+    assert status is not None  # answer_fault calls it only for a fault with an HTTP status
     if fault.body is None:
         return openai_error(status, f"scripted fault: HTTP {status}", "scripted_fault")
     if isinstance(fault.body, str):

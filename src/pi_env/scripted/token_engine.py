@@ -17,9 +17,9 @@ Everything it emits is synthetic, like the rest of the scripted server.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
-from pi_env.scripted.server import SYNTHETIC_CREATED, SYNTHETIC_FINGERPRINT, ScriptedTurn, synthetic_logprob
+from pi_env.scripted.script import SYNTHETIC_CREATED, SYNTHETIC_FINGERPRINT, ScriptedTurn, synthetic_logprob
 
 ASSISTANT_MARKER = "<|im_start|>assistant"
 
@@ -120,6 +120,14 @@ class TokenEngine:
         return entries
 
 
+@overload
+def with_engine_tokens(
+    engine: TokenEngine, body: dict[str, Any], turn: ScriptedTurn, answer: dict[str, Any]
+) -> dict[str, Any]: ...
+@overload
+def with_engine_tokens(
+    engine: TokenEngine, body: dict[str, Any], turn: ScriptedTurn, answer: list[bytes]
+) -> list[bytes]: ...
 def with_engine_tokens(
     engine: TokenEngine, body: dict[str, Any], turn: ScriptedTurn, answer: dict[str, Any] | list[bytes]
 ) -> dict[str, Any] | list[bytes]:

@@ -7,7 +7,8 @@ OpenEnv's `create_app` gives the routes every OpenEnv environment has (/health, 
   connect: a request that speaks it (GET/DELETE, or a POST that accepts text/event-stream, as the
   protocol requires) goes to FastMCP's transport, OpenEnv's plain JSON-RPC POSTs to OpenEnv;
   both reach the same FastMCP server and tool;
-- GET /endpoints: which model endpoints this server can use (no secrets), and the load;
+- GET /endpoints: which model endpoints this server can use (no secrets), the load, and the
+  health of each replica of an endpoint given as several base URLs;
 - ServerGuard (auth.py): the bearer token (PI_ENV_AUTH_TOKEN) on every route but /health, the
   cookie for the web UI only, Origin checks, no CORS unless PI_ENV_CORS_ORIGINS lists origins;
 - DisconnectWatch: a client that hangs up mid-rollout gets its sandbox deleted.
@@ -112,7 +113,8 @@ def build_mcp_server(service: RolloutService) -> FastMCP:
         top_logprobs: int = 5,
         agent_timeout_s: float = 600,
         max_turns: int | None = None,
-        ctx: Context = None,  # injected by FastMCP (it must be annotated exactly Context)
+        # injected by FastMCP (it must be annotated exactly Context, so not Context | None)
+        ctx: Context = None,  # type: ignore[assignment]
     ) -> dict[str, Any]:
         """Run the Pi coding agent on one task in a fresh sandbox and return the scored
         RolloutResult (reward, verify results, files, conversation, per-turn records; with
@@ -141,9 +143,10 @@ def build_mcp_server(service: RolloutService) -> FastMCP:
 def _caller_of(ctx: Context | None):
     """The disconnect event an OpenEnv door registered for this call (see registered_caller)."""
     try:
-        meta = ctx.request_context.meta if ctx is not None else None
+        request = ctx.request_context if ctx is not None else None
     except (AttributeError, LookupError, ValueError):  # no MCP request (a direct call)
         return None
+    meta = request.meta if request is not None else None
     return caller_gone(getattr(meta, CALLER_META, None)) if meta is not None else None
 
 
@@ -273,7 +276,10 @@ def create_pi_app(service: RolloutService | None = None, *, web: bool | None = N
 
     @app.get("/endpoints", tags=["Environment Info"], summary="Model endpoints this server can use (no secrets)")
     async def endpoints() -> dict:
-        return {"endpoints": catalog_summary(), "rollouts": limits.snapshot()}
+        from ..proxy.gateway import replica_health
+
+        # Endpoints of several replicas this server's rollouts used: each replica's health.
+        return {"endpoints": catalog_summary(), "rollouts": limits.snapshot(), "replicas": replica_health()}
 
     app.state.rollouts = service
     origins = allowed_origins_from_env()

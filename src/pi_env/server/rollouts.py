@@ -16,7 +16,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, quote_plus, urlparse, urlunparse
 
 from pydantic import ValidationError
@@ -27,11 +27,14 @@ from ..results import RolloutEvent, RolloutResult
 from ..task import PiTask, TaskError
 from .limiter import RolloutLimiter
 
+if TYPE_CHECKING:
+    from ..rollout import PiSession
+
 TASK_FIELDS = ("instruction", "setup", "verify", "files", "verify_files", "solution", "task_id")
 # run_rollout's argument names (the reference's) for PiConfig fields, so errors name what the caller sent.
 CONFIG_ARGUMENTS = {
     "proxy_disable_thinking": "disable_thinking",
-    "proxy_max_tokens_cap": "max_tokens_cap",
+    "max_tokens": "max_tokens_cap",
     "proxy_top_logprobs": "top_logprobs",
 }
 LOCAL = "local"  # the server's own engine, when PI_ENV_LOCAL_BASE_URL names one
@@ -69,7 +72,7 @@ def build_rollout(arguments: dict[str, Any], *, sandbox_backend: str | None = No
         "api_key": given.pop("api_key", None),
         "model": given.pop("model", None),
         "proxy_disable_thinking": given.pop("disable_thinking", None),
-        "proxy_max_tokens_cap": given.pop("max_tokens_cap", None),
+        "max_tokens": given.pop("max_tokens_cap", None),
         "proxy_top_logprobs": given.pop("top_logprobs", None),
         "agent_timeout_s": given.pop("agent_timeout_s", None),
         "max_turns": given.pop("max_turns", None),
@@ -162,6 +165,8 @@ def catalog_summary() -> list[dict[str, Any]]:
 def _public_url(url: str | None) -> str | None:
     if not url:
         return None
+    if "," in url:  # several replicas
+        return ",".join(_public_url(part.strip()) or "" for part in url.split(","))
     parsed = urlparse(url)
     return (
         urlunparse(parsed._replace(netloc=parsed.hostname + (f":{parsed.port}" if parsed.port else "")))
@@ -301,7 +306,7 @@ class _Rollout:
 
     def __init__(self, task: PiTask, config: PiConfig, on_event):
         self.task, self.config, self.on_event = task, config, on_event
-        self.session = None
+        self.session: PiSession | None = None
         self.cancelled = False
         self._lock = threading.Lock()
 
@@ -318,7 +323,7 @@ class _Rollout:
             if session is not None:
                 session.close()
 
-    def _started(self, session) -> None:
+    def _started(self, session: PiSession) -> None:
         """The session exists (its sandbox not yet): from now on cancel() closes it, even
         mid-setup."""
         with self._lock:

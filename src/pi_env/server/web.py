@@ -240,7 +240,7 @@ def _lines(text: str | None) -> list[str] | None:
 
 def _drain(events: queue.SimpleQueue, key: str | None) -> list[str]:
     """The live log's new lines, scrubbed like a result's upstream errors (a line may quote one)."""
-    lines = []
+    lines: list[str] = []
     while True:
         try:
             item = events.get_nowait()
@@ -251,7 +251,7 @@ def _drain(events: queue.SimpleQueue, key: str | None) -> list[str]:
 
 def event_line(event: RolloutEvent) -> str:
     at = f"[{event.elapsed_s:7.2f} s]"
-    if event.kind == "turn":
+    if event.kind == "turn" and event.turn is not None:  # a turn event always carries its turn
         turn = event.turn
         logps = [x for x in turn.per_token_logps if x is not None]
         detail = f", min logprob {min(logps):.2f}" if logps else ""

@@ -33,6 +33,7 @@ import threading
 import time
 from email.parser import BytesParser
 from socketserver import ThreadingMixIn
+from typing import Literal
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -192,6 +193,7 @@ class _Process:
 
     def start(self, request: process_pb.StartRequest, ctx):
         machine = self._machine(ctx)
+        assert request.process is not None, "the e2b SDK always sends the command's process config"
         process = machine.spawn(request.process)
         events: list = []
         done = threading.Condition()
@@ -212,7 +214,10 @@ class _Process:
         for thread in threads:
             thread.start()
         Event = process_pb.ProcessEvent
-        yield process_pb.StartResponse(event=Event(event=Oneof("start", Event.StartEvent(pid=process.pid))))
+        started: Oneof[Literal["start"], process_pb.ProcessEvent.StartEvent] = Oneof(
+            "start", Event.StartEvent(pid=process.pid)
+        )
+        yield process_pb.StartResponse(event=Event(event=started))
         closed = 0
         while closed < 2:
             with done:
@@ -223,24 +228,24 @@ class _Process:
                 if isinstance(item, str):
                     closed += 1
                 else:
-                    yield process_pb.StartResponse(event=Event(event=Oneof("data", item)))
+                    data: Oneof[Literal["data"], process_pb.ProcessEvent.DataEvent] = Oneof("data", item)
+                    yield process_pb.StartResponse(event=Event(event=data))
         code = process.wait()
-        yield process_pb.StartResponse(
-            event=Event(
-                event=Oneof(
-                    "end",
-                    Event.EndEvent(
-                        exit_code=code if code >= 0 else -1,
-                        exited=code >= 0,
-                        status=f"exit status {code}" if code >= 0 else f"signal: {-code}",
-                    ),
-                )
-            )
+        end: Oneof[Literal["end"], process_pb.ProcessEvent.EndEvent] = Oneof(
+            "end",
+            Event.EndEvent(
+                exit_code=code if code >= 0 else -1,
+                exited=code >= 0,
+                status=f"exit status {code}" if code >= 0 else f"signal: {-code}",
+            ),
         )
+        yield process_pb.StartResponse(event=Event(event=end))
 
     def send_signal(self, request: process_pb.SendSignalRequest, ctx):
         machine = self._machine(ctx)
-        process = machine.commands.get(request.process.selector.value)
+        assert request.process is not None and request.process.selector is not None, "the SDK names the process"
+        pid = request.process.selector.value
+        process = machine.commands.get(pid) if isinstance(pid, int) else None  # by tag: none are tagged
         if process is not None and process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         return process_pb.SendSignalResponse()
@@ -279,7 +284,9 @@ class FakeE2B:
         self.fail_api: list[int] = []  # statuses the next REST API requests answer with
         self._root = tempfile.mkdtemp(prefix="pi-env-fake-e2b-")
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fake-e2b-spawner")
-        self._rpc = ProcessWSGIApplication(_Process(self), codecs=[ENVD_JSON_CODEC])
+        # _Process answers the RPCs it lacks through __getattr__; the application never asks it for
+        # desc (a classmethod of ProcessSync), the one member such a handler cannot provide.
+        self._rpc = ProcessWSGIApplication(_Process(self), codecs=[ENVD_JSON_CODEC])  # type: ignore[arg-type]
         self._server = make_server("127.0.0.1", 0, self._app, server_class=_Server, handler_class=_Handler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="fake-e2b", daemon=True)
@@ -355,7 +362,9 @@ class FakeE2B:
                 message = BytesParser(policy=email.policy.HTTP).parsebytes(
                     f"Content-Type: {environ['CONTENT_TYPE']}\r\n\r\n".encode() + body
                 )
-                body = next(message.iter_parts()).get_payload(decode=True)
+                payload = next(message.iter_parts()).get_payload(decode=True)
+                assert isinstance(payload, bytes), "a form part that is not multipart decodes to bytes"
+                body = payload
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as f:
                 f.write(body)
@@ -402,10 +411,10 @@ class FakeE2B:
             self.networks.setdefault(sandbox_id, []).append(json.loads(body or b"{}"))
             return self._reply(start_response, 204)
         if method == "DELETE":
-            machine = self.machines.pop(path.rsplit("/", 1)[1], None)
-            if machine is None:
+            gone = self.machines.pop(path.rsplit("/", 1)[1], None)
+            if gone is None:
                 return self._reply(start_response, 404, {"message": "sandbox not found", "code": 404})
-            machine.stop()
-            self.killed.append(machine.id)
+            gone.stop()
+            self.killed.append(gone.id)
             return self._reply(start_response, 204)
         return self._reply(start_response, 404, {"message": "no route", "code": 404})

@@ -317,10 +317,10 @@ class _JobsHandler(QuietJsonHandler):
                 return self._send(fake.fail_jobs_api.pop(0), {"error": "injected fault"})
         if method == "POST" and len(parts) == 3:
             try:
-                job = fake.start_job(parts[2], json.loads(body))
+                started = fake.start_job(parts[2], json.loads(body))
             except RuntimeError as exc:
                 return self._send(500, {"error": str(exc)})
-            return self._send(200, job.info())
+            return self._send(200, started.info())
         job = fake.jobs.get(parts[3])
         if job is None:
             return self._send(404, {"error": "no such job"})

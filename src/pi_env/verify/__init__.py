@@ -2,7 +2,9 @@
 
 Verify must read the agent's work dir, so the work dir is where a hostile agent plants what it
 hopes the verifier will run instead of its own tools. What this module does about it, in the
-order `PiSession` (rollout.py) calls it (docs/isolation.md has the guarantees and the residue):
+order a rollout calls it (`PiSession` in rollout.py; `record_setup`, `verify_env` and `reserve`
+through `world.py`'s `VerifyWorld`, which also restores the home or makes a fresh sandbox for
+verify; docs/isolation.md has the guarantees and the residue):
 
 - `record_setup` (after setup, before the agent): which paths of the work dir that configure
   the verifier's tools setup made, and the PATH setup's commands had.
@@ -45,7 +47,7 @@ REWARD_JSON = f"{VERIFIER_DIR}/reward.json"
 # pi-env's Python start-up (startup/sitecustomize.py), mounted read-only in every sandbox.
 STARTUP_DIR = "/opt/pi-env-verify"
 STARTUP_HOST_DIR = str(resources.files(__package__).joinpath("startup"))
-# pi-env's own notes in the home (verify's home is setup's, restored; see rollout.py).
+# pi-env's own notes in the home (verify's home is setup's, restored; see world.py).
 SETUP_PATHS = f"{SANDBOX_HOME}/.pi-env-verify/setup-paths"
 # Room in a capped home (blocks and inodes) kept for verify's own files while the agent runs:
 # hidden from the agent (SandboxSpec.agent_masked_paths), freed when verify's world is restored.
@@ -143,9 +145,7 @@ def verify_env(sandbox: Sandbox, task: PiTask, setup_env: dict[str, str], caller
     startup = STARTUP_HOST_DIR if isinstance(sandbox, HostPaths) else STARTUP_DIR
     env["PYTHONPATH"] = ":".join(filter(None, [startup, setup_env.get("PYTHONPATH")]))
     env["PI_ENV_WORKDIR"] = workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/")
-    # Top-level modules of the hidden files (a staged `test/` package, a `helpers.py`): the
-    # verifier's own, so found where Python would find them, as the stdlib's `test` is not.
-    env["PI_ENV_VERIFIER_MODULES"] = ",".join(sorted(_verifier_modules(task)))
+    env.update(verifier_modules_env(task))
     entries = setup_env["PATH"].split(":") if setup_env.get("PATH") else []
 
     def agents(entry: str) -> bool:
@@ -341,10 +341,10 @@ def _reward_value(sandbox: Sandbox) -> tuple[float, str | None]:
         return math.nan, f"{REWARD_JSON} is not JSON: {error}"
     if not isinstance(rewards, dict):
         return math.nan, f"{REWARD_JSON} is not a JSON object"
-    value = rewards.get("reward", next(iter(rewards.values())) if len(rewards) == 1 else None)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    entry = rewards.get("reward", next(iter(rewards.values())) if len(rewards) == 1 else None)
+    if isinstance(entry, bool) or not isinstance(entry, (int, float)) or not math.isfinite(entry):
         return math.nan, f"{REWARD_JSON} has no finite numeric 'reward' entry: {sorted(rewards)[:10]}"
-    return float(value), None
+    return float(entry), None
 
 
 def _named_rewards(sandbox: Sandbox) -> str | None:
@@ -382,6 +382,13 @@ def _is_tool_path(task: PiTask, path: str) -> bool:
         or parts[0] in _staging_dirs(task)
         or path in _init_files(task)
     )
+
+
+def verifier_modules_env(task: PiTask) -> dict[str, str]:
+    """Top-level modules of `task`'s hidden files (a staged `test/` package, a `helpers.py`): the
+    verifier's own, so found where Python would find them, as the stdlib's `test` is not. Per
+    verified task: a later Harbor step stages hidden files of its own."""
+    return {"PI_ENV_VERIFIER_MODULES": ",".join(sorted(_verifier_modules(task)))}
 
 
 def _verifier_modules(task: PiTask) -> set[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pi_env.task import PiTask
 from pi_env.workspace.tasks import FAMILIES as DATA_FAMILIES
@@ -106,7 +106,7 @@ def _spec_params(rng: random.Random) -> dict:
     }
 
 
-def _spec_input(rng: random.Random, kind: str):
+def _spec_input(rng: random.Random, kind: str) -> int | list[int] | str:
     if kind == "int":
         return rng.randint(-20, 25)
     if kind == "list":
@@ -212,14 +212,14 @@ def _fix_bug(rng: random.Random, split: str) -> dict:
     run = reference(params)
     while True:  # a visible case the bug gets wrong, so the test really fails
         visible = _spec_input(rng, kind) if kind != "int" else rng.randint(5, 15)
-        if kind == "str":
+        if isinstance(visible, str):  # kind "str" (the others are ints and lists)
             visible = visible.capitalize()
         buggy_scope: dict = {}
         exec(template.format(line=bad, **params), buggy_scope)
         if buggy_scope[function](visible) != run(visible):
             break
     hidden = [_spec_input(rng, kind) if kind != "int" else rng.randint(5, 30) for _ in range(2)]
-    hidden = [h.capitalize() if kind == "str" else h for h in hidden]
+    hidden = [h.capitalize() if isinstance(h, str) else h for h in hidden]
     test_file = f"test_{module}.py"
     test = (
         f"from {module} import {function}\n\n"
@@ -317,7 +317,7 @@ def generate_coding_tasks(
     split: str = "train",
     seed: int = 0,
     families: Sequence[str] | None = None,
-    exclude: set[str] = frozenset(),
+    exclude: Collection[str] = frozenset(),
 ) -> list[PiTask]:
     """`n` distinct PiTasks, the same for the same arguments on every machine; families take
     turns. `exclude`: task digests never to produce (another split's)."""

@@ -140,6 +140,11 @@ def _count_words(rng: random.Random) -> Problem:
     return {"words.txt": "\n".join(lines) + "\n"}, question, answer, {"letter": letter, "min_len": str(min_len)}
 
 
+def _edge(a: str, b: str) -> tuple[str, str]:
+    """An undirected edge's key: its two ends in order."""
+    return (a, b) if a <= b else (b, a)
+
+
 def _shortest_path(rng: random.Random) -> Problem:
     n = rng.randint(6, 10)
     nodes = [f"n{i}" for i in range(n)]
@@ -148,10 +153,10 @@ def _shortest_path(rng: random.Random) -> Problem:
     edges: dict[tuple[str, str], int] = {}
     for i in range(1, n):  # a random spanning tree keeps the graph connected
         a, b = order[i], order[rng.randrange(i)]
-        edges[tuple(sorted((a, b)))] = rng.randint(1, 20)
+        edges[_edge(a, b)] = rng.randint(1, 20)
     for _ in range(rng.randint(n // 2, n + 2)):
         a, b = rng.sample(nodes, 2)
-        edges.setdefault(tuple(sorted((a, b))), rng.randint(1, 20))
+        edges.setdefault(_edge(a, b), rng.randint(1, 20))
     source, target = rng.sample(nodes, 2)
     graph: dict[str, list[tuple[str, int]]] = {v: [] for v in nodes}
     for (a, b), w in edges.items():
@@ -183,7 +188,7 @@ def _date_union(rng: random.Random) -> Problem:
     for _ in range(rng.randint(5, 10)):
         first = start + datetime.timedelta(days=rng.randint(0, 330))
         ranges.append((first, first + datetime.timedelta(days=rng.randint(0, 40))))
-    covered = set()
+    covered: set[datetime.date] = set()
     for first, last in ranges:
         covered.update(first + datetime.timedelta(days=k) for k in range((last - first).days + 1))
     text = "".join(f"{a.isoformat()} {b.isoformat()}\n" for a, b in ranges)

@@ -19,10 +19,13 @@ import posixpath
 import shlex
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pi_env.task import check_relative_path
 from pi_env.workspace.tasks import SANDBOX_BIN_DIRS, WorkspaceTask
+
+if TYPE_CHECKING:
+    from pi_env.sandbox import Sandbox
 
 RESULT_SCHEMA = "pi-env.workspace.tool-result/v1"
 STATUSES = ("ok", "error", "submission_error", "infrastructure_error")
@@ -98,7 +101,7 @@ class Workspace:
         self.backend = backend
         self.files: dict[str, str] = dict(task.files)
         self.authored: set[str] = set()  # written or edited by the model: only these may run
-        self._sandbox = None
+        self._sandbox: Sandbox | None = None
         self._lock = threading.Lock()  # tool calls change shared state: one at a time
         self._sandbox_lock = threading.Lock()  # close() must not wait for a running program
         self._closed = False
@@ -271,7 +274,7 @@ class Workspace:
 
     # -- helpers
 
-    def _open_sandbox(self):
+    def _open_sandbox(self) -> Sandbox:
         from pi_env.sandbox import SandboxError, SandboxLimits, SandboxSpec, get_backend
 
         with self._sandbox_lock:

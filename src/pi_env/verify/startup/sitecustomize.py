@@ -55,7 +55,12 @@ def _pi_env_verify_startup():
 
     # The interpreter's own sitecustomize (Debian has one), as it would have run without this file.
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [e for e in sys.path if not agents(e)])
-    if spec is not None and spec.origin and os.path.dirname(os.path.abspath(spec.origin)) != here:
+    if (
+        spec is not None
+        and spec.loader is not None
+        and spec.origin
+        and os.path.dirname(os.path.abspath(spec.origin)) != here
+    ):
         module = type(sys)("sitecustomize")  # importlib.util would cost 3 ms of start-up (contextlib)
         module.__spec__, module.__loader__, module.__file__ = spec, spec.loader, spec.origin
         sys.modules["sitecustomize"] = module

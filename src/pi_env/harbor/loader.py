@@ -1,4 +1,5 @@
-"""Harbor task directories as `PiTask`s.
+"""The loader: a Harbor task directory read into a `PiTask` (its Harbor facts, `HarborFacts`,
+under `metadata["harbor"]`). What a rollout does with them: `pi_env.harbor.rules`.
 
 A Harbor task is a directory: `instruction.md`, `task.toml` ([agent], [verifier],
 [environment], [solution], [metadata]), `environment/Dockerfile`, `tests/test.sh` (the
@@ -13,9 +14,9 @@ pi-env runs it in its bubblewrap sandbox, whose only writable place is `/root`. 
     /solution               ->  /root/solution (the oracle's bash step writes it)
 
 These absolute paths are rewritten in instruction.md, in the tests and in the solution (a
-path-prefix rewrite; each task records its map in `metadata["harbor"]["path_map"]`). What the
-local backend cannot honour (RUN steps, a prebuilt `docker_image`, GPUs, COPY outside the
-work dir, binary files) is listed per task in `metadata["harbor"]["unsupported"]`: a warning
+path-prefix rewrite; each task records its map in `HarborFacts.path_map`). What no backend
+honours (compose services, GPUs, COPY outside the work dir, binary files) is listed per task in
+`HarborFacts.unsupported`, what only a build honours in `HarborFacts.environment`: a warning
 for `pi-env run`, and `pi-env collect` skips such tasks unless told to run them anyway.
 
 Reward, as Harbor reads it: reward.txt (one number) wins; else reward.json, a JSON object of
@@ -35,11 +36,14 @@ import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .sandbox.base import SANDBOX_WORKDIR, EnvironmentSpec
-from .sandbox.layers import parse_dockerfile, unsupported_base
-from .task import PiTask, TaskError, validate_task
+from pydantic import ValidationError
 
-log = logging.getLogger(__name__)
+from ..sandbox.base import SANDBOX_WORKDIR
+from ..sandbox.layers import parse_dockerfile, unsupported_base
+from ..task import PiTask, TaskError, validate_task
+from .facts import METADATA_KEY, HarborEnvironment, HarborFacts, HarborStep, problems
+
+log = logging.getLogger("pi_env.harbor")
 
 DEFAULT_WORKDIR = "/app"
 SANDBOX_TESTS = "/root/tests"
@@ -109,22 +113,24 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
     ]
     solution_env = _env_table(solution_cfg, "solution.env", task_dir, notes)
     steps = _steps(config, task_dir, rewrite, unsupported, solution_env)
-    if steps:  # multi-step: the task itself is the first step, the others run after it (rollout.py)
+    if steps:  # multi-step: the task itself is the first step, the others run after it (pi_env.steps)
         verify_files, solution, instruction_file = (
-            steps[0]["verify_files"],
-            steps[0]["solution"],
-            task_dir / "steps" / steps[0]["name"] / "instruction.md",
+            steps[0].verify_files,
+            [step.model_dump() for step in steps[0].solution] if steps[0].solution is not None else None,
+            task_dir / "steps" / steps[0].name / "instruction.md",
         )
-        env_files = {**env_files, **steps[0]["files"]}
+        env_files = {**env_files, **steps[0].files}
     else:
         verify_files = _tests(task_dir, rewrite, unsupported)
         solution = _solution(task_dir, rewrite, unsupported, solution_env)
         instruction_file = task_dir / "instruction.md"
 
     if environment.get("docker_image"):
-        env_info = {**(env_info or {}), "image": str(environment["docker_image"]), "needs_build": True}
+        env_info = (env_info or HarborEnvironment()).model_copy(
+            update={"image": str(environment["docker_image"]), "needs_build": True}
+        )
     if env_info is not None:
-        env_info["build_timeout_s"] = _seconds(environment, "build_timeout_sec", task_dir) or 600.0
+        env_info.build_timeout_s = _seconds(environment, "build_timeout_sec", task_dir) or 600.0
     setup_network, verify_network = _network_policy(environment, agent, verifier, notes)
     _schema_1_4(config, environment, agent, verifier, unsupported, notes)
     healthcheck = _healthcheck(environment.get("healthcheck"), "[environment] healthcheck", task_dir)
@@ -135,23 +141,24 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
     limits = {name: _megabytes(environment, f"{name}_mb", name, task_dir) for name in ("memory", "storage")}
 
     meta = dict(config.get("metadata") or {})
-    package = config.get("task") if isinstance(config.get("task"), dict) else {}
-    meta["harbor"] = {
-        "source": str(task_dir),
-        "path_map": path_map,
-        "unsupported": unsupported,
-        "notes": notes,
-        "environment": env_info,
-        "artifacts": artifacts,
-        "steps": steps,
-        "multi_step_reward_strategy": str(config.get("multi_step_reward_strategy") or "mean"),
-        "schema_version": str(config.get("schema_version") or config.get("version") or ""),
-    }
+    package: dict = config["task"] if isinstance(config.get("task"), dict) else {}
+    facts = HarborFacts(
+        source=str(task_dir),
+        path_map=path_map,
+        unsupported=unsupported,
+        notes=notes,
+        environment=env_info,
+        artifacts=artifacts,
+        steps=steps,
+        multi_step_reward_strategy=str(config.get("multi_step_reward_strategy") or "mean"),
+        schema_version=str(config.get("schema_version") or config.get("version") or ""),
+    )
+    meta[METADATA_KEY] = facts.model_dump()  # JSON on the task (task sets, datasets); read by harbor_facts
     data: dict[str, Any] = {
         "task_id": str(package.get("name") or task_dir.name),
         "instruction": rewrite(_read_text(instruction_file)),
         "files": {rel: text for rel, text in env_files.items()},
-        "setup": ([healthcheck] if healthcheck else []) + (steps[0]["setup"] if steps else []),
+        "setup": ([healthcheck] if healthcheck else []) + (steps[0].setup if steps else []),
         "verify": verify,
         "verify_files": verify_files,
         "solution": solution,
@@ -188,7 +195,7 @@ def _solution(directory: Path, rewrite, unsupported: list[str], env: dict[str, s
     return _solution_steps({rel: rewrite(text) for rel, text in files.items()}, env)
 
 
-def _steps(config: dict, task_dir: Path, rewrite, unsupported: list[str], solution_env: dict) -> list[dict]:
+def _steps(config: dict, task_dir: Path, rewrite, unsupported: list[str], solution_env: dict) -> list[HarborStep]:
     """[[steps]]: each step's instruction, tests, solution, limits and min_reward, from
     steps/<name>/ (Harbor's layout)."""
     steps = []
@@ -212,80 +219,27 @@ def _steps(config: dict, task_dir: Path, rewrite, unsupported: list[str], soluti
             else {}
         )
         healthcheck = _healthcheck(step.get("healthcheck"), f"[[steps]] {name} healthcheck", task_dir)
-        steps.append(
-            {
-                "name": name,
-                "instruction": rewrite(_read_text(directory / "instruction.md")),
-                "verify_files": _tests(directory, rewrite, unsupported),
-                "solution": _solution(directory, rewrite, unsupported, solution_env),
-                "agent_s": _seconds(agent, "timeout_sec", task_dir),
-                "verify_s": _seconds(verifier, "timeout_sec", task_dir),
-                "min_reward": min_reward,
-                "files": files,
-                "setup": (["bash setup.sh"] if (workdir / "setup.sh").is_file() else [])
-                + ([rewrite(healthcheck)] if healthcheck else []),
-                "artifacts": [
-                    rewrite(path)
-                    for path in _artifacts(step.get("artifacts"), f"[[steps]] {name} artifacts", unsupported, task_dir)
-                ],
-            }
-        )
+        fields = {
+            "name": name,
+            "instruction": rewrite(_read_text(directory / "instruction.md")),
+            "verify_files": _tests(directory, rewrite, unsupported),
+            "solution": _solution(directory, rewrite, unsupported, solution_env),
+            "agent_s": _seconds(agent, "timeout_sec", task_dir),
+            "verify_s": _seconds(verifier, "timeout_sec", task_dir),
+            "min_reward": min_reward,
+            "files": files,
+            "setup": (["bash setup.sh"] if (workdir / "setup.sh").is_file() else [])
+            + ([rewrite(healthcheck)] if healthcheck else []),
+            "artifacts": [
+                rewrite(path)
+                for path in _artifacts(step.get("artifacts"), f"[[steps]] {name} artifacts", unsupported, task_dir)
+            ],
+        }
+        try:
+            steps.append(HarborStep.model_validate(fields))
+        except ValidationError as error:
+            raise TaskError(f"{task_dir}/task.toml: [[steps]] {name}: {problems(error)}") from None
     return steps
-
-
-def step_own(task: PiTask, index: int) -> dict:
-    """Step `index`'s own work-dir files and setup commands (before its agent; see `_steps`)."""
-    steps = (task.metadata.get("harbor") or {}).get("steps") or []
-    step = steps[index] if index < len(steps) else {}
-    return {"name": step.get("name"), "files": step.get("files") or {}, "setup": step.get("setup") or []}
-
-
-def later_steps(task: PiTask) -> list[PiTask]:
-    """The steps after the first of a multi-step Harbor task, each as the task it makes: its files
-    and setup are everything staged and run before its agent (the task's, then each step's own up
-    to it), which is what a fresh verify sandbox replays."""
-    steps = (task.metadata.get("harbor") or {}).get("steps") or []
-    made, files, setup = [], dict(task.files), list(task.setup)
-    for step in steps[1:]:
-        files, setup = {**files, **(step.get("files") or {})}, [*setup, *(step.get("setup") or [])]
-        made.append(
-            task.model_copy(
-                update={
-                    "instruction": step["instruction"],
-                    "verify_files": step["verify_files"],
-                    "files": files,
-                    "setup": setup,
-                    "solution": validate_task(
-                        {"instruction": "x", "solution": step["solution"]}, source=step["name"]
-                    ).solution,
-                    "timeouts": task.timeouts.model_copy(
-                        update={
-                            "agent_s": step["agent_s"] or task.timeouts.agent_s,
-                            "verify_s": step["verify_s"] or task.timeouts.verify_s,
-                        }
-                    ),
-                }
-            )
-        )
-    return made
-
-
-def step_gate(task: PiTask, index: int, reward: float | None) -> str | None:
-    """Why the steps after step `index` do not run (its min_reward not met), or None."""
-    steps = (task.metadata.get("harbor") or {}).get("steps") or []
-    threshold = steps[index].get("min_reward") if index < len(steps) else None
-    if threshold is not None and (reward is None or reward < threshold):
-        return f"step {steps[index]['name']!r} scored {reward} below its min_reward {threshold}: later steps skipped"
-    return None
-
-
-def combine_step_rewards(task: PiTask, rewards: list[float | None]) -> float | None:
-    """Harbor's multi_step_reward_strategy: "mean" over the steps that have a verifier result,
-    "final": the last step run."""
-    if (task.metadata.get("harbor") or {}).get("multi_step_reward_strategy") == "final":
-        return rewards[-1] if rewards else None
-    scored = [r for r in rewards if r is not None]
-    return sum(scored) / len(scored) if scored else None
 
 
 # -- task.toml schema 1.4 (harbor 0.26) ------------------------------------------------------
@@ -400,50 +354,6 @@ def _artifacts(entries: Any, where: str, unsupported: list[str], task_dir: Path)
     return sources
 
 
-# Backends that build a task's environment (see SandboxSpec.environment) and give setup and verify
-# the root of a container (SandboxSpec.container_root).
-BUILDING_BACKENDS = ("local", "podman")
-
-
-def unsupported_reasons(task: PiTask, backend: str = "local") -> list[str]:
-    """What of a Harbor task's environment the named backend cannot honour ([] for other tasks).
-    A rollout of such a task is never scored (error_kind "environment_unsupported")."""
-    harbor = task.metadata.get("harbor") or {}
-    why = list(harbor.get("unsupported") or [])
-    env = harbor.get("environment") or {}
-    if not env.get("needs_build"):
-        return why
-    if backend not in BUILDING_BACKENDS:
-        steps = env.get("build_steps") or []
-        image = [f"[environment] docker_image = {env['image']!r}"] if env.get("image") else []
-        return why + [f"{line}: the {backend} backend does not build environments" for line in image + steps]
-    if backend == "local":
-        if env.get("image"):
-            why.append(
-                f"[environment] docker_image = {env['image']!r}: the local backend builds Dockerfiles into "
-                "layers and cannot run images"
-            )
-        why += env.get("local_unsupported") or []
-    return why
-
-
-def environment_spec(task: PiTask, backend: str) -> EnvironmentSpec | None:
-    """The environment a backend that builds them must give this task (None: none needed)."""
-    env = (task.metadata.get("harbor") or {}).get("environment") or {}
-    if backend not in BUILDING_BACKENDS or not env.get("needs_build"):
-        return None
-    return EnvironmentSpec(
-        dockerfile=env.get("dockerfile"),
-        context=env.get("context"),
-        image=env.get("image"),
-        build_timeout_s=float(env.get("build_timeout_s") or 600.0),
-    )
-
-
-def is_harbor(task: PiTask) -> bool:
-    return "harbor" in task.metadata and "path_map" in (task.metadata.get("harbor") or {})
-
-
 # -- task.toml -----------------------------------------------------------------------------
 def _read_toml(path: Path) -> dict:
     try:
@@ -501,7 +411,9 @@ def _env_table(table: dict, where: str, task_dir: Path, notes: list[str]) -> dic
 
 
 # -- environment/Dockerfile ----------------------------------------------------------------
-def _environment(task_dir: Path, environment: dict, unsupported: list[str], notes: list[str]):
+def _environment(
+    task_dir: Path, environment: dict, unsupported: list[str], notes: list[str]
+) -> tuple[str, dict[str, str], HarborEnvironment | None]:
     """The work dir, the text files COPY'd into it (staged as task files, for every backend) and
     what the environment needs beyond them (a build: see `environment_spec`)."""
     env_dir = task_dir.resolve() / "environment"
@@ -524,15 +436,15 @@ def _environment(task_dir: Path, environment: dict, unsupported: list[str], note
             build_only.append(f"{step.where}: {step.kind} {' '.join(step.args)[:200]}")
     for line in plan.approximated:
         notes.append(line)
-    info = {
-        "dockerfile": str(dockerfile),
-        "context": str(env_dir),
-        "base": plan.base,
-        "needs_build": bool(build_only) or bool(plan.unsupported),
-        "build_steps": build_only,
-        "approximated": plan.approximated,
-        "local_unsupported": unsupported_base(plan),
-    }
+    info = HarborEnvironment(
+        dockerfile=str(dockerfile),
+        context=str(env_dir),
+        base=plan.base,
+        needs_build=bool(build_only) or bool(plan.unsupported),
+        build_steps=build_only,
+        approximated=list(plan.approximated),
+        local_unsupported=unsupported_base(plan),
+    )
     return plan.workdir.rstrip("/") or "/", files, info
 
 
@@ -557,9 +469,9 @@ def _copy(env_dir: Path, workdir: str, step, files: dict) -> bool:
                 staged[str(dest_rel / rel)] = text
         else:
             target = dest_rel / src.name if dest.endswith("/") or len(sources) > 1 else dest_rel
-            text = _text_file(src, f"environment/{source}", problems)
-            if text is not None:
-                staged[str(target)] = text
+            content = _text_file(src, f"environment/{source}", problems)
+            if content is not None:
+                staged[str(target)] = content
     files.update(staged)
     return not problems
 
@@ -618,60 +530,3 @@ def _solution_steps(files: dict[str, str], env: dict[str, str]) -> list[dict]:
         {"tool": "bash", "command": "\n".join(lines)},
         {"tool": "bash", "command": f"{exports}bash {SANDBOX_SOLUTION}/solve.sh"},
     ]
-
-
-# -- what a rollout records -----------------------------------------------------------------
-MAX_ARTIFACT_BYTES = 256 << 10
-
-
-def harbor_environment_record(task: PiTask, sandbox) -> dict | None:
-    """For RolloutResult.environment: what was built (the backend's own record: layer or image)
-    and what only approximates the task's environment (FROM as the host's userland, ...)."""
-    env = (task.metadata.get("harbor") or {}).get("environment")
-    built = getattr(sandbox, "environment_info", None)
-    if not env and not built:
-        return None
-    return {**(built or {}), "base": (env or {}).get("base"), "approximated": (env or {}).get("approximated") or []}
-
-
-def collect_artifacts(task: PiTask, sandbox, result, step: int | None = None, *, max_total_bytes: int) -> int:
-    """Harbor's `artifacts` (sandbox paths, after the path map) copied into result.artifacts:
-    files as text, a directory's files each under their own path, within `max_total_bytes` (the
-    rollout's read budget; returns what was read). A file that is not UTF-8 text, or past the
-    budget, is named with its size instead. With `step`: that step's own artifacts ([[steps]]
-    artifacts), under `steps/<name>` + the path."""
-    harbor = task.metadata.get("harbor") or {}
-    if step is None:
-        paths, prefix = harbor.get("artifacts") or [], ""
-    else:
-        steps = harbor.get("steps") or []
-        paths, prefix = (
-            (steps[step].get("artifacts") or [], f"steps/{steps[step]['name']}") if step < len(steps) else ([], "")
-        )
-    used = 0
-
-    def keep(name: str, data: bytes) -> None:
-        nonlocal used
-        used += len(data)
-        try:
-            result.artifacts[name] = data.decode("utf-8")
-        except UnicodeDecodeError:  # binary: as text it would be mostly U+FFFD, several times its size
-            result.artifacts[name] = f"<not collected: binary, {len(data)} bytes>"
-
-    for path in paths:
-        left = max(0, max_total_bytes - used)
-        try:
-            if not sandbox.exists(path):
-                continue
-            if not left:
-                result.artifacts[prefix + path] = "<not collected: past the rollout's read budget>"
-                continue
-            try:  # a file: its first MAX_ARTIFACT_BYTES (what is left of the budget)
-                keep(prefix + path, sandbox.read_file(path, max_bytes=min(MAX_ARTIFACT_BYTES, left)))
-            except IsADirectoryError:
-                files = sandbox.snapshot(path, max_file_bytes=min(MAX_ARTIFACT_BYTES, left), max_total_bytes=left)
-                for rel, data in files.items():
-                    keep(f"{prefix}{path.rstrip('/')}/{rel}", data)
-        except (OSError, ValueError) as error:  # outside the home, or gone: say so, never fail the rollout
-            result.artifacts[prefix + path] = f"<not collected: {error}>"
-    return used

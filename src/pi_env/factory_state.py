@@ -1,0 +1,72 @@
+"""What every session of one `PiSessionFactory` shares: `FactoryState`, its base.
+
+A factory's sessions run under one config (the `mode=` and `sampling=` given to the factory
+applied to it, and checked, once), create their sandboxes with one backend, run one Pi runtime
+(installed on the first session's start, then shared; the install itself is once per machine:
+pi_env.agent.runtime) and stamp their model calls with one policy version, which a trainer moves
+forward while sessions run (`set_policy_version`, docs/async-rl.md). None of this is a session's
+lifecycle, which is rollout.py's: `PiSessionFactory` there adds making the sessions (`create`,
+`reverify`), and `PiSession` reads its factory as a `FactoryState`, so this module imports
+nothing of rollout.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+from .agent.runtime import PiRuntime, ensure_runtime
+from .config import Mode, PiConfig
+from .proxy.records import PolicyVersion
+from .sandbox import SandboxBackend, get_backend
+from .specs import with_forced_sampling
+
+
+class FactoryState:
+    """The config, the sandbox backend, the Pi runtime and the policy version of a factory's sessions."""
+
+    def __init__(
+        self,
+        config: PiConfig | None = None,
+        sandbox_backend: str | SandboxBackend | None = None,
+        mode: Mode | None = None,
+        *,
+        sampling: Mapping[str, float | int] | None = None,
+    ):
+        config = config or PiConfig()
+        if mode is not None:
+            config = config.model_copy()
+            config.mode = mode  # validate_assignment: the mode checked against the other fields
+        if sampling:
+            config = with_forced_sampling(config, sampling, explicit_mode=mode is not None)
+        self.config = config
+        backend = sandbox_backend or config.sandbox_backend
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self._runtime: PiRuntime | None = None
+        self._runtime_lock = threading.Lock()
+        # The policy version in force, shared with every session's gateway session (async RL).
+        self.policy = PolicyVersion(config.policy_version)
+
+    def set_policy_version(self, version) -> None:
+        """Record `version` (a JSON scalar, e.g. the training step) on every model call sent from
+        now on, by every session of this factory, those already running included (their next
+        call). Thread-safe. A call already sent keeps the version it was sent with (docs/async-rl.md)."""
+        self.policy.set(version)
+
+    @property
+    def policy_version(self):
+        """The policy version in force (PiConfig.policy_version until set_policy_version)."""
+        return self.policy.value
+
+    @property
+    def runtime(self) -> PiRuntime:
+        """The Pi runtime every session runs, installed on first use (once per machine)."""
+        with self._runtime_lock:
+            if self._runtime is None:
+                self._runtime = ensure_runtime(
+                    self.config.pi_package,
+                    self.config.pi_version,
+                    self.config.node_version,
+                    self.config.runtime_cache_dir,
+                )
+            return self._runtime

@@ -1,0 +1,75 @@
+"""An upstream's 2xx answer relayed to the agent, then assembled into the turn's `TurnCapture`
+(message, ids, logprobs, usage) once the agent has it: how every mode that relays an answer
+(black_box, transparent_proxy) records what the model answered. A small answer is parsed inline
+(`assemble_inline`), one past OFFLOAD_MIN_BYTES in the capture worker pool
+(capture_worker.py) in a task of its own (`Call.finish_record_later`), so a long parse never
+holds the event loop every other stream shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from pi_env.proxy.capture import TurnCapture, assemble_answer
+from pi_env.proxy.capture_worker import CaptureWorkerError, capture_pool
+from pi_env.proxy.records import TurnRecord
+from pi_env.proxy.wire import Call
+
+log = logging.getLogger(__name__)
+OFFLOAD_MIN_BYTES = 64 << 10  # below this, a round trip to the worker costs more than parsing
+
+
+async def assemble_after(
+    call: Call, answer, capture: TurnCapture, turn: TurnRecord, streaming: bool, *, finish: bool = True
+) -> web.StreamResponse:
+    """Stream the answer to the agent, then assemble it into `capture` (every mode records what
+    the model answered): inline when small, in a worker process when large. `finish`: the agent
+    has the whole answer before the assembly (else its last bytes wait for an inline one)."""
+    raw = bytearray()
+    try:
+        response = await call.stream(answer, turn, keep=raw, finish=finish)
+    except asyncio.CancelledError:  # the agent hung up: keep what had arrived
+        assemble_inline(capture, turn, bytes(raw), streaming)
+        raise
+    if len(raw) < OFFLOAD_MIN_BYTES:
+        assemble_inline(capture, turn, bytes(raw), streaming)
+    else:  # the bytearray itself: it is not written to again, and copying 1 MB is not free
+        call.finish_record_later(_assemble_in_worker(capture, turn, raw, streaming))
+    return response
+
+
+async def _assemble_in_worker(capture: TurnCapture, turn: TurnRecord, raw: bytearray, streaming: bool) -> None:
+    """Large answers are parsed in a capture worker process: milliseconds of decoding would
+    otherwise hold the gateway's event loop, and with it every other stream. When the
+    worker fails the answer is parsed inline (rather than lost), and the capture says why
+    (`worker_error`). Cancellation is never swallowed."""
+    pool = capture_pool()
+    try:
+        assembled = await asyncio.get_running_loop().run_in_executor(None, pool.assemble, raw, streaming)
+    except CaptureWorkerError as error:
+        log.warning("turn %s parsed on the event loop: %s", turn.turn, error)
+        capture.worker_error = str(error)
+        return assemble_inline(capture, turn, bytes(raw), streaming)
+    _merge(capture, assembled)
+    _count_tokens(capture, turn)
+
+
+def assemble_inline(capture: TurnCapture, turn: TurnRecord, raw: bytes, streaming: bool) -> None:
+    """Parse the answer's bytes on this thread into `capture`, and count its tokens on `turn`."""
+    _merge(capture, assemble_answer(raw, streaming))
+    _count_tokens(capture, turn)
+
+
+def _merge(capture: TurnCapture, assembled: TurnCapture) -> None:
+    """Fill `capture` (which already holds the request and any fallback) from an assembly."""
+    for name, value in vars(assembled).items():
+        if name not in ("request", "fallback", "worker_error"):
+            setattr(capture, name, value)
+
+
+def _count_tokens(capture: TurnCapture, turn: TurnRecord) -> None:
+    if capture.usage and isinstance(capture.usage.get("total_tokens"), int):
+        turn.total_tokens = capture.usage["total_tokens"]

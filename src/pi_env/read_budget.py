@@ -1,0 +1,76 @@
+"""What the agent wrote, read back onto the host within one budget per rollout: `ReadBudget`.
+
+Every byte a rollout reads of what the agent left in its sandbox comes out of one budget,
+`PiConfig.max_read_bytes`, so an agent cannot make the host read more than that however it
+spreads its output: Pi's session file after each agent (`session_text`, kept only as the
+untrusted `pi_session_messages`), a task's artifacts after each step (`artifacts`), the work dir
+kept for reverify (`keep_workdir`) and the work dir's files on the result (`files`, when the
+rollout is collected). Each read takes what it read off what is left; a later one gets the rest.
+`PiSession` (rollout.py) holds one per rollout and decides when to read; this module decides
+how much.
+"""
+
+from __future__ import annotations
+
+import base64
+
+from .agent.pi import SESSION_DIR
+from .harbor.rules import collect_artifacts
+from .results import RolloutResult
+from .sandbox import SANDBOX_WORKDIR, Sandbox, SandboxError
+from .task import PiTask
+from .verify.workdir import WorkdirLimits, capture_workdir
+
+
+class ReadBudget:
+    """What is left (`left`, bytes) of one rollout's `max_read_bytes`, and the reads that use it."""
+
+    def __init__(self, max_bytes: int):
+        self.left = max_bytes
+
+    def tree(self, sandbox: Sandbox, path: str, max_files: int, max_file_bytes: int) -> dict[str, bytes]:
+        """Files the agent may have written under `path`, within what is left of the budget."""
+        files = sandbox.snapshot(
+            path,
+            max_files=max_files,
+            max_file_bytes=min(max_file_bytes, self.left),
+            max_total_bytes=self.left,
+        )
+        self.left -= sum(len(data) for data in files.values())
+        return files
+
+    def files(self, sandbox: Sandbox, max_files: int, max_file_bytes: int) -> dict[str, str]:
+        """The work dir's files as the result holds them: text, or a binary file named with its size."""
+        snapshot = self.tree(sandbox, SANDBOX_WORKDIR, max_files, max_file_bytes)
+        return {path: _as_text(data) for path, data in snapshot.items()}
+
+    def session_text(self, sandbox: Sandbox) -> str:
+        """Pi's session file(s), as Pi left them (the agent may have rewritten them); "" when unreadable."""
+        try:
+            files = self.tree(sandbox, SESSION_DIR, 4, 256 << 20)
+        except (SandboxError, OSError):
+            return ""
+        return "\n".join(data.decode("utf-8", "replace") for _, data in sorted(files.items()) if _.endswith(".jsonl"))
+
+    def artifacts(self, task: PiTask, sandbox: Sandbox | None, result: RolloutResult, step: int | None = None) -> None:
+        """`task`'s artifacts (a Harbor task's; `step`: that step's own) into `result.artifacts`."""
+        self.left -= collect_artifacts(task, sandbox, result, step=step, max_total_bytes=self.left)
+
+    def keep_workdir(self, sandbox: Sandbox, limits: WorkdirLimits) -> tuple[str | None, str | None]:
+        """The work dir archived for reverify (pi_env.verify.workdir), base64 for the result, or
+        None and why it was not kept (not the rollout's failure: only its kept copy's)."""
+        try:
+            kept = capture_workdir(sandbox, limits, read_left=self.left)
+        except (SandboxError, OSError) as error:
+            return None, f"could not read the work dir: {type(error).__name__}: {error}"
+        if kept.archive is None:
+            return None, kept.reason
+        self.left -= kept.bytes
+        return base64.b64encode(kept.archive).decode("ascii"), None
+
+
+def _as_text(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"<binary file, {len(data)} bytes>"

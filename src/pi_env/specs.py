@@ -1,0 +1,205 @@
+"""What a rollout asks of the rooms it composes, worked out from its config and task alone;
+`PiSession` (rollout.py) opens the gateway session and the sandbox with these:
+
+- `session_endpoint`: the catalog's endpoint, the oracle's, or the trainer (interception_gate).
+- `capture_options`: what the gateway asks of the upstream in transparent_proxy (whether to ask
+  for `return_token_ids`: configured, or probed, and why), and the session's sampling.
+- `load_token_in`: the renderer for token-in, the endpoint checked in transparent_proxy.
+- `trace_path`: the session's trace file (in `trace_dir`, or scratch in a private dir).
+- `open_gateway_session`: the gateway session opened with all of the above that concerns it and
+  the config's budgets, limits, gate deadline and routing, reading the factory's policy version.
+- `sandbox_spec`: mounts, limits (the task's over the config's), the environment to build and
+  whether setup and verify get root of a container (Harbor's tasks).
+- `with_forced_sampling`: `PiSessionFactory(sampling=...)` over `proxy_sampling`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import tempfile
+import uuid
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+
+from .agent.pi import FORWARDER_PATH
+from .agent.runtime import SANDBOX_RUNTIME_DIR, PiRuntime
+from .config import PiConfig
+from .endpoints import OPEN_SERVER_COMPAT, ORACLE, Endpoint, resolve_endpoint, supports_return_token_ids
+from .harbor.facts import is_harbor
+from .harbor.rules import environment_spec
+from .oracle import oracle_endpoint
+from .proxy.gateway import GatewaySession, Upstream, get_gateway
+from .proxy.policy import SessionLimits
+from .proxy.records import PolicyVersion, Routing, TokenInSpec
+from .proxy.rewrite import CaptureOptions
+from .results import RolloutResult
+from .sandbox import SANDBOX_WORKDIR, SandboxLimits, SandboxSpec
+from .task import PiTask
+from .verify import RESERVE_DIR, startup_mount
+
+
+def session_endpoint(config: PiConfig, task: PiTask) -> Endpoint:
+    """The endpoint Pi's calls go to (through the gateway). Raises EndpointError with what to set."""
+    if config.mode == "interception_gate":  # the trainer is the model: no upstream at all
+        return Endpoint(
+            name="interception_gate",
+            base_url="http://interception-gate.invalid/v1",
+            model=config.model or "trainer",
+            compat=OPEN_SERVER_COMPAT,
+            return_token_ids=False,
+        )
+    return oracle_endpoint(task) if config.endpoint == ORACLE else resolve_endpoint(config)
+
+
+def upstream(config: PiConfig, endpoint: Endpoint) -> Upstream:
+    return Upstream(
+        endpoint.base_url,
+        endpoint.api_key,
+        endpoint.model,
+        connect_timeout_s=config.upstream_connect_timeout_s,
+        read_timeout_s=config.upstream_read_timeout_s,
+        base_urls=endpoint.base_urls,
+    )
+
+
+def capture_options(config: PiConfig, endpoint: Endpoint, result: RolloutResult) -> CaptureOptions:
+    """The gateway session's capture options; in transparent_proxy the `return_token_ids`
+    decision and its reason are recorded on `result`."""
+    if config.mode != "transparent_proxy":  # only it rewrites requests: nothing to decide, no probe
+        return_token_ids = False
+    else:
+        if config.proxy_return_token_ids is None:
+            return_token_ids, why = supports_return_token_ids(endpoint)
+        else:
+            return_token_ids, why = config.proxy_return_token_ids, "PiConfig.proxy_return_token_ids"
+        result.return_token_ids, result.return_token_ids_reason = return_token_ids, why
+        result.proxy_log_tail = f"return_token_ids={return_token_ids} ({why})"
+    disable_thinking = (
+        endpoint.disable_thinking if config.proxy_disable_thinking is None else config.proxy_disable_thinking
+    )
+    top_logprobs = min(config.proxy_top_logprobs, endpoint.max_top_logprobs)
+    return CaptureOptions(
+        logprobs=config.proxy_logprobs,
+        top_logprobs=top_logprobs,
+        return_token_ids=return_token_ids,
+        max_tokens_cap=config.max_tokens,
+        disable_thinking=disable_thinking,
+        model=endpoint.model,
+        sampling=dict(config.proxy_sampling),
+    )
+
+
+def load_token_in(config: PiConfig, endpoint: Endpoint):
+    """The session's renderer, and in transparent_proxy a checked token-in endpoint; raises
+    TokenInUnavailable (a ValueError) naming what is missing."""
+    from .proxy.token_in import check_endpoint_sync, load_renderer
+
+    spec = load_renderer(config.proxy_renderer, config.proxy_tokenizer or endpoint.model)
+    if config.mode == "transparent_proxy":
+        check_endpoint_sync(upstream(config, endpoint), spec)
+    return spec
+
+
+def trace_path(config: PiConfig, task_id: str, episode_id: str) -> str | None:
+    if config.mode == "black_box":
+        return None
+    # Retention: a trace_dir is kept on purpose (collect puts it in its dataset); without one
+    # the trace is scratch in a private dir and deleted by close().
+    directory = Path(config.trace_dir) if config.trace_dir else private_scratch_dir("pi-env-traces")
+    safe_id, safe_episode = (re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] for name in (task_id, episode_id))
+    return str(directory / f"{safe_id}-{safe_episode}-{uuid.uuid4().hex[:8]}.jsonl")
+
+
+def open_gateway_session(
+    config: PiConfig,
+    endpoint: Endpoint,
+    result: RolloutResult,
+    *,
+    task_id: str,
+    episode_id: str,
+    token_in: TokenInSpec | None,
+    policy: PolicyVersion,
+) -> GatewaySession:
+    """The session Pi's calls go through (its own token), as the config asks; `capture_options`
+    records its decisions on `result`."""
+    return get_gateway().open_session(
+        upstream(config, endpoint),
+        mode=config.mode,
+        max_turns=config.max_turns,
+        max_total_tokens=config.max_total_tokens,
+        max_tokens_cap=config.max_tokens,
+        capture=capture_options(config, endpoint, result),
+        trace_path=trace_path(config, task_id, episode_id),
+        token_in=token_in,
+        allow_fields=config.gateway_allow_fields,
+        limits=SessionLimits(
+            max_request_bytes=config.gateway_max_request_bytes,
+            max_concurrent_calls=config.gateway_max_concurrent_calls,
+        ),
+        gate_timeout_s=config.gate_timeout_s,
+        policy=policy,
+        routing=Routing(
+            session_header=config.gateway_session_header,
+            cache_salt=config.gateway_cache_salt,
+            version_header=config.policy_version_header,
+        ),
+    )
+
+
+def sandbox_spec(config: PiConfig, task: PiTask, backend: str, runtime: PiRuntime, gateway_socket: str) -> SandboxSpec:
+    forwarder = resources.files("pi_env.proxy").joinpath("forward.mjs")
+    return SandboxSpec(
+        ro_mounts={SANDBOX_RUNTIME_DIR: runtime.root, FORWARDER_PATH: str(forwarder), **startup_mount()},
+        gateway_socket=gateway_socket,
+        limits=SandboxLimits(
+            max_processes=config.max_processes,
+            max_file_bytes=config.max_file_bytes,
+            max_memory_bytes=config.max_memory_bytes,
+            max_total_memory_bytes=_mb(task.limits.memory_mb) or config.max_total_memory_bytes,
+            max_disk_bytes=_mb(task.limits.storage_mb) or config.max_disk_bytes,
+        ),
+        env=dict(config.extra_env),
+        # Old Pi has no -na: hide the task's .pi/ so it cannot change Pi's settings.
+        agent_masked_paths=(RESERVE_DIR,) if runtime.supports("-na") else (RESERVE_DIR, f"{SANDBOX_WORKDIR}/.pi"),
+        archive_dir=runtime.archive_dir,
+        environment=environment_spec(task, backend),
+        # Harbor's setup and verifier expect root of a container; the agent never gets it.
+        container_root=is_harbor(task),
+    )
+
+
+def with_forced_sampling(config: PiConfig, sampling: Mapping[str, float | int], *, explicit_mode: bool) -> PiConfig:
+    """`sampling=` (what a trainer passes, e.g. openenv's `training_sampling(...)`) over
+    `proxy_sampling`: forced on every model call. black_box relays the agent's sampling as sent
+    and so cannot force it: a mode nobody chose becomes transparent_proxy, a chosen black_box is refused."""
+    mode = config.mode
+    if mode == "black_box":
+        if explicit_mode or "mode" in config.model_fields_set:
+            raise ValueError(
+                "sampling= is forced on model calls by the gateway in transparent_proxy; black_box "
+                "relays the agent's sampling as sent: use mode='transparent_proxy'"
+            )
+        mode = "transparent_proxy"
+    config = config.model_copy()
+    config.mode = mode  # validate_assignment: checked like any PiConfig field
+    config.proxy_sampling = {**config.proxy_sampling, **dict(sampling)}
+    return config
+
+
+def private_scratch_dir(name: str) -> Path:
+    """`$TMPDIR/<name>-<uid>`, 0700 and ours (another user could have made it first in a shared /tmp)."""
+    directory = Path(tempfile.gettempdir()) / f"{name}-{os.getuid()}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    info = directory.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise OSError(f"{directory} is not a directory of this user; remove it or set trace_dir")
+    if info.st_mode & 0o077:
+        directory.chmod(0o700)
+    return directory
+
+
+def _mb(megabytes: int | None) -> int | None:
+    return megabytes << 20 if megabytes else None
