@@ -1024,3 +1024,49 @@ def test_a_well_formed_black_box_call_is_relayed_byte_for_byte(gateway, server):
     (received,) = server.requests
     assert status == 200 and received.body == json.loads(sent)
     assert int(received.headers["content-length"]) == session.turns[0].request_bytes == len(sent)  # "\u00e9" kept
+
+
+def test_read_buffered_takes_what_is_buffered_in_one_piece_and_keeps_the_connection_reusable():
+    """The relay reads an answer through read_buffered(): an engine's one HTTP chunk per token
+    must come out as one piece per read (readany() pops them one by one, at ~2-3 us a token),
+    byte for byte what readany() gives, with the connection pooled and reusable after it. The
+    fast path must hold on the aiohttp installed: losing it loses that much loop CPU."""
+    from pi_env.proxy import wire
+
+    assert wire._DRAINABLE, "aiohttp's StreamReader internals changed: read_buffered() fell back to readany()"
+    events = [b"data: {\"n\": %d, \"pad\": \"%s\"}\n\n" % (i, b"x" * (i % 7)) for i in range(600)]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        while await reader.readuntil(b"\r\n\r\n"):  # a GET per request; the answer in three writes
+            for part in (answer[:100], answer[100 : len(answer) // 2], answer[len(answer) // 2 :]):
+                writer.write(part)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        async with aiohttp.ClientSession() as client:
+            reads = []
+            for read in (wire.read_buffered, lambda content: content.readany()) * 2:
+                async with client.get(url) as r:
+                    pieces, protocol = [], r.connection.protocol
+                    resumes = protocol.resume_reading
+                    calls = []  # the per-pop flow control readany() runs
+                    protocol.resume_reading = lambda *a, **k: calls.append(1) or resumes(*a, **k)
+                    while piece := await read(r.content):
+                        pieces.append(piece)
+                    assert r.content.at_eof() and r.content._size == 0
+                    del protocol.resume_reading
+                reads.append((b"".join(pieces), len(calls)))
+        server.close()
+        return reads
+
+    (fast, fast_calls), (plain, plain_calls), (again, _), _ = asyncio.run(main())
+    assert fast == plain == again == b"".join(events)
+    assert fast_calls <= 6 and plain_calls >= len(events), (fast_calls, plain_calls)  # per read, not per chunk
+    assert len(connections) == 1  # every answer read to its end on one pooled connection

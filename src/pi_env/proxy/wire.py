@@ -52,6 +52,40 @@ ERROR_RELAY_LIMIT = 1 << 20  # bytes of it relayed to the agent (read whole, to 
 # piece as before; the first piece never waits.
 RELAY_BATCH_S = 0.001
 
+# aiohttp's StreamReader keeps an answer as one buffer item per HTTP chunk (an engine sends one a
+# token), and readany() pops them one by one, running its flow control for each pop: ~2-3 us a
+# token on the gateway's loop (bench/proxy_overhead.py). read_buffered() takes what is buffered
+# in one join, through the reader internals it was measured against; any other reader (another
+# aiohttp) gets readany(), and tests/test_gateway.py fails if the installed aiohttp loses the
+# fast path.
+_DRAINABLE = {"_buffer", "_buffer_offset", "_size", "_cursor", "_http_chunk_splits", "_protocol", "_eof",
+              "_exception", "_timer"} <= set(getattr(aiohttp.StreamReader, "__slots__", ())) and callable(
+    getattr(aiohttp.StreamReader, "_wait", None))  # fmt: skip
+
+
+async def read_buffered(content: aiohttp.StreamReader) -> bytes:
+    """The answer's next bytes: at least one, everything the reader holds, in one piece; b"" at
+    its end. What readany() returns, without its per-chunk cost (see _DRAINABLE)."""
+    if not _DRAINABLE or type(content) is not aiohttp.StreamReader:
+        return await content.readany()
+    if content._exception is not None:
+        raise content._exception
+    while not content._buffer and not content._eof:
+        await content._wait("readany")
+    buffer = content._buffer
+    if len(buffer) < 2 or content._buffer_offset:
+        return content.read_nowait(-1)
+    content._timer.assert_timeout()
+    data = b"".join(buffer)
+    buffer.clear()
+    content._size -= len(data)
+    content._cursor += len(data)
+    if content._http_chunk_splits:  # chunk ends already read (readchunk() drops them the same way)
+        content._http_chunk_splits.clear()
+    content._protocol.resume_reading()  # as readany() does once the buffer is below its low water
+    return data
+
+
 # RFC 9110 section 7.6.1: meaningful for one connection only, never relayed back to the agent.
 # (What reaches the upstream of the agent's own headers is an allow-list: see policy.py.)
 HOP_BY_HOP = frozenset(
@@ -351,7 +385,7 @@ class Call:
             content = answer.content
             upstream = answer.connection.transport if answer.connection is not None else None
             loop, last_read = asyncio.get_running_loop(), -1.0
-            while chunk := await content.readany():
+            while chunk := await read_buffered(content):
                 if not response_bytes:
                     turn.ttfb_s = time.perf_counter() - started
                 response_bytes += len(chunk)
