@@ -152,11 +152,11 @@ class GatewaySession:
         self._in_flight = 0
         self._idle = threading.Condition()
         self._trace_lock = threading.Lock()  # close_session() runs on the caller's thread
-        self._trace: IO[str] | None = None
+        self._trace: IO[bytes] | None = None
         if trace_path:  # turns hold prompts and answers: for this user only (0700 dir, 0600 file)
             os.makedirs(os.path.dirname(os.path.abspath(trace_path)), mode=0o700, exist_ok=True)
             fd = os.open(trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            self._trace = os.fdopen(fd, "a", encoding="utf-8")
+            self._trace = os.fdopen(fd, "ab")
 
     def __repr__(self) -> str:  # no token
         return f"GatewaySession(id={self.id!r}, mode={self.mode!r}, upstream={self.upstream!r})"
@@ -222,7 +222,7 @@ class GatewaySession:
         self.tokens_used += turn.total_tokens or 0
         with self._trace_lock:
             if self._trace is not None:
-                self._trace.write(msgspec.json.encode(turn.to_json()).decode() + "\n")
+                self._trace.write(msgspec.json.encode(turn.to_json()) + b"\n")  # UTF-8 JSON as it is
                 self._trace.flush()
         with self._idle:
             self._in_flight -= 1
