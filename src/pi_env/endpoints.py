@@ -16,6 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+from ._urls import without_userinfo
 from .config import PiConfig
 
 
@@ -101,16 +102,11 @@ def endpoint_names() -> list[str]:
     return [*CATALOG, ORACLE]
 
 
-def masked(url: str) -> str:
-    """A URL as shown (errors, reasons on results): its user:password masked."""
-    return re.sub(r"//[^/@\s]*@", "//***@", url)
-
-
 def normalize_base_url(url: str) -> str:
     """Validate a base URL and append `/v1` when it has no path (the reference convention)."""
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise EndpointError(f"base_url {masked(url)!r} is not an http(s) URL (e.g. http://127.0.0.1:8000/v1)")
+        raise EndpointError(f"base_url {without_userinfo(url)!r} is not an http(s) URL (e.g. http://127.0.0.1:8000/v1)")
     url = url.rstrip("/")
     if parsed.path in ("", "/"):
         url += "/v1"
@@ -196,7 +192,7 @@ def supports_return_token_ids(endpoint: Endpoint) -> tuple[bool, str]:
 
 def _probe_vllm_version(endpoint: Endpoint, base_url: str) -> tuple[bool, str, float | None]:
     request = urllib.request.Request(f"{base_url.removesuffix('/v1')}/version")
-    root = masked(base_url.removesuffix("/v1"))  # as shown in the reasons
+    root = without_userinfo(base_url.removesuffix("/v1"))  # as shown in the reasons
     if endpoint.api_key:
         request.add_header("Authorization", f"Bearer {endpoint.api_key}")
     try:

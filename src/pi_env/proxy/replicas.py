@@ -21,7 +21,6 @@ always took). Only `host` (host:port) is ever shown: a base URL may carry user:p
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,18 +37,12 @@ from yarl import URL
 FAILOVER_STATUSES = frozenset({429, 502, 503, 504})
 BACKOFF_S = 2.0  # a failed replica is skipped this long after its first failure in a row
 MAX_BACKOFF_S = 60.0  # ...doubling with each further one, up to this
-_USERINFO = re.compile(r"//[^/@\s]*@")
 
 
 def public_host(base_url: str) -> str:
     """host:port of a base URL, never its user:password."""
     url = URL(base_url)
     return f"{url.host}:{url.port}"
-
-
-def without_userinfo(text: str) -> str:
-    """`text` with any `//user:password@` of a URL in it masked (error messages name URLs)."""
-    return _USERINFO.sub("//***@", text)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from pi_env._urls import without_userinfo
 from pi_env.proxy.policy import relayed_request_headers, scrub
 from pi_env.proxy.records import (
     PolicyVersion,
@@ -40,7 +41,6 @@ from pi_env.proxy.replicas import (
     ReplicaSet,
     failure_kind,
     retry_after,
-    without_userinfo,
 )
 from pi_env.proxy.rewrite import CaptureOptions
 
