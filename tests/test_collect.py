@@ -358,6 +358,24 @@ def test_bad_input_stops_the_run_before_any_rollout_starts(tmp_path):
     assert ids(tmp_path, kept_only=False) == []
 
 
+def test_a_raising_rollout_is_infra_for_the_sandbox_runtime_or_os_else_internal_with_its_traceback():
+    """The one rule collect and reverify share (executors.unscored_by): never a score."""
+    from pi_env.agent.runtime import RuntimeInstallError
+    from pi_env.collect.executors import unscored_by
+    from pi_env.sandbox import SandboxError
+
+    cases = [(SandboxError("bwrap died"), "infra"), (RuntimeInstallError("npm failed"), "infra"),
+             (OSError(24, "Too many open files"), "infra"), (KeyError("turns"), "internal")]
+    for error, kind in cases:
+        try:
+            raise error
+        except Exception as raised:
+            result = unscored_by("t", raised)
+        assert (result.task_id, result.error_kind, result.reward) == ("t", kind, None), error
+        assert result.error.startswith(type(error).__name__)
+        assert ("Traceback" in result.error) == (kind == "internal")
+
+
 def test_a_bug_inside_a_rollout_is_internal_not_retried_and_shown(tmp_path, monkeypatch, capsys):
     """An unexpected exception (here a ValueError planted in scoring, as pydantic raises) is
     `internal`: it neither aborts the run as bad input nor is retried as infrastructure; each

@@ -70,10 +70,8 @@ def run_one(factory, task: PiTask, live: LiveSessions | None = None) -> RolloutR
     """One rollout. Input is checked before the run starts (CollectRunner), so what goes wrong
     here is either the infrastructure (`infra`: retried) or a bug of ours (`internal`: not
     retried, never mixed with infrastructure, the traceback kept in the record's error)."""
-    from ..agent.runtime import RuntimeInstallError
     from ..endpoints import EndpointError
     from ..proxy.token_in import TokenInUnavailable
-    from ..sandbox import SandboxError
 
     try:
         with factory.create(task) as session:
@@ -86,14 +84,24 @@ def run_one(factory, task: PiTask, live: LiveSessions | None = None) -> RolloutR
                 live.discard(session)
     except (EndpointError, TokenInUnavailable) as error:  # the configuration cannot work: every rollout would fail
         raise BadInput(str(error)) from None
-    except (SandboxError, RuntimeInstallError, OSError) as error:
-        return RolloutResult(task_id=task.task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
-    except Exception as error:  # noqa: BLE001 - a bug: kept with its traceback, not retried, not a score
-        return RolloutResult(
-            task_id=task.task_id,
-            error_kind="internal",
-            error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}",
-        )
+    except Exception as error:  # noqa: BLE001 - never a score: see unscored_by
+        return unscored_by(task.task_id, error)
+
+
+def unscored_by(task_id: str, error: Exception) -> RolloutResult:
+    """The result of a rollout (or a re-verification) that raised: `infra` for the sandbox, the
+    Pi runtime or the OS (retried), else `internal`, a bug of ours (not retried, never mixed with
+    infrastructure, its traceback kept). Call it while handling `error`."""
+    from ..agent.runtime import RuntimeInstallError
+    from ..sandbox import SandboxError
+
+    if isinstance(error, (SandboxError, RuntimeInstallError, OSError)):
+        return RolloutResult(task_id=task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
+    return RolloutResult(
+        task_id=task_id,
+        error_kind="internal",
+        error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}",
+    )
 
 
 class LocalExecutor:

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -35,6 +34,7 @@ from typing import Any
 from ..config import PiConfig
 from ..results import INFRA_ERROR_KINDS, RolloutResult
 from ..task import PiTask
+from .executors import unscored_by
 from .runner import METADATA, CollectError, _read_json, _write_json
 from .store import DISCARDED, RESULTS, read_records
 from .workdirs import workdir_file
@@ -246,19 +246,10 @@ def _one(factory, dataset: Path, record: dict, task: PiTask | None, retries: int
 
 
 def _verify(factory, task: PiTask, entries) -> RolloutResult:
-    from ..agent.runtime import RuntimeInstallError
-    from ..sandbox import SandboxError
-
     try:
         return factory.reverify(task, entries)
-    except (SandboxError, RuntimeInstallError, OSError) as error:
-        return RolloutResult(task_id=task.task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
-    except Exception as error:  # noqa: BLE001 - a bug: kept with its traceback, never a score
-        return RolloutResult(
-            task_id=task.task_id,
-            error_kind="internal",
-            error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}",
-        )
+    except Exception as error:  # noqa: BLE001 - never a score: see unscored_by
+        return unscored_by(task.task_id, error)
 
 
 def _changed(old: float | None, new: float | None) -> bool | None:
