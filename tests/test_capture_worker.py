@@ -2,6 +2,7 @@
 level, with no `if __name__ == "__main__":` guard, runs exactly once even when its large answers
 are parsed in the worker process."""
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -58,35 +59,71 @@ def test_the_pool_assembles_exactly_what_the_inline_path_does():
     pool = CapturePool(2)
     try:
         raw = large_answer(3000)
-        for given in (raw, bytearray(raw)):  # the gateway hands over its bytearray as it is
-            assert pool.assemble(given, True).to_json() == assemble_answer(raw, True).to_json()
-        assert pool.assembled == 2 and pool.failures == 0 and pool.cpu_s > 0
+        # The relay hands over its pieces as read, in any sizes (one byte too); more pieces than
+        # one writev() takes; and an answer larger than the pipe, which goes across in turns.
+        cuts = [raw[i : i + 997] for i in range(0, len(raw), 997)]
+        many = [raw[i : i + 1] for i in range(2000)] + [raw[2000:]]
+        big = large_answer(20000)
+        assert len(big) > 2 * (1 << 20) and len(many) > 1024
+        for given, whole in (([raw], raw), (cuts, raw), (many, raw), ([bytearray(big)], big)):
+            assert asyncio.run(pool.assemble(given, True)).to_json() == assemble_answer(whole, True).to_json()
+        assert pool.assembled == 4 and pool.failures == 0 and pool.cpu_s > 0
     finally:
         pool.close()
 
 
 def test_a_worker_starts_only_when_every_started_one_is_busy_and_never_past_the_size():
-    import threading
-
     from pi_env.proxy.capture_worker import CapturePool
 
     pool = CapturePool(2)
-    try:
+
+    async def scenario():
         for _ in range(3):  # one at a time: one worker
-            pool.assemble(large_answer(10), True)
+            await pool.assemble([large_answer(10)], True)
         assert len(pool.workers) == 1
-        busy = [pool._take(), pool._take()]  # both held: a second worker started
+        busy = [await pool._take(), await pool._take()]  # both held: a second worker started
         assert len(pool.workers) == 2 and busy[0] is not busy[1]
-        third = []
-        waiter = threading.Thread(target=lambda: third.append(pool._take()))
-        waiter.start()
-        waiter.join(0.3)
-        assert waiter.is_alive() and len(pool.workers) == 2, "a third worker started past the size"
-        with pool._free:
-            pool._idle.append(busy.pop())
-            pool._free.notify()
-        waiter.join(5)
-        assert third and len(pool.workers) == 2
+        third = asyncio.ensure_future(pool._take())
+        await asyncio.sleep(0.2)
+        assert not third.done() and len(pool.workers) == 2, "a third worker started past the size"
+        cancelled = asyncio.ensure_future(pool._take())  # a waiter that gives up is skipped
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        pool._give_back(busy.pop())
+        assert await asyncio.wait_for(third, 5) in pool.workers and len(pool.workers) == 2
+        assert cancelled.cancelled()
+        pool._give_back(busy.pop())
+        assert len(pool._idle) == 1  # not lost to the cancelled waiter
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
+
+
+def test_a_worker_cancelled_mid_answer_is_replaced_not_reused():
+    """Cancelled while the child parses: its pipes hold half an exchange, so the child is killed
+    and the next answer gets a fresh one, assembled exactly."""
+    from pi_env.proxy.capture import assemble_answer
+    from pi_env.proxy.capture_worker import CapturePool
+
+    pool = CapturePool(1)
+    raw, other = large_answer(20000), large_answer(3000)
+
+    async def scenario():
+        first = asyncio.ensure_future(pool.assemble([raw], True))
+        await asyncio.sleep(0.05)
+        dead = pool.workers[0].pid
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        again = await asyncio.wait_for(pool.assemble([other], True), 30)  # not the cancelled answer's
+        return dead, again
+
+    try:
+        dead, again = asyncio.run(scenario())
+        assert dead is not None and pool.workers[0].pid not in (None, dead)
+        assert again.to_json() == assemble_answer(other, True).to_json()
     finally:
         pool.close()
 

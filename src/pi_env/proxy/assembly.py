@@ -28,31 +28,30 @@ async def assemble_after(
     """Stream the answer to the agent, then assemble it into `capture` (every mode records what
     the model answered): inline when small, in a worker process when large. `finish`: the agent
     has the whole answer before the assembly (else its last bytes wait for an inline one)."""
-    raw = bytearray()
+    pieces: list[bytes] = []  # as read: joined only to parse inline, never to hand to a worker
     try:
-        response = await call.stream(answer, turn, keep=raw, finish=finish)
+        response = await call.stream(answer, turn, keep=pieces, finish=finish)
     except asyncio.CancelledError:  # the agent hung up: keep what had arrived
-        assemble_inline(capture, turn, bytes(raw), streaming)
+        assemble_inline(capture, turn, b"".join(pieces), streaming)
         raise
-    if len(raw) < OFFLOAD_MIN_BYTES:
-        assemble_inline(capture, turn, bytes(raw), streaming)
-    else:  # the bytearray itself: it is not written to again, and copying 1 MB is not free
-        call.finish_record_later(_assemble_in_worker(capture, turn, raw, streaming))
+    if turn.response_bytes < OFFLOAD_MIN_BYTES:
+        assemble_inline(capture, turn, b"".join(pieces), streaming)
+    else:
+        call.finish_record_later(_assemble_in_worker(capture, turn, pieces, streaming))
     return response
 
 
-async def _assemble_in_worker(capture: TurnCapture, turn: TurnRecord, raw: bytearray, streaming: bool) -> None:
+async def _assemble_in_worker(capture: TurnCapture, turn: TurnRecord, pieces: list[bytes], streaming: bool) -> None:
     """Large answers are parsed in a capture worker process: milliseconds of decoding would
     otherwise hold the gateway's event loop, and with it every other stream. When the
     worker fails the answer is parsed inline (rather than lost), and the capture says why
     (`worker_error`). Cancellation is never swallowed."""
-    pool = capture_pool()
     try:
-        assembled = await asyncio.get_running_loop().run_in_executor(None, pool.assemble, raw, streaming)
+        assembled = await capture_pool().assemble(pieces, streaming)
     except CaptureWorkerError as error:
         log.warning("turn %s parsed on the event loop: %s", turn.turn, error)
         capture.worker_error = str(error)
-        return assemble_inline(capture, turn, bytes(raw), streaming)
+        return assemble_inline(capture, turn, b"".join(pieces), streaming)
     _merge(capture, assembled)
     _count_tokens(capture, turn)
 

@@ -10,14 +10,18 @@ This child loads only this file and `capture.py` (msgspec and the standard libra
 and under their package names, so it starts fast and what it pickles the parent unpickles as its
 own classes: it never imports the `pi_env` package, whose `__init__` pulls in pydantic and aiohttp.
 
-To the worker goes the answer's bytes as they are, behind a 5-byte header (length, streamed),
-through a pipe enlarged to hold a large answer at once; back comes a 4-byte length and a pickle of
-the assembled capture (our own child, our own bytes: nothing untrusted is unpickled).
+To the worker go the answer's bytes as the relay kept them (a list of pieces, never joined),
+behind a 5-byte header (length, streamed), in one gathered write to a pipe enlarged to hold a
+large answer at once; back comes a 4-byte length and a pickle of the assembled capture (our own
+child, our own bytes: nothing untrusted is unpickled). Both pipes are driven by the caller's
+event loop (non-blocking, readiness callbacks): no thread, no hand-off between threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import collections
 import fcntl
 import gc
 import importlib.util
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
 _LENGTH = struct.Struct(">I")
 _REQUEST = struct.Struct(">I?")  # answer length, streamed
 PIPE_BYTES = 1 << 20  # Linux's default limit for an unprivileged pipe
+IOV_MAX = 1024  # pieces one writev() takes (Linux's UIO_MAXIOV)
 MAX_WORKERS = 8
 # glibc's malloc, in the child only: an answer's few large buffers (its bytes, the joined JSON)
 # come from a heap kept between answers, not from fresh mmaps (and page faults) each time.
@@ -50,11 +56,10 @@ class CaptureWorkerError(RuntimeError):
 
 
 class CaptureWorker:
-    """Answers are assembled one at a time (a lock), in order; the child starts on first use
-    and again after it died."""
+    """One child process, one answer at a time (its pool hands it to one caller); the child
+    starts on first use and again after it died."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self.assembled = 0  # answers the child assembled
         self.failures = 0  # answers it could not (the caller then parses them inline)
@@ -65,54 +70,61 @@ class CaptureWorker:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    def assemble(self, raw: bytes | bytearray, streaming: bool) -> TurnCapture:
-        """Blocking: call it from a thread (the gateway uses its loop's executor)."""
-        with self._lock:
-            try:
-                process = self._ensure_started()
-                assert process.stdin is not None and process.stdout is not None  # started with both pipes
-                process.stdin.write(_REQUEST.pack(len(raw), streaming))
-                process.stdin.write(raw)
-                process.stdin.flush()
-                ok, value, cpu_s = pickle.loads(_read_frame(process.stdout))
-            except (OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
-                self.failures += 1
-                self._stop()
-                raise CaptureWorkerError(f"capture worker failed: {type(error).__name__}: {error}") from error
-            self.cpu_s += cpu_s - self._child_cpu_s
-            self._child_cpu_s = cpu_s
-            if not ok:
-                self.failures += 1
-                raise CaptureWorkerError(f"capture worker raised: {value}")
-            self.assembled += 1
-            return value
+    async def assemble(self, pieces: Sequence[bytes | bytearray], streaming: bool) -> TurnCapture:
+        """The capture of the answer whose bytes are `pieces`, in order."""
+        finished = False
+        try:
+            if self._process is None or self._process.poll() is not None:
+                # Off the loop: starting a process blocks until it has exec'd.
+                await asyncio.get_running_loop().run_in_executor(None, self._start)
+            assert self._process is not None and self._process.stdin is not None and self._process.stdout is not None
+            header = _REQUEST.pack(sum(map(len, pieces)), streaming)
+            reply = await _exchange(self._process.stdin.fileno(), self._process.stdout.fileno(), [header, *pieces])
+            ok, value, cpu_s = pickle.loads(reply)
+            finished = True
+        except (OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
+            self.failures += 1
+            raise CaptureWorkerError(f"capture worker failed: {type(error).__name__}: {error}") from error
+        finally:
+            if not finished:  # failed, or cancelled mid-exchange: its pipes are in no known state
+                self._kill()
+        self.cpu_s += cpu_s - self._child_cpu_s
+        self._child_cpu_s = cpu_s
+        if not ok:
+            self.failures += 1
+            raise CaptureWorkerError(f"capture worker raised: {value}")
+        self.assembled += 1
+        return value
 
-    def close(self) -> None:
-        with self._lock:
-            self._stop()
-
-    def _ensure_started(self) -> subprocess.Popen:
-        if self._process is not None and self._process.poll() is None:
-            return self._process
-        self._stop()
+    def _start(self) -> None:
+        self.close()
         # -P: the working directory is not put on sys.path (a user's struct.py must not shadow ours)
-        self._process = subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-P", "-c", _CHILD, __file__],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,
             env={**os.environ, **CHILD_MALLOC},
         )
-        for pipe in (self._process.stdin, self._process.stdout):
+        for pipe in (process.stdin, process.stdout):
             assert pipe is not None  # stdin and stdout are PIPE
             try:  # a large answer goes across in one write, not in 64 KB turns of both processes
                 fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
             except OSError:
                 pass  # the default size works, only with more turns
-        self._child_cpu_s = 0.0
-        return self._process
+            os.set_blocking(pipe.fileno(), False)
+        self._process, self._child_cpu_s = process, 0.0
 
-    def _stop(self) -> None:
+    def _kill(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()  # at once: a graceful close could hold the loop while the child finishes
+            process.wait()
+            for pipe in (process.stdin, process.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+    def close(self) -> None:
         process, self._process = self._process, None
         if process is None:
             return
@@ -124,6 +136,58 @@ class CaptureWorker:
             process.kill()
             process.wait()
         process.stdout.close()
+
+
+async def _exchange(write_fd: int, read_fd: int, pieces: list) -> bytes:
+    """Write `pieces` to `write_fd` and read one length-prefixed frame from `read_fd`, both
+    non-blocking pipes, through the running loop's readiness callbacks."""
+    loop = asyncio.get_running_loop()
+    reply: asyncio.Future[bytes] = loop.create_future()
+    unsent = [memoryview(piece) for piece in pieces]
+    received = bytearray()
+
+    def send() -> None:
+        try:
+            while unsent:
+                sent = os.writev(write_fd, unsent[:IOV_MAX])
+                while unsent and sent >= len(unsent[0]):
+                    sent -= len(unsent.pop(0))
+                if sent:
+                    unsent[0] = unsent[0][sent:]
+        except BlockingIOError:  # the pipe is full: the child is reading, go on when it has room
+            loop.add_writer(write_fd, send)
+            return
+        except OSError as error:
+            if not reply.done():
+                reply.set_exception(error)
+        loop.remove_writer(write_fd)
+
+    def receive() -> None:
+        try:
+            data = os.read(read_fd, PIPE_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as error:
+            if not reply.done():
+                reply.set_exception(error)
+            return
+        if not data:
+            if not reply.done():
+                reply.set_exception(EOFError("the capture worker's pipe closed" + (" mid-frame" if received else "")))
+            return
+        received.extend(data)
+        if len(received) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(received)
+            if len(received) >= _LENGTH.size + length and not reply.done():
+                reply.set_result(bytes(received[_LENGTH.size : _LENGTH.size + length]))
+
+    loop.add_reader(read_fd, receive)
+    try:
+        send()
+        return await reply
+    finally:
+        loop.remove_reader(read_fd)
+        loop.remove_writer(write_fd)
 
 
 def _load_alone(name: str, path: str):
@@ -150,7 +214,7 @@ module.serve()
 def serve() -> None:
     """The child's loop: assemble each answer until end of input."""
     assemble_answer = _load_alone("pi_env.proxy.capture", str(Path(__file__).with_name("capture.py"))).assemble_answer
-    source, sink = sys.stdin.buffer, os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    source, sink = sys.stdin.buffer, os.dup(sys.stdout.fileno())
     sys.stdout = sys.stderr  # a stray print must not corrupt the frames
     # An answer decodes into thousands of lists, each an allocation the cyclic collector counts:
     # it would run many times per answer over objects that are freed by reference counting
@@ -176,26 +240,21 @@ def serve() -> None:
             gc.collect()
 
 
-def _write_frame(stream, data: bytes) -> None:
-    stream.write(_LENGTH.pack(len(data)))
-    stream.write(data)
-    stream.flush()
-
-
-def _read_frame(stream) -> bytes:
-    header = stream.read(_LENGTH.size)
-    if len(header) < _LENGTH.size:
-        raise EOFError("the capture worker's pipe closed")
-    (length,) = _LENGTH.unpack(header)
-    data = stream.read(length)
-    if len(data) < length:
-        raise EOFError("the capture worker's pipe closed mid-frame")
-    return data
+def _write_frame(fd: int, data: bytes) -> None:
+    """Length and data in one write (the parent wakes once), however many it takes."""
+    unsent = [memoryview(_LENGTH.pack(len(data))), memoryview(data)]
+    while unsent:
+        sent = os.writev(fd, unsent)
+        while unsent and sent >= len(unsent[0]):
+            sent -= len(unsent.pop(0))
+        if sent:
+            unsent[0] = unsent[0][sent:]
 
 
 class CapturePool:
     """Up to `size` workers. An answer goes to an idle worker; a new one starts only when every
-    started one is busy, and a caller waits when all `size` are."""
+    started one is busy, and a caller waits when all `size` are. Callers may be on several event
+    loops (threads): the bookkeeping is under a lock, a worker is handed to a waiter on its loop."""
 
     def __init__(self, size: int) -> None:
         if size < 1:
@@ -203,27 +262,49 @@ class CapturePool:
         self.size = size
         self.workers: list[CaptureWorker] = []
         self._idle: list[CaptureWorker] = []
-        self._free = threading.Condition()
+        self._waiting: collections.deque[asyncio.Future[CaptureWorker]] = collections.deque()
+        self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked copy must not stop the parent's workers
 
-    def assemble(self, raw: bytes | bytearray, streaming: bool) -> TurnCapture:
-        """Blocking, as CaptureWorker.assemble."""
-        worker = self._take()
+    async def assemble(self, pieces: Sequence[bytes | bytearray], streaming: bool) -> TurnCapture:
+        """As CaptureWorker.assemble, on the first worker free."""
+        worker = await self._take()
         try:
-            return worker.assemble(raw, streaming)
+            return await worker.assemble(pieces, streaming)
         finally:
-            with self._free:
-                self._idle.append(worker)
-                self._free.notify()
+            self._give_back(worker)
 
-    def _take(self) -> CaptureWorker:
-        with self._free:
-            while not self._idle and len(self.workers) >= self.size:
-                self._free.wait()
+    async def _take(self) -> CaptureWorker:
+        with self._lock:
             if self._idle:
                 return self._idle.pop()
-            worker = CaptureWorker()
-            self.workers.append(worker)
-            return worker
+            if len(self.workers) < self.size:
+                worker = CaptureWorker()
+                self.workers.append(worker)
+                return worker
+            waiter: asyncio.Future[CaptureWorker] = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed a worker just as it was cancelled
+                self._give_back(waiter.result())
+            raise
+
+    def _give_back(self, worker: CaptureWorker) -> None:
+        with self._lock:
+            while self._waiting:
+                waiter = self._waiting.popleft()
+                if not waiter.done():
+                    waiter.get_loop().call_soon_threadsafe(self._hand, waiter, worker)
+                    return
+            self._idle.append(worker)
+
+    def _hand(self, waiter: asyncio.Future[CaptureWorker], worker: CaptureWorker) -> None:
+        if waiter.done():  # cancelled meanwhile: the next waiter (or the idle list) gets it
+            self._give_back(worker)
+        else:
+            waiter.set_result(worker)
 
     @property
     def assembled(self) -> int:
@@ -242,8 +323,9 @@ class CapturePool:
         return [worker.pid for worker in self.workers if worker.pid is not None]
 
     def close(self) -> None:
-        for worker in self.workers:
-            worker.close()
+        if self._pid == os.getpid():
+            for worker in self.workers:
+                worker.close()
 
 
 def pool_size() -> int:
@@ -261,14 +343,16 @@ def pool_size() -> int:
 
 
 _pool: CapturePool | None = None
+_pool_pid = 0
 _pool_lock = threading.Lock()
 
 
 def capture_pool() -> CapturePool:
-    """The process's pool (its workers start on first use)."""
-    global _pool
+    """The process's pool (its workers start on first use). A forked child gets a pool of its
+    own: the parent's workers' pipes are the parent's."""
+    global _pool, _pool_pid
     with _pool_lock:
-        if _pool is None:
-            _pool = CapturePool(pool_size())
+        if _pool is None or _pool_pid != os.getpid():
+            _pool, _pool_pid = CapturePool(pool_size()), os.getpid()
             atexit.register(_pool.close)
         return _pool

@@ -233,7 +233,7 @@ class Call:
         when `work` ends; GatewaySession.wait_idle() waits for it."""
         self.finishing = asyncio.ensure_future(work)
 
-    async def relay(self, body: bytes, turn: TurnRecord, *, keep: bytearray | None = None) -> web.StreamResponse:
+    async def relay(self, body: bytes, turn: TurnRecord, *, keep: list[bytes] | None = None) -> web.StreamResponse:
         """Forward the body upstream and stream the answer back as it arrives."""
         answer = await self.open(body, turn)
         if isinstance(answer, web.Response):
@@ -370,10 +370,10 @@ class Call:
         return body
 
     async def stream(
-        self, answer: aiohttp.ClientResponse, turn: TurnRecord, *, keep: bytearray | None = None, finish: bool = False
+        self, answer: aiohttp.ClientResponse, turn: TurnRecord, *, keep: list[bytes] | None = None, finish: bool = False
     ) -> web.StreamResponse:
         """Stream the answer back per upstream read, filling `turn`; `keep` collects the raw
-        bytes; `finish` ends the agent's response here rather than after the handler returns
+        bytes (each read's piece); `finish` ends the agent's response here rather than after the handler returns
         (so work done afterwards does not delay the agent)."""
         request, started = self.request, self.started
         response = RelayedResponse(status=answer.status, reason=answer.reason, headers=self.agent_headers(answer))
@@ -390,7 +390,7 @@ class Call:
                     turn.ttfb_s = time.perf_counter() - started
                 response_bytes += len(chunk)
                 if keep is not None:
-                    keep += chunk
+                    keep.append(chunk)
                 if error_body is not None and len(error_body) < ERROR_BODY_LIMIT:
                     error_body += chunk[: ERROR_BODY_LIMIT - len(error_body)]
                 # at_eof, not is_eof: a relay that fell behind sees the upstream's end while
