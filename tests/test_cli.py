@@ -131,3 +131,29 @@ def test_sampling_and_max_tokens_are_forced_on_every_call_and_shown(tmp_path):
     assert plain.returncode == 0, plain.stderr
     assert "no sampling forced: Pi sends no temperature, so the engine's default applies (vLLM: 1.0)" in plain.stderr
     assert json.loads(plain.stdout)["sampling"] == {} and json.loads(plain.stdout)["mode"] == "black_box"
+
+
+RAISING_RUN = """
+import sys
+from pi_env import cli, rollout
+from pi_env.sandbox import SandboxError
+
+def create(self, task):
+    raise {error}
+rollout.PiSessionFactory.create = create
+sys.exit(cli.main(["run", "examples/fizzbuzz.json", "--json"]))
+"""
+
+
+@pytest.mark.parametrize("error, kind", [("SandboxError('bwrap died')", "infra"),
+                                         ("KeyError('turns')", "internal")])
+def test_a_rollout_that_raises_is_unscored_with_the_kind_collect_gives_it(error, kind):
+    """`pi-env run` names a sandbox that broke `infra` (worth a retry) and a bug of ours
+    `internal` with its traceback, as collect and reverify do (rollout.unscored_by); both exit 3."""
+    done = subprocess.run([sys.executable, "-c", RAISING_RUN.format(error=error)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 3, done.stderr
+    result = json.loads(done.stdout)
+    assert (result["error_kind"], result["reward"]) == (kind, None)
+    assert result["error"].startswith(error.split("(")[0])
+    assert ("Traceback" in result["error"]) == (kind == "internal")

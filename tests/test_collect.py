@@ -359,9 +359,9 @@ def test_bad_input_stops_the_run_before_any_rollout_starts(tmp_path):
 
 
 def test_a_raising_rollout_is_infra_for_the_sandbox_runtime_or_os_else_internal_with_its_traceback():
-    """The one rule collect and reverify share (executors.unscored_by): never a score."""
+    """The one rule `pi-env run`, collect and reverify share (rollout.unscored_by): never a score."""
     from pi_env.agent.runtime import RuntimeInstallError
-    from pi_env.collect.executors import unscored_by
+    from pi_env.rollout import unscored_by
     from pi_env.sandbox import SandboxError
 
     cases = [(SandboxError("bwrap died"), "infra"), (RuntimeInstallError("npm failed"), "infra"),

@@ -112,8 +112,7 @@ def _run(args) -> int:
     from pydantic import ValidationError
 
     from .endpoints import EndpointError
-    from .results import RolloutResult
-    from .rollout import PiSessionFactory
+    from .rollout import PiSessionFactory, unscored_by
     from .sandbox import SandboxUnavailable
     from .task import TaskError, load_tasks
 
@@ -149,10 +148,8 @@ def _run(args) -> int:
                     result = session.wait_for_completion()
             except (EndpointError, ValueError) as error:
                 return _bad_input(error)
-            except Exception as error:  # noqa: BLE001 - one rollout's failure never loses the others: a bug of ours
-                result = RolloutResult(
-                    task_id=task.task_id, error_kind="internal", error=f"{type(error).__name__}: {error}"
-                )
+            except Exception as error:  # noqa: BLE001 - one rollout's failure never loses the others
+                result = unscored_by(task.task_id, error)
             infra_failures += result.error_kind in EXIT_INFRA_ERROR_KINDS
             results.append(result)
             line = result.model_dump_json()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -564,3 +565,16 @@ def run_rollout(
     factory = PiSessionFactory(config, sandbox_backend)
     with factory.create(task, on_event=on_event) as session:
         return session.wait_for_completion()
+
+
+def unscored_by(task_id: str, error: Exception) -> RolloutResult:
+    """The result of a rollout (or a re-verification) that raised, for `pi-env run`, collect and reverify alike: `infra` for the sandbox, the
+    Pi runtime or the OS (retried), else `internal`, a bug of ours (not retried, never mixed with
+    infrastructure, its traceback kept). Call it while handling `error`."""
+    if isinstance(error, (SandboxError, RuntimeInstallError, OSError)):
+        return RolloutResult(task_id=task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
+    return RolloutResult(
+        task_id=task_id,
+        error_kind="internal",
+        error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}",
+    )

@@ -8,7 +8,6 @@ import os
 import queue
 import socket
 import threading
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -85,23 +84,9 @@ def run_one(factory, task: PiTask, live: LiveSessions | None = None) -> RolloutR
     except (EndpointError, TokenInUnavailable) as error:  # the configuration cannot work: every rollout would fail
         raise BadInput(str(error)) from None
     except Exception as error:  # noqa: BLE001 - never a score: see unscored_by
+        from ..rollout import unscored_by
+
         return unscored_by(task.task_id, error)
-
-
-def unscored_by(task_id: str, error: Exception) -> RolloutResult:
-    """The result of a rollout (or a re-verification) that raised: `infra` for the sandbox, the
-    Pi runtime or the OS (retried), else `internal`, a bug of ours (not retried, never mixed with
-    infrastructure, its traceback kept). Call it while handling `error`."""
-    from ..agent.runtime import RuntimeInstallError
-    from ..sandbox import SandboxError
-
-    if isinstance(error, (SandboxError, RuntimeInstallError, OSError)):
-        return RolloutResult(task_id=task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
-    return RolloutResult(
-        task_id=task_id,
-        error_kind="internal",
-        error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}",
-    )
 
 
 class LocalExecutor:

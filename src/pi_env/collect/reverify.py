@@ -34,7 +34,6 @@ from typing import Any
 from ..config import PiConfig
 from ..results import INFRA_ERROR_KINDS, RolloutResult
 from ..task import PiTask
-from .executors import unscored_by
 from .runner import METADATA, CollectError, _read_json, _write_json
 from .store import DISCARDED, RESULTS, read_records
 from .workdirs import workdir_file
@@ -249,6 +248,8 @@ def _verify(factory, task: PiTask, entries) -> RolloutResult:
     try:
         return factory.reverify(task, entries)
     except Exception as error:  # noqa: BLE001 - never a score: see unscored_by
+        from ..rollout import unscored_by
+
         return unscored_by(task.task_id, error)
 
 
