@@ -568,9 +568,10 @@ def run_rollout(
 
 
 def unscored_by(task_id: str, error: Exception) -> RolloutResult:
-    """The result of a rollout (or a re-verification) that raised, for `pi-env run`, collect and reverify alike: `infra` for the sandbox, the
-    Pi runtime or the OS (retried), else `internal`, a bug of ours (not retried, never mixed with
-    infrastructure, its traceback kept). Call it while handling `error`."""
+    """The result of a rollout (or a re-verification) that raised, for `pi-env run`, collect and
+    reverify alike: `infra` for the sandbox, the Pi runtime or the OS (retried), else `internal`,
+    a bug of ours (not retried, never mixed with infrastructure, its traceback kept). Call it
+    while handling `error`."""
     if isinstance(error, (SandboxError, RuntimeInstallError, OSError)):
         return RolloutResult(task_id=task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
     return RolloutResult(

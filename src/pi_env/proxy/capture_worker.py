@@ -148,12 +148,7 @@ async def _exchange(write_fd: int, read_fd: int, pieces: list) -> bytes:
 
     def send() -> None:
         try:
-            while unsent:
-                sent = os.writev(write_fd, unsent[:IOV_MAX])
-                while unsent and sent >= len(unsent[0]):
-                    sent -= len(unsent.pop(0))
-                if sent:
-                    unsent[0] = unsent[0][sent:]
+            _write_all(write_fd, unsent)
         except BlockingIOError:  # the pipe is full: the child is reading, go on when it has room
             loop.add_writer(write_fd, send)
             return
@@ -242,9 +237,14 @@ def serve() -> None:
 
 def _write_frame(fd: int, data: bytes) -> None:
     """Length and data in one write (the parent wakes once), however many it takes."""
-    unsent = [memoryview(_LENGTH.pack(len(data))), memoryview(data)]
+    _write_all(fd, [memoryview(_LENGTH.pack(len(data))), memoryview(data)])
+
+
+def _write_all(fd: int, unsent: list[memoryview]) -> None:
+    """Write `unsent` to `fd` in gathered writes, dropping what went out from the list: on a
+    non-blocking fd a full pipe raises BlockingIOError with the rest left in `unsent`."""
     while unsent:
-        sent = os.writev(fd, unsent)
+        sent = os.writev(fd, unsent[:IOV_MAX])
         while unsent and sent >= len(unsent[0]):
             sent -= len(unsent.pop(0))
         if sent:

@@ -373,8 +373,8 @@ class Call:
         self, answer: aiohttp.ClientResponse, turn: TurnRecord, *, keep: list[bytes] | None = None, finish: bool = False
     ) -> web.StreamResponse:
         """Stream the answer back per upstream read, filling `turn`; `keep` collects the raw
-        bytes (each read's piece); `finish` ends the agent's response here rather than after the handler returns
-        (so work done afterwards does not delay the agent)."""
+        bytes (each read's piece); `finish` ends the agent's response here rather than after the
+        handler returns (so work done afterwards does not delay the agent)."""
         request, started = self.request, self.started
         response = RelayedResponse(status=answer.status, reason=answer.reason, headers=self.agent_headers(answer))
         completed = False
