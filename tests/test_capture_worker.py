@@ -52,10 +52,18 @@ def large_answer(tokens: int) -> bytes:
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
-def test_the_pool_assembles_exactly_what_the_inline_path_does():
+@pytest.mark.parametrize("way", ["shared file", "pipes", "pipe there, shared file back"])
+def test_the_pool_assembles_exactly_what_the_inline_path_does(way, monkeypatch):
+    """Through the worker's shared memory file, through its pipes alone (no memfd, or an answer
+    past SHARED_MAX_BYTES), and the mix: every way gives the inline path's capture."""
+    from pi_env.proxy import capture_worker
     from pi_env.proxy.capture import assemble_answer
     from pi_env.proxy.capture_worker import CapturePool
 
+    if way == "pipes":
+        monkeypatch.setattr(capture_worker, "_shared_file", lambda: None)
+    elif way != "shared file":  # the child (its own copy of the module) still answers through the file
+        monkeypatch.setattr(capture_worker, "SHARED_MAX_BYTES", 0)
     pool = CapturePool(2)
     try:
         raw = large_answer(3000)
@@ -68,6 +76,35 @@ def test_the_pool_assembles_exactly_what_the_inline_path_does():
         for given, whole in (([raw], raw), (cuts, raw), (many, raw), ([bytearray(big)], big)):
             assert asyncio.run(pool.assemble(given, True)).to_json() == assemble_answer(whole, True).to_json()
         assert pool.assembled == 4 and pool.failures == 0 and pool.cpu_s > 0
+        assert all((worker._shared is None) == (way == "pipes") for worker in pool.workers)
+    finally:
+        pool.close()
+
+
+def test_a_shared_file_holds_one_answer_and_is_emptied_after_a_large_one(monkeypatch):
+    """The answer goes to the worker in its shared file (the file holds it afterwards, nothing
+    past it), and a file grown past SHARED_KEEP_BYTES is emptied, so an idle worker does not
+    keep the pages of the largest answer it ever saw."""
+    import os
+
+    from pi_env.proxy import capture_worker
+    from pi_env.proxy.capture import assemble_answer
+    from pi_env.proxy.capture_worker import CapturePool
+
+    pool = CapturePool(1)
+    small, large = large_answer(300), large_answer(20000)
+    try:
+        assert asyncio.run(pool.assemble([small[:100], small[100:]], True)).to_json() == assemble_answer(
+            small, True).to_json()
+        (worker,) = pool.workers
+        assert worker._shared is not None
+        size = os.fstat(worker._shared).st_size
+        assert len(small) <= size < 2 * len(small) and os.pread(worker._shared, 100, 0) != small[:100]  # the reply
+        monkeypatch.setattr(capture_worker, "SHARED_KEEP_BYTES", len(large) - 1)
+        assert asyncio.run(pool.assemble([large], True)).to_json() == assemble_answer(large, True).to_json()
+        assert os.fstat(worker._shared).st_size == 0
+        assert asyncio.run(pool.assemble([small], True)).to_json() == assemble_answer(small, True).to_json()
+        assert pool.failures == 0 and pool.workers == [worker]
     finally:
         pool.close()
 
