@@ -18,7 +18,12 @@ processes; `--capture-workers 1 2` runs one gateway per k). Prints a table, then
 (with the load average and whether each mode met TARGETS).
 
     .venv/bin/python bench/proxy_overhead.py [--n 200] [--tokens 1000] [--concurrency 1 32]
-                                             [--capture-workers 1 2]
+                                             [--capture-workers 1 2] [--engine-delay-ms 0]
+
+Cores busy: the CPU seconds of the engine, the client, and (through it) the gateway and its
+workers, over the wall clock. Flat out, the scripted engine and its client alone keep about two
+cores busy, so on a 2-core machine throughput at 1 stream is bound by the gateway's CPU, not its
+latency; `--engine-delay-ms` paces the engine (still far faster than a model decodes one stream).
 """
 
 from __future__ import annotations
@@ -199,11 +204,12 @@ async def one_call(client: aiohttp.ClientSession, url: str, key: str, body: byte
     return time.perf_counter() - start, ttfb, size
 
 
-async def run_phase(base_url: str, key: str, n: int, concurrency: int, body: bytes,
+async def run_phase(base_url: str, key: str, n: int, concurrency: int, body: bytes, engine_pid: int,
                     gateway: subprocess.Popen | None = None, mode: str = "") -> dict:
     """n calls over `concurrency` connections, after one warm-up call per connection. Through
     the gateway (`gateway` given), the round ends once the gateway is idle, and it reports the
-    record-complete latencies and the CPU seconds of the gateway and of its capture worker."""
+    record-complete latencies and the CPU seconds of the gateway and of its capture worker.
+    Either way, the CPU seconds of the engine (the scripted server) and of this client."""
     url = base_url + "/chat/completions"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as client:
@@ -218,12 +224,14 @@ async def run_phase(base_url: str, key: str, n: int, concurrency: int, body: byt
                 results.append(await one_call(client, url, key, body))
 
         cpu_before = cpu_seconds(gateway.pid) if gateway else (0.0, 0.0)
+        engine_before, client_before = sum(cpu_seconds(engine_pid)), time.process_time()
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         answered = time.perf_counter() - start
         recorded = idle(gateway, mode) if gateway else {"record_s": [], "worker_errors": [], "worker_assembled": 0}
         wall = time.perf_counter() - start
         cpu_after = cpu_seconds(gateway.pid) if gateway else (0.0, 0.0)
+        engine_cpu, client_cpu = sum(cpu_seconds(engine_pid)) - engine_before, time.process_time() - client_before
     if gateway and len(recorded["record_s"]) != n:
         raise RuntimeError(f"{len(recorded['record_s'])} turns recorded for {n} calls")
     if recorded["worker_errors"]:
@@ -237,6 +245,8 @@ async def run_phase(base_url: str, key: str, n: int, concurrency: int, body: byt
         "cpu": cpu_after[0] - cpu_before[0],
         "worker_cpu": cpu_after[1] - cpu_before[1],
         "in_worker": recorded["worker_assembled"] - assembled_before,
+        "engine_cpu": engine_cpu,
+        "client_cpu": client_cpu,
     }
 
 
@@ -260,6 +270,10 @@ def summarize(phases: list[dict], n_calls: int) -> dict:
         "p99_ms": statistics.quantiles(totals, n=100)[-1] * 1e3,
         "ttfb_median_ms": statistics.median(ttfbs) * 1e3,
         "req_per_s": n_calls / sum(p["wall"] for p in phases),  # through idle, for the gateway
+        # Cores the whole setup kept busy (engine + client, + gateway and workers through it): on
+        # a machine this saturates, every gateway microsecond is one the engine does not get.
+        "cores_busy": sum(p["engine_cpu"] + p["client_cpu"] + p["cpu"] + p["worker_cpu"] for p in phases)
+        / sum(p["wall"] for p in phases),
     }
     if record:
         summary["record_median_ms"] = statistics.median(record) * 1e3
@@ -269,15 +283,15 @@ def summarize(phases: list[dict], n_calls: int) -> dict:
 
 
 def measure_level(args, mode: str, c: int, k: int, gateway: subprocess.Popen, gateway_info: dict, direct_url: str,
-                  bodies: dict) -> dict:
+                  bodies: dict, engine_pid: int) -> dict:
     """One mode at one concurrency through one gateway: direct and gateway rounds alternating."""
     per_round = max(args.n // ROUNDS, c, 1 if args.n < ROUNDS else 0)
     direct, through = [], []
     for _ in range(ROUNDS):
-        direct.append(asyncio.run(run_phase(direct_url, "bench-key", per_round, c, bodies[mode])))
+        direct.append(asyncio.run(run_phase(direct_url, "bench-key", per_round, c, bodies[mode], engine_pid)))
         through.append(asyncio.run(run_phase(
             gateway_info["base_url"], gateway_info["tokens"][mode], per_round, c,
-            bodies["black_box"], gateway, mode)))  # fmt: skip
+            bodies["black_box"], engine_pid, gateway, mode)))  # fmt: skip
     calls = per_round * ROUNDS
     worker_cpu = sum(p["worker_cpu"] for p in through)
     loop_cpu = sum(p["cpu"] for p in through)
@@ -313,6 +327,9 @@ def main() -> None:
     parser.add_argument("--capture-workers", type=int, nargs="+", default=[0], metavar="K",
                         help="capture pool sizes to compare, one gateway process each (0: the default, "
                              "PI_ENV_CAPTURE_WORKERS or the CPUs)")
+    parser.add_argument("--engine-delay-ms", type=float, default=0.0,
+                        help="the scripted engine waits this long between tokens (0: flat out, ~125k tokens/s "
+                             "a stream here, which with its client keeps about 2 cores busy)")
     parser.add_argument("--held-sessions", type=int, default=300,
                         help="then hold this many open sessions with one answer each and measure memory (0: skip)")
     parser.add_argument("--serve-gateway", nargs=2, metavar=("UPSTREAM_URL", "KEY"),
@@ -322,7 +339,10 @@ def main() -> None:
         return serve_gateway(*args.serve_gateway)
 
     # 4 characters per synthetic token and per chunk: one SSE event per token.
-    script = {"scripts": {"bench-key": [{"text": "abcd" * args.tokens, "chunk_chars": 4}]}}
+    turn = {"text": "abcd" * args.tokens, "chunk_chars": 4}
+    if args.engine_delay_ms:
+        turn["fault"] = {"delay_s": args.engine_delay_ms / 1e3}  # the scripted server's pacing
+    script = {"scripts": {"bench-key": [turn]}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(script, f)
     server, line = spawn(["-m", "pi_env.scripted", "--port", "0", "--script", f.name])
@@ -343,13 +363,14 @@ def main() -> None:
               # What the gateway forwards in transparent_proxy: the direct path asks the same.
               "transparent_proxy": json.dumps(rewrite_request(agent_body, capture_options())).encode()}
 
-    report = {"bench": "proxy_overhead", "n": args.n, "tokens": args.tokens, "cpus": os.cpu_count(), "levels": []}
+    report = {"bench": "proxy_overhead", "n": args.n, "tokens": args.tokens, "cpus": os.cpu_count(),
+              "engine_delay_ms": args.engine_delay_ms, "levels": []}
     try:
         for mode in MODES:
             for c in args.concurrency:
                 for k, (gateway, gateway_info) in gateways.items():
                     report["levels"].append(measure_level(args, mode, c, k, gateway, gateway_info, direct_url,
-                                                          bodies))  # fmt: skip
+                                                          bodies, server.pid))  # fmt: skip
         if args.held_sessions:
             gateway, gateway_info = next(iter(gateways.values()))
             report["held_sessions"] = measure_held_sessions(gateway, gateway_info, args.held_sessions,
@@ -362,7 +383,8 @@ def main() -> None:
         server.wait(10)
         os.unlink(f.name)
 
-    print(f"{args.n} streamed answers of {args.tokens} tokens per path and level, "
+    pace = f"the engine pausing {args.engine_delay_ms:g} ms a token" if args.engine_delay_ms else "the engine flat out"
+    print(f"{args.n} streamed answers of {args.tokens} tokens per path and level, {pace}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip
     header = f"{'mode':17} {'c':>3} {'k':>2} {'path':8} {'median ms':>10} {'p99 ms':>8} {'ttfb ms':>8} {'req/s':>8}"
     print(header)
@@ -376,7 +398,9 @@ def main() -> None:
               f"record complete {level['added_record_median_ms']:+.2f} ms over direct (median); throughput "
               f"through idle x{level['throughput_ratio']:.2f}; CPU {level['gateway_cpu_us_per_token']:.2f} us/token "
               f"(event loop {level['loop_cpu_us_per_token']:.2f}, capture workers "
-              f"{level['worker_cpu_us_per_token']:.2f}; {level['answers_parsed_in_worker']} answers in workers)")
+              f"{level['worker_cpu_us_per_token']:.2f}; {level['answers_parsed_in_worker']} answers in workers); "
+              f"cores busy direct {level['direct']['cores_busy']:.2f}, through the gateway "
+              f"{level['gateway']['cores_busy']:.2f} of {os.cpu_count()}")
     if "held_sessions" in report:
         held = report["held_sessions"]
         print(f"{held['sessions']} open transparent_proxy sessions, one answer each: the gateway grew "

@@ -16,7 +16,7 @@ TINY = {
     "gate_overhead.py": ["--calls", "4", "--sessions", "1", "2", "--generate-ms", "1"],
     # 100 tokens with top-5 logprobs is ~75 KB: past OFFLOAD_MIN_BYTES, so the capture worker works
     "proxy_overhead.py": ["--n", "4", "--tokens", "100", "--concurrency", "1", "2", "--capture-workers", "1", "2",
-                          "--held-sessions", "4"],
+                          "--held-sessions", "4", "--engine-delay-ms", "0.05"],
     "replica_failover.py": ["--rollouts", "2", "--concurrency", "2"],
     "rollout_overhead.py": ["-n", "1"],
     "reverify_stored.py": ["--rollouts", "6"],
@@ -46,4 +46,7 @@ def test_bench_runs_and_ends_with_one_json_line(script):
         capture = [level for level in report["levels"] if level["mode"] == "transparent_proxy"]
         assert capture and all(level["answers_parsed_in_worker"] == level["calls"] for level in capture), capture
         assert {level["capture_workers"] for level in capture} == {1, 2}
+        assert report["engine_delay_ms"] == 0.05
+        assert all(0 < level[path]["cores_busy"] <= report["cpus"] * 1.2 for level in report["levels"]
+                   for path in ("direct", "gateway"))  # fmt: skip
         assert report["held_sessions"]["sessions"] == 4 and report["held_sessions"]["record_mb"] > 0
