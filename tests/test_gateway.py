@@ -269,10 +269,12 @@ def test_a_relay_that_falls_behind_still_sends_every_byte(gateway, server, mode,
 def engine_process(tmp_path):
     """A scripted server in a process of its own, streaming like an engine (not sharing the
     gateway's event loop): its base URL. Answers by key: "fast" (3,000 pieces as fast as it can
-    write them) and "slow" (8 events 20 ms apart)."""
+    write them), "paced" (400 events ~3 ms apart, like an engine) and "slow" (8 events 20 ms
+    apart)."""
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"scripts": {
         "fast": [{"text": "abcd" * 3000, "chunk_chars": 4}],
+        "paced": [{"text": "abcd" * 400, "chunk_chars": 4, "fault": {"delay_s": 0.003}}],
         "slow": [{"text": "abcdef", "chunk_chars": 1, "fault": {"delay_s": 0.02}}]}}))
     proc = subprocess.Popen([sys.executable, "-m", "pi_env.scripted", "--port", "0", "--script", str(script)],
                             stdout=subprocess.PIPE, text=True)
@@ -308,6 +310,20 @@ def test_a_fast_stream_is_relayed_in_batches_and_a_slow_one_as_it_arrives(gatewa
     assert sends < 100, f"{sends} sends to relay 3,000 pieces that came as fast as they could"
     sends, _ = relayed_writes(gateway, engine_process, "slow", monkeypatch)
     assert sends >= 6, f"{sends} sends for 8 events 20 ms apart: a slow stream must not wait"
+
+
+def test_a_paced_stream_is_gathered_more_the_longer_it_streams(gateway, engine_process, monkeypatch):
+    """An engine's pace (a token every few ms) is slower than the base window, yet waking once a
+    token is what costs the gateway most: the window grows with the answer's age (relay_window),
+    so a paced answer goes out in far fewer sends, none held back long."""
+    from pi_env.proxy.wire import RELAY_BATCH_MAX_S, RELAY_BATCH_S, relay_window
+
+    assert relay_window(0.0) == RELAY_BATCH_S and relay_window(3600.0) == RELAY_BATCH_MAX_S
+    assert RELAY_BATCH_S < relay_window(0.5) < RELAY_BATCH_MAX_S
+    sends, raw = relayed_writes(gateway, engine_process, "paced", monkeypatch)
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_json(raw) if e["choices"])
+    assert content == "abcd" * 400
+    assert sends < 250, f"{sends} sends to relay 400 pieces ~3 ms apart"
 
 # --------------------------------------------------------------------------- budget, traces
 

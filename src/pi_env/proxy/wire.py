@@ -7,7 +7,7 @@ transparent.py, token_in.py, gate.py) build on it, and the dispatcher (gateway.p
 
 Hot path: the answer is relayed per upstream read (never per SSE line, never buffered whole),
 through the gateway's one pooled aiohttp client session; pieces of a fast stream are gathered
-for up to RELAY_BATCH_S so that one read and one send carry many tokens.
+for a short window (`relay_window`) so that one read and one send carry many tokens.
 """
 
 from __future__ import annotations
@@ -46,11 +46,21 @@ from pi_env.proxy.rewrite import CaptureOptions
 
 ERROR_BODY_LIMIT = 4096  # bytes of an upstream error body kept in the TurnRecord
 ERROR_RELAY_LIMIT = 1 << 20  # bytes of it relayed to the agent (read whole, to mask secrets)
-# Pieces of an answer that arrive less than this apart are relayed together: the upstream's
-# socket is left unread for this long, so one read and one send carry what a fast stream (an
-# engine at thousands of tokens a second) sent meanwhile. A slow stream is relayed piece by
-# piece as before; the first piece never waits.
+# Pieces of an answer that arrive less than a window apart are relayed together: the upstream's
+# socket is left unread for that long, so one read and one send carry what a fast stream sent
+# meanwhile. The window is RELAY_BATCH_S, and grows to RELAY_BATCH_SHARE of the time the answer
+# has streamed so far, at most RELAY_BATCH_MAX_S: waking once a token costs a Python process
+# ~70-90 us on a VM, so a paced stream (an engine at ~1,000 tokens/s) cost the gateway that much a
+# token, while a pause adds at most that share to an answer's duration. The first piece never waits.
 RELAY_BATCH_S = 0.001
+RELAY_BATCH_SHARE = 0.02
+RELAY_BATCH_MAX_S = 0.02
+
+
+def relay_window(streamed_s: float) -> float:
+    """How long pieces are gathered once an answer has streamed for `streamed_s` seconds."""
+    return min(RELAY_BATCH_MAX_S, max(RELAY_BATCH_S, RELAY_BATCH_SHARE * streamed_s))
+
 
 # aiohttp's StreamReader keeps an answer as one buffer item per HTTP chunk (an engine sends one a
 # token), and readany() pops them one by one, running its flow control for each pop: ~2-3 us a
@@ -384,7 +394,7 @@ class Call:
             await response.prepare(request)
             content = answer.content
             upstream = answer.connection.transport if answer.connection is not None else None
-            loop, last_read = asyncio.get_running_loop(), -1.0
+            loop, last_read, first_read = asyncio.get_running_loop(), -1.0, None
             while chunk := await read_buffered(content):
                 if not response_bytes:
                     turn.ttfb_s = time.perf_counter() - started
@@ -400,10 +410,12 @@ class Call:
                     break
                 await response.write(chunk)
                 now = loop.time()
-                if now - last_read < RELAY_BATCH_S and upstream is not None and upstream.is_reading():
+                first_read = now if first_read is None else first_read
+                window = relay_window(now - first_read)
+                if now - last_read < window and upstream is not None and upstream.is_reading():
                     upstream.pause_reading()
                     try:
-                        await asyncio.sleep(RELAY_BATCH_S)
+                        await asyncio.sleep(window)
                     finally:
                         if not upstream.is_closing():
                             upstream.resume_reading()
