@@ -213,8 +213,8 @@ async def run_phase(base_url: str, key: str, n: int, concurrency: int, body: byt
     url = base_url + "/chat/completions"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as client:
-        for _ in range(concurrency):  # warm the connection pools
-            await one_call(client, url, key, body)
+        # Warm the connection pools: one connection per stream, opened side by side.
+        await asyncio.gather(*(one_call(client, url, key, body) for _ in range(concurrency)))
         assembled_before = idle(gateway, mode)["worker_assembled"] if gateway else 0  # the warm-up's are not this round's
         results = []
         queue = iter(range(n))
