@@ -165,6 +165,30 @@ def test_a_worker_cancelled_mid_answer_is_replaced_not_reused():
         pool.close()
 
 
+def test_a_shared_file_that_cannot_be_read_fails_the_answer_not_hangs_it(monkeypatch):
+    """The reply is read from the shared file in a readiness callback: an error there must reach
+    the caller (who then parses inline), never stay in the loop's log with the caller waiting."""
+    import os
+
+    from pi_env.proxy import capture_worker
+    from pi_env.proxy.capture_worker import CapturePool, CaptureWorkerError
+
+    def unreadable(fd, length, offset):
+        raise OSError(5, "Input/output error")
+
+    pool, real_pread = CapturePool(1), os.pread
+    try:
+        asyncio.run(pool.assemble([large_answer(10)], True))  # the worker is up before reads fail
+        monkeypatch.setattr(capture_worker.os, "pread", unreadable)
+        with pytest.raises(CaptureWorkerError, match="Input/output error"):
+            asyncio.run(asyncio.wait_for(pool.assemble([large_answer(300)], True), 20))
+        monkeypatch.setattr(capture_worker.os, "pread", real_pread)
+        assert asyncio.run(pool.assemble([large_answer(10)], True)).choices  # a fresh worker answers
+        assert pool.failures == 1
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("value, size", [("3", 3), (" 1 ", 1), ("0", None), ("two", None), ("-1", None)])
 def test_the_pool_size_comes_from_the_environment_or_the_cpus(monkeypatch, value, size):
     import os

@@ -215,7 +215,11 @@ async def _exchange(write_fd: int, read_fd: int, pieces: list, shared: int | Non
             if shared is None:
                 reply.set_exception(ValueError("the capture worker answered in a shared file it was not given"))
                 return
-            data = os.pread(shared, length, 0)
+            try:
+                data = os.pread(shared, length, 0)
+            except OSError as error:  # raised here, it would be lost in the loop's log and the caller hang
+                reply.set_exception(error)
+                return
             if len(data) < length:
                 reply.set_exception(EOFError(f"the capture worker's shared file holds {len(data)} of {length} bytes"))
             else:
