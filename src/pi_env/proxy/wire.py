@@ -50,7 +50,7 @@ ERROR_RELAY_LIMIT = 1 << 20  # bytes of it relayed to the agent (read whole, to 
 # socket is left unread for that long, so one read and one send carry what a fast stream sent
 # meanwhile. The window is RELAY_BATCH_S, and grows to RELAY_BATCH_SHARE of the time the answer
 # has streamed so far, at most RELAY_BATCH_MAX_S: waking once a token costs a Python process
-# ~70-90 us on a VM, so a paced stream (an engine at ~1,000 tokens/s) cost the gateway that much a
+# 40-90 us on a VM, so a paced stream (an engine at ~1,000 tokens/s) cost the gateway that much a
 # token, while a pause adds at most that share to an answer's duration. The first piece never waits.
 RELAY_BATCH_S = 0.001
 RELAY_BATCH_SHARE = 0.02
