@@ -22,8 +22,8 @@ processes; `--capture-workers 1 2` runs one gateway per k). Prints a table, then
 
 Cores busy: the CPU seconds of the engine, the client, and (through it) the gateway and its
 workers, over the wall clock. Flat out, the scripted engine and its client alone keep about two
-cores busy, so on a 2-core machine throughput at 1 stream is bound by the gateway's CPU, not its
-latency; `--engine-delay-ms` paces the engine (still far faster than a model decodes one stream).
+cores busy, so on a 2-core machine the gateway's CPU at 1 stream comes out of the engine's own
+cores; `--engine-delay-ms` paces the engine (still far faster than a model decodes one stream).
 """
 
 from __future__ import annotations
