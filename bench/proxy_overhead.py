@@ -20,8 +20,13 @@ processes; `--capture-workers 1 2` runs one gateway per k). Prints a table, then
     .venv/bin/python bench/proxy_overhead.py [--n 200] [--tokens 1000] [--concurrency 1 32]
                                              [--capture-workers 1 2] [--engine-delay-ms 0]
 
+The relay floor: the same calls through a no-op relay process (bytes in, bytes out, no HTTP;
+`serve_relay`) in the same alternating rounds. No process put between client and engine can
+do better than that on the machine; it separates what the machine costs from what the gateway
+costs (`relay_floor_ratio` beside `throughput_ratio`).
+
 Cores busy: the CPU seconds of the engine, the client, and (through it) the gateway and its
-workers, over the wall clock. Flat out, the scripted engine and its client alone keep about two
+workers, or the relay, over the wall clock. Flat out, the scripted engine and its client alone keep about two
 cores busy, so on a 2-core machine the gateway's CPU at 1 stream comes out of the engine's own
 cores; `--engine-delay-ms` paces the engine (still far faster than a model decodes one stream).
 """
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -114,6 +120,55 @@ def rss_bytes() -> int:
     """This process's resident memory (its capture workers are processes of their own)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def serve_relay(upstream_url: str) -> None:
+    """Child process: a no-op TCP relay to the upstream's host and port (asyncio, one upstream
+    connection per client connection, each read written on as it arrives); print its base URL.
+    Exits on stdin EOF."""
+    upstream = urlsplit(upstream_url)
+
+    class Pipe(asyncio.Protocol):
+        """One side of a relayed connection: what it reads goes to `peer`."""
+
+        def __init__(self, peer: asyncio.Transport | None = None):
+            self.peer, self.transport = peer, None
+
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def data_received(self, data):
+            self.peer.write(data)
+
+        def connection_lost(self, exc):
+            if self.peer is not None:
+                self.peer.close()
+
+    class Client(Pipe):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            transport.pause_reading()  # until the upstream connection is open
+            asyncio.ensure_future(self.connect())
+
+        async def connect(self):
+            loop = asyncio.get_running_loop()
+            try:
+                upstream_side, _ = await loop.create_connection(lambda: Pipe(self.transport), upstream.hostname,
+                                                                upstream.port)  # fmt: skip
+            except OSError:
+                self.transport.close()  # the client sees the failure rather than waiting
+                return
+            self.peer = upstream_side
+            self.transport.resume_reading()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Client, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        print(upstream_url.replace(f":{upstream.port}/", f":{port}/", 1), flush=True)
+        await loop.run_in_executor(None, sys.stdin.read)  # until EOF
+
+    asyncio.run(main())
 
 
 async def hold_sessions(base_url: str, tokens: list[str], body: bytes, concurrency: int = 32) -> None:
@@ -205,11 +260,13 @@ async def one_call(client: aiohttp.ClientSession, url: str, key: str, body: byte
 
 
 async def run_phase(base_url: str, key: str, n: int, concurrency: int, body: bytes, engine_pid: int,
-                    gateway: subprocess.Popen | None = None, mode: str = "") -> dict:
+                    gateway: subprocess.Popen | None = None, mode: str = "", relay_pid: int | None = None) -> dict:
     """n calls over `concurrency` connections, after one warm-up call per connection. Through
     the gateway (`gateway` given), the round ends once the gateway is idle, and it reports the
-    record-complete latencies and the CPU seconds of the gateway and of its capture worker.
-    Either way, the CPU seconds of the engine (the scripted server) and of this client."""
+    record-complete latencies and the CPU seconds of the gateway and of its capture worker;
+    through the relay (`relay_pid`), its CPU seconds. Either way, the CPU seconds of the engine
+    (the scripted server) and of this client."""
+    between = gateway.pid if gateway else relay_pid  # the process between client and engine, if any
     url = base_url + "/chat/completions"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as client:
@@ -223,14 +280,14 @@ async def run_phase(base_url: str, key: str, n: int, concurrency: int, body: byt
             for _ in queue:
                 results.append(await one_call(client, url, key, body))
 
-        cpu_before = cpu_seconds(gateway.pid) if gateway else (0.0, 0.0)
+        cpu_before = cpu_seconds(between) if between else (0.0, 0.0)
         engine_before, client_before = sum(cpu_seconds(engine_pid)), time.process_time()
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         answered = time.perf_counter() - start
         recorded = idle(gateway, mode) if gateway else {"record_s": [], "worker_errors": [], "worker_assembled": 0}
         wall = time.perf_counter() - start
-        cpu_after = cpu_seconds(gateway.pid) if gateway else (0.0, 0.0)
+        cpu_after = cpu_seconds(between) if between else (0.0, 0.0)
         engine_cpu, client_cpu = sum(cpu_seconds(engine_pid)) - engine_before, time.process_time() - client_before
     if gateway and len(recorded["record_s"]) != n:
         raise RuntimeError(f"{len(recorded['record_s'])} turns recorded for {n} calls")
@@ -282,13 +339,26 @@ def summarize(phases: list[dict], n_calls: int) -> dict:
     return summary
 
 
+def round_ratios(direct: list[dict], through: list[dict]) -> list[float]:
+    """[lowest, highest] of the per-round throughput ratios (rounds paired in order)."""
+    def rate(phase: dict) -> float:
+        return len(phase["totals"]) / phase["wall"]
+
+    ratios = [rate(t) / rate(d) for d, t in zip(direct, through)]
+    return [min(ratios), max(ratios)]
+
+
 def measure_level(args, mode: str, c: int, k: int, gateway: subprocess.Popen, gateway_info: dict, direct_url: str,
-                  bodies: dict, engine_pid: int) -> dict:
-    """One mode at one concurrency through one gateway: direct and gateway rounds alternating."""
+                  bodies: dict, engine_pid: int, relay: tuple[subprocess.Popen, str]) -> dict:
+    """One mode at one concurrency through one gateway: direct, relay-floor and gateway rounds
+    alternating."""
     per_round = max(args.n // ROUNDS, c, 1 if args.n < ROUNDS else 0)
-    direct, through = [], []
+    direct, floor, through = [], [], []
+    relay_process, relay_url = relay
     for _ in range(ROUNDS):
         direct.append(asyncio.run(run_phase(direct_url, "bench-key", per_round, c, bodies[mode], engine_pid)))
+        floor.append(asyncio.run(run_phase(relay_url, "bench-key", per_round, c, bodies[mode], engine_pid,
+                                           relay_pid=relay_process.pid)))  # fmt: skip
         through.append(asyncio.run(run_phase(
             gateway_info["base_url"], gateway_info["tokens"][mode], per_round, c,
             bodies["black_box"], engine_pid, gateway, mode)))  # fmt: skip
@@ -296,17 +366,23 @@ def measure_level(args, mode: str, c: int, k: int, gateway: subprocess.Popen, ga
     worker_cpu = sum(p["worker_cpu"] for p in through)
     loop_cpu = sum(p["cpu"] for p in through)
     gateway_cpu = loop_cpu + worker_cpu
-    d, g = summarize(direct, calls), summarize(through, calls)
+    d, f, g = summarize(direct, calls), summarize(floor, calls), summarize(through, calls)
     return {
         "mode": mode,
         "concurrency": c,
         "capture_workers": k or None,  # None: the default size
         "direct": d,
+        "relay": f,
         "gateway": g,
         "added_median_ms": g["median_ms"] - d["median_ms"],
         "added_p99_ms": g["p99_ms"] - d["p99_ms"],
         "added_ttfb_ms": g["ttfb_median_ms"] - d["ttfb_median_ms"],
         "throughput_ratio": g["req_per_s"] / d["req_per_s"],
+        # What a no-op relay process achieves in the same rounds: the machine's floor for any
+        # process put between client and engine.
+        "relay_floor_ratio": f["req_per_s"] / d["req_per_s"],
+        # The spread: each round's gateway throughput over the direct round just before it.
+        "throughput_ratio_range": round_ratios(direct, through),
         "added_record_median_ms": g["record_median_ms"] - d["median_ms"],
         "gateway_cpu_ms_per_call": gateway_cpu / calls * 1e3,  # capture workers included
         "capture_worker_cpu_ms_per_call": worker_cpu / calls * 1e3,
@@ -334,9 +410,12 @@ def main() -> None:
                         help="then hold this many open sessions with one answer each and measure memory (0: skip)")
     parser.add_argument("--serve-gateway", nargs=2, metavar=("UPSTREAM_URL", "KEY"),
                         help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("--serve-relay", metavar="UPSTREAM_URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_gateway:
         return serve_gateway(*args.serve_gateway)
+    if args.serve_relay:
+        return serve_relay(args.serve_relay)
 
     # 4 characters per synthetic token and per chunk: one SSE event per token.
     turn = {"text": "abcd" * args.tokens, "chunk_chars": 4}
@@ -347,6 +426,7 @@ def main() -> None:
         json.dump(script, f)
     server, line = spawn(["-m", "pi_env.scripted", "--port", "0", "--script", f.name])
     direct_url = line.rsplit(" ", 1)[1]
+    relay = spawn([__file__, "--serve-relay", direct_url])
     gateways = {}  # capture pool size -> (gateway process, its URL and tokens)
     for k in args.capture_workers:
         env = {**os.environ, "PI_ENV_CAPTURE_WORKERS": str(k)} if k else None
@@ -370,7 +450,7 @@ def main() -> None:
             for c in args.concurrency:
                 for k, (gateway, gateway_info) in gateways.items():
                     report["levels"].append(measure_level(args, mode, c, k, gateway, gateway_info, direct_url,
-                                                          bodies, server.pid))  # fmt: skip
+                                                          bodies, server.pid, relay))  # fmt: skip
         if args.held_sessions:
             gateway, gateway_info = next(iter(gateways.values()))
             report["held_sessions"] = measure_held_sessions(gateway, gateway_info, args.held_sessions,
@@ -379,6 +459,8 @@ def main() -> None:
         for gateway, _ in gateways.values():
             gateway.stdin.close()  # it exits on EOF, removing its socket directory
             gateway.wait(10)
+        relay[0].stdin.close()
+        relay[0].wait(10)
         server.terminate()
         server.wait(10)
         os.unlink(f.name)
@@ -390,16 +472,18 @@ def main() -> None:
     print(header)
     for level in report["levels"]:
         k = level["capture_workers"] or "-"
-        for path in ("direct", "gateway"):
+        for path in ("direct", "relay", "gateway"):
             s = level[path]
             print(f"{level['mode']:17} {level['concurrency']:>3} {k:>2} {path:8} {s['median_ms']:>10.2f} "
                   f"{s['p99_ms']:>8.2f} {s['ttfb_median_ms']:>8.2f} {s['req_per_s']:>8.1f}")  # fmt: skip
         print(f"    gateway adds {level['added_median_ms']:+.2f} ms median, {level['added_ttfb_ms']:+.2f} ms ttfb; "
               f"record complete {level['added_record_median_ms']:+.2f} ms over direct (median); throughput "
-              f"through idle x{level['throughput_ratio']:.2f}; CPU {level['gateway_cpu_us_per_token']:.2f} us/token "
+              f"through idle x{level['throughput_ratio']:.2f} (rounds x{level['throughput_ratio_range'][0]:.2f}-"
+              f"{level['throughput_ratio_range'][1]:.2f}; a no-op relay x{level['relay_floor_ratio']:.2f}); CPU {level['gateway_cpu_us_per_token']:.2f} us/token "
               f"(event loop {level['loop_cpu_us_per_token']:.2f}, capture workers "
               f"{level['worker_cpu_us_per_token']:.2f}; {level['answers_parsed_in_worker']} answers in workers); "
-              f"cores busy direct {level['direct']['cores_busy']:.2f}, through the gateway "
+              f"cores busy direct {level['direct']['cores_busy']:.2f}, relay {level['relay']['cores_busy']:.2f}, "
+              f"through the gateway "
               f"{level['gateway']['cores_busy']:.2f} of {os.cpu_count()}")
     if "held_sessions" in report:
         held = report["held_sessions"]

@@ -48,5 +48,8 @@ def test_bench_runs_and_ends_with_one_json_line(script):
         assert {level["capture_workers"] for level in capture} == {1, 2}
         assert report["engine_delay_ms"] == 0.05
         assert all(0 < level[path]["cores_busy"] <= report["cpus"] * 1.2 for level in report["levels"]
-                   for path in ("direct", "gateway"))  # fmt: skip
+                   for path in ("direct", "relay", "gateway"))  # fmt: skip
+        assert all(level["relay_floor_ratio"] > 0 and level["relay"]["median_ms"] > 0
+                   and 0 < level["throughput_ratio_range"][0] <= level["throughput_ratio_range"][1]
+                   for level in report["levels"])  # fmt: skip
         assert report["held_sessions"]["sessions"] == 4 and report["held_sessions"]["record_mb"] > 0
