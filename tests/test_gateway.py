@@ -323,7 +323,9 @@ def test_a_paced_stream_is_gathered_more_the_longer_it_streams(gateway, engine_p
     sends, raw = relayed_writes(gateway, engine_process, "paced", monkeypatch)
     content = "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_json(raw) if e["choices"])
     assert content == "abcd" * 400
-    assert sends < 250, f"{sends} sends to relay 400 pieces ~3 ms apart"
+    # One send a window: ~150 here. The read right after a pause used to catch one more piece and
+    # send it alone (~215): a wake-up a window for one token.
+    assert sends < 185, f"{sends} sends to relay 400 pieces ~3 ms apart"
 
 # --------------------------------------------------------------------------- budget, traces
 

@@ -55,6 +55,12 @@ ERROR_RELAY_LIMIT = 1 << 20  # bytes of it relayed to the agent (read whole, to 
 RELAY_BATCH_S = 0.001
 RELAY_BATCH_SHARE = 0.02
 RELAY_BATCH_MAX_S = 0.02
+# After a pause, the next read takes what came meanwhile; pieces that keep coming within a window
+# of it mean the stream still flows. A pause that gathered less than this is followed by another
+# (a paced stream: reading at once would catch the next token alone, a wake-up for one token);
+# one that gathered more is not, so a fast engine never finds the socket buffers full (loopback
+# and TCP both start at 128 KB).
+RELAY_REPAUSE_MAX_BYTES = 32 << 10
 
 
 def relay_window(streamed_s: float) -> float:
@@ -395,6 +401,7 @@ class Call:
             content = answer.content
             upstream = answer.connection.transport if answer.connection is not None else None
             loop, last_read, first_read = asyncio.get_running_loop(), -1.0, None
+            resumed: float | None = None  # when reading resumed after the last pause, if this read followed one
             while chunk := await read_buffered(content):
                 if not response_bytes:
                     turn.ttfb_s = time.perf_counter() - started
@@ -412,13 +419,19 @@ class Call:
                 now = loop.time()
                 first_read = now if first_read is None else first_read
                 window = relay_window(now - first_read)
-                if now - last_read < window and upstream is not None and upstream.is_reading():
+                if resumed is None:
+                    close = now - last_read < window
+                else:  # see RELAY_REPAUSE_MAX_BYTES
+                    close = now - resumed < window and len(chunk) < RELAY_REPAUSE_MAX_BYTES
+                resumed = None
+                if close and upstream is not None and upstream.is_reading():
                     upstream.pause_reading()
                     try:
                         await asyncio.sleep(window)
                     finally:
                         if not upstream.is_closing():
                             upstream.resume_reading()
+                    resumed = loop.time()
                 last_read = now
             completed = True
             if finish:
