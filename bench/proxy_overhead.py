@@ -26,9 +26,10 @@ do better than that on the machine; it separates what the machine costs from wha
 costs (`relay_floor_ratio` beside `throughput_ratio`).
 
 Cores busy: the CPU seconds of the engine, the client, and (through it) the gateway and its
-workers, or the relay, over the wall clock. Flat out, the scripted engine and its client alone keep about two
-cores busy, so on a 2-core machine the gateway's CPU at 1 stream comes out of the engine's own
-cores; `--engine-delay-ms` paces the engine (still far faster than a model decodes one stream).
+workers, or the relay, over the wall clock. Flat out, the scripted engine and its client alone
+keep about two cores busy, so on a 2-core machine the gateway's CPU at 1 stream comes out of the
+engine's own cores; `--engine-delay-ms` paces the engine (still far faster than a model decodes
+one stream).
 """
 
 from __future__ import annotations
@@ -479,12 +480,12 @@ def main() -> None:
         print(f"    gateway adds {level['added_median_ms']:+.2f} ms median, {level['added_ttfb_ms']:+.2f} ms ttfb; "
               f"record complete {level['added_record_median_ms']:+.2f} ms over direct (median); throughput "
               f"through idle x{level['throughput_ratio']:.2f} (rounds x{level['throughput_ratio_range'][0]:.2f}-"
-              f"{level['throughput_ratio_range'][1]:.2f}; a no-op relay x{level['relay_floor_ratio']:.2f}); CPU {level['gateway_cpu_us_per_token']:.2f} us/token "
-              f"(event loop {level['loop_cpu_us_per_token']:.2f}, capture workers "
-              f"{level['worker_cpu_us_per_token']:.2f}; {level['answers_parsed_in_worker']} answers in workers); "
-              f"cores busy direct {level['direct']['cores_busy']:.2f}, relay {level['relay']['cores_busy']:.2f}, "
-              f"through the gateway "
-              f"{level['gateway']['cores_busy']:.2f} of {os.cpu_count()}")
+              f"{level['throughput_ratio_range'][1]:.2f}; a no-op relay x{level['relay_floor_ratio']:.2f}); "
+              f"CPU {level['gateway_cpu_us_per_token']:.2f} us/token (event loop {level['loop_cpu_us_per_token']:.2f}, "
+              f"capture workers {level['worker_cpu_us_per_token']:.2f}; {level['answers_parsed_in_worker']} answers "
+              f"in workers); cores busy direct {level['direct']['cores_busy']:.2f}, relay "
+              f"{level['relay']['cores_busy']:.2f}, through the gateway {level['gateway']['cores_busy']:.2f} "
+              f"of {os.cpu_count()}")
     if "held_sessions" in report:
         held = report["held_sessions"]
         print(f"{held['sessions']} open transparent_proxy sessions, one answer each: the gateway grew "

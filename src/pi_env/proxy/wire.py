@@ -400,8 +400,10 @@ class Call:
             await response.prepare(request)
             content = answer.content
             upstream = answer.connection.transport if answer.connection is not None else None
-            loop, last_read, first_read = asyncio.get_running_loop(), -1.0, None
-            resumed: float | None = None  # when reading resumed after the last pause, if this read followed one
+            loop, first_read = asyncio.get_running_loop(), None
+            # When the relay last became ready to read: the previous read's send, or the end of
+            # the pause that followed it (`paused`).
+            ready, paused = -1.0, False
             while chunk := await read_buffered(content):
                 if not response_bytes:
                     turn.ttfb_s = time.perf_counter() - started
@@ -419,11 +421,8 @@ class Call:
                 now = loop.time()
                 first_read = now if first_read is None else first_read
                 window = relay_window(now - first_read)
-                if resumed is None:
-                    close = now - last_read < window
-                else:  # see RELAY_REPAUSE_MAX_BYTES
-                    close = now - resumed < window and len(chunk) < RELAY_REPAUSE_MAX_BYTES
-                resumed = None
+                close = now - ready < window and not (paused and len(chunk) >= RELAY_REPAUSE_MAX_BYTES)
+                ready, paused = now, False
                 if close and upstream is not None and upstream.is_reading():
                     upstream.pause_reading()
                     try:
@@ -431,8 +430,7 @@ class Call:
                     finally:
                         if not upstream.is_closing():
                             upstream.resume_reading()
-                    resumed = loop.time()
-                last_read = now
+                    ready, paused = loop.time(), True
             completed = True
             if finish:
                 await response.write_eof()
