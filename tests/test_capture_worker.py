@@ -203,3 +203,93 @@ def test_the_pool_size_comes_from_the_environment_or_the_cpus(monkeypatch, value
         assert pool_size() == size
     monkeypatch.delenv("PI_ENV_CAPTURE_WORKERS")
     assert pool_size() == min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+
+
+def assemble_on_a_thread(pool, raw):
+    """Assemble `raw` on an event loop in a thread of its own (as the gateway's loop does);
+    returns the thread and a dict that gets its "capture" or "error"."""
+    import threading
+
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["capture"] = asyncio.run(pool.assemble([raw], True))
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def wait_busy(pool):
+    """Until the pool's one worker has a child that holds an answer."""
+    import time
+
+    deadline = time.monotonic() + 20
+    while not (pool.workers and not pool._idle and pool.workers[0].pid is not None):
+        assert time.monotonic() < deadline, "the worker never took the answer"
+        time.sleep(0.001)
+    time.sleep(0.02)  # the answer is across: the child parses it
+
+
+def test_closing_the_pool_at_exit_waits_for_an_answer_another_thread_has_in_flight():
+    """atexit closes the pool while the gateway's loop (another thread) may be mid-answer: the
+    answer is assembled in the worker all the same, then the worker stops; a later answer is
+    refused as closed (its caller parses inline), never given to a new child."""
+    from pi_env.proxy.capture import assemble_answer
+    from pi_env.proxy.capture_worker import CapturePool, CapturePoolClosed
+
+    pool, raw = CapturePool(1), large_answer(40000)
+    thread, outcome = assemble_on_a_thread(pool, raw)
+    wait_busy(pool)
+    process = pool.workers[0]._process
+    pool.close()
+    thread.join(30)
+    assert "error" not in outcome, outcome
+    assert outcome["capture"].to_json() == assemble_answer(raw, True).to_json()
+    assert pool.failures == 0 and process is not None and process.returncode is not None
+    with pytest.raises(CapturePoolClosed):
+        asyncio.run(pool.assemble([large_answer(10)], True))
+    assert len(pool.workers) == 1 and pool.workers[0].pid is None
+
+
+def test_an_answer_in_flight_past_the_wait_ends_its_exchange_and_its_caller_closes_the_worker():
+    """Past close()'s wait, the busy worker's child is killed: its caller reads EOF (and parses
+    inline) instead of hanging, and closes the worker's pipes and file on its own thread."""
+    from pi_env.proxy.capture_worker import CapturePool, CaptureWorkerError
+
+    pool = CapturePool(1)
+    thread, outcome = assemble_on_a_thread(pool, large_answer(40000))
+    wait_busy(pool)
+    pool.close(wait_s=0.0)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert isinstance(outcome.get("error"), CaptureWorkerError), outcome
+    (worker,) = pool.workers
+    assert worker._process is None and worker._shared is None
+
+
+def test_closing_the_pool_from_a_running_loop_neither_waits_on_it_nor_leaves_its_waiters_hanging():
+    """From the thread of a loop with answers in flight, close() cannot wait for them (they need
+    that loop): it stops the busy child, and a caller queued for a worker is told the pool closed."""
+    import time
+
+    from pi_env.proxy.capture_worker import CapturePool, CapturePoolClosed, CaptureWorkerError
+
+    pool = CapturePool(1)
+
+    async def scenario():
+        first = asyncio.ensure_future(pool.assemble([large_answer(40000)], True))
+        queued = asyncio.ensure_future(pool.assemble([large_answer(10)], True))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        pool.close()
+        took = time.monotonic() - started
+        results = await asyncio.wait_for(asyncio.gather(first, queued, return_exceptions=True), 30)
+        return took, results
+
+    took, (first, queued) = asyncio.run(scenario())
+    assert took < 1.0, f"close() waited {took:.1f} s on its own loop"
+    assert isinstance(first, CaptureWorkerError) and isinstance(queued, CapturePoolClosed), (first, queued)

@@ -14,7 +14,7 @@ import logging
 from aiohttp import web
 
 from pi_env.proxy.capture import TurnCapture, assemble_answer
-from pi_env.proxy.capture_worker import CaptureWorkerError, capture_pool
+from pi_env.proxy.capture_worker import CapturePoolClosed, CaptureWorkerError, capture_pool
 from pi_env.proxy.records import TurnRecord
 from pi_env.proxy.wire import Call
 
@@ -49,7 +49,8 @@ async def _assemble_in_worker(capture: TurnCapture, turn: TurnRecord, pieces: li
     try:
         assembled = await capture_pool().assemble(pieces, streaming)
     except CaptureWorkerError as error:
-        log.warning("turn %s parsed on the event loop: %s", turn.turn, error)
+        level = logging.DEBUG if isinstance(error, CapturePoolClosed) else logging.WARNING  # exiting: no fault
+        log.log(level, "turn %s parsed on the event loop: %s", turn.turn, error)
         capture.worker_error = str(error)
         return assemble_inline(capture, turn, b"".join(pieces), streaming)
     _merge(capture, assembled)

@@ -54,6 +54,7 @@ MAX_WORKERS = 8
 # Ignored by other C libraries. Measured with bench/proxy_overhead.py (worker CPU per token).
 CHILD_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
 COLLECT_EVERY = 256  # answers between the child's cycle collections (its garbage has no cycles)
+CLOSE_WAIT_S = 5.0  # how long closing the pool waits for answers in flight (see CapturePool.close)
 
 
 class CaptureWorkerError(RuntimeError):
@@ -144,6 +145,13 @@ class CaptureWorker:
             for pipe in (process.stdin, process.stdout):
                 if pipe is not None:
                     pipe.close()
+
+    def stop_child(self) -> None:
+        """Kill the child and leave the rest to the caller mid-answer, which then reads EOF and
+        closes this worker's pipes and file on its own thread (see CapturePool.close)."""
+        process = self._process
+        if process is not None:
+            process.kill()
 
     def close(self) -> None:
         process, self._process = self._process, None
@@ -318,6 +326,10 @@ def _write_all(fd: int, unsent: list[memoryview], offset: int | None = None) -> 
             unsent[0] = unsent[0][sent:]
 
 
+class CapturePoolClosed(CaptureWorkerError):
+    """The pool was closed (the process is exiting): the caller parses inline."""
+
+
 class CapturePool:
     """Up to `size` workers. An answer goes to an idle worker; a new one starts only when every
     started one is busy, and a caller waits when all `size` are. Callers may be on several event
@@ -331,6 +343,8 @@ class CapturePool:
         self._idle: list[CaptureWorker] = []
         self._waiting: collections.deque[asyncio.Future[CaptureWorker]] = collections.deque()
         self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)  # a worker came back to the idle list
+        self._closed = False
         self._pid = os.getpid()  # a forked copy must not stop the parent's workers
 
     async def assemble(self, pieces: Sequence[bytes | bytearray], streaming: bool) -> TurnCapture:
@@ -343,6 +357,8 @@ class CapturePool:
 
     async def _take(self) -> CaptureWorker:
         with self._lock:
+            if self._closed:
+                raise CapturePoolClosed("the capture pool is closed")
             if self._idle:
                 return self._idle.pop()
             if len(self.workers) < self.size:
@@ -360,12 +376,13 @@ class CapturePool:
 
     def _give_back(self, worker: CaptureWorker) -> None:
         with self._lock:
-            while self._waiting:
+            while self._waiting and not self._closed:
                 waiter = self._waiting.popleft()
                 if not waiter.done():
                     waiter.get_loop().call_soon_threadsafe(self._hand, waiter, worker)
                     return
             self._idle.append(worker)
+            self._returned.notify_all()
 
     def _hand(self, waiter: asyncio.Future[CaptureWorker], worker: CaptureWorker) -> None:
         if waiter.done():  # cancelled meanwhile: the next waiter (or the idle list) gets it
@@ -389,10 +406,39 @@ class CapturePool:
     def pids(self) -> list[int]:
         return [worker.pid for worker in self.workers if worker.pid is not None]
 
-    def close(self) -> None:
-        if self._pid == os.getpid():
-            for worker in self.workers:
-                worker.close()
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Stop every worker; later answers get CapturePoolClosed (and are parsed inline). It runs
+        at exit while other threads' loops may be mid-answer: those answers are waited for (up to
+        `wait_s`; not at all from a thread running a loop, which would hold its own answers back).
+        A worker busy past that has its child killed, so its caller's exchange ends (EOF: parsed
+        inline) and that caller closes the worker's files: closing them here could hand their
+        numbers to another file while the caller still writes to them."""
+        if self._pid != os.getpid():
+            return
+        try:
+            asyncio.get_running_loop()
+            wait_s = 0.0
+        except RuntimeError:
+            pass
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            while len(self._idle) < len(self.workers) and (left := deadline - time.monotonic()) > 0:
+                self._returned.wait(left)
+            idle, busy = list(self._idle), [worker for worker in self.workers if worker not in self._idle]
+        closed = CapturePoolClosed("the capture pool is closed")
+        for waiter in waiting:
+            waiter.get_loop().call_soon_threadsafe(_fail, waiter, closed)
+        for worker in idle:
+            worker.close()
+        for worker in busy:
+            worker.stop_child()
+
+
+def _fail(waiter: asyncio.Future, error: BaseException) -> None:
+    if not waiter.done():
+        waiter.set_exception(error)
 
 
 def pool_size() -> int:
