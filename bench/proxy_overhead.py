@@ -23,7 +23,8 @@ processes; `--capture-workers 1 2` runs one gateway per k). Prints a table, then
 The relay floor: the same calls through a no-op relay process (bytes in, bytes out, no HTTP;
 `serve_relay`) in the same alternating rounds. No process put between client and engine can
 do better than that on the machine; it separates what the machine costs from what the gateway
-costs (`relay_floor_ratio` beside `throughput_ratio`).
+costs (`relay_floor_ratio` beside `throughput_ratio`). `--c-relay` adds the same relay written
+in C (socat, TCP_NODELAY both ways; `c_relay_floor_ratio`): what no Python process beats.
 
 Cores busy: the CPU seconds of the engine, the client, and (through it) the gateway and its
 workers, or the relay, over the wall clock. Flat out, the scripted engine and its client alone
@@ -38,6 +39,8 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -170,6 +173,31 @@ def serve_relay(upstream_url: str) -> None:
         await loop.run_in_executor(None, sys.stdin.read)  # until EOF
 
     asyncio.run(main())
+
+
+def start_c_relay(upstream_url: str) -> tuple[subprocess.Popen, str]:
+    """socat relaying a free local port to the upstream's (a child per connection, TCP_NODELAY
+    both ways): the relay floor in C. Returns it with its base URL once it accepts."""
+    socat = shutil.which("socat")
+    if socat is None:
+        sys.exit("--c-relay needs socat on PATH (scripts/bootstrap.sh installs it)")
+    upstream = urlsplit(upstream_url)
+    with socket.socket() as probe:  # a free port for socat to listen on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([socat, f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr,nodelay",
+                                f"TCP:{upstream.hostname}:{upstream.port},nodelay"], stdin=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                sys.exit(f"socat did not listen on 127.0.0.1:{port}")
+            time.sleep(0.02)
+    return process, upstream_url.replace(f":{upstream.port}/", f":{port}/", 1)
 
 
 async def hold_sessions(base_url: str, tokens: list[str], body: bytes, concurrency: int = 32) -> None:
@@ -350,16 +378,17 @@ def round_ratios(direct: list[dict], through: list[dict]) -> list[float]:
 
 
 def measure_level(args, mode: str, c: int, k: int, gateway: subprocess.Popen, gateway_info: dict, direct_url: str,
-                  bodies: dict, engine_pid: int, relay: tuple[subprocess.Popen, str]) -> dict:
-    """One mode at one concurrency through one gateway: direct, relay-floor and gateway rounds
-    alternating."""
+                  bodies: dict, engine_pid: int, relays: dict[str, tuple[subprocess.Popen, str]]) -> dict:
+    """One mode at one concurrency through one gateway: direct, relay-floor (each of `relays`)
+    and gateway rounds alternating."""
     per_round = max(args.n // ROUNDS, c, 1 if args.n < ROUNDS else 0)
-    direct, floor, through = [], [], []
-    relay_process, relay_url = relay
+    direct, through = [], []
+    floors: dict[str, list[dict]] = {name: [] for name in relays}
     for _ in range(ROUNDS):
         direct.append(asyncio.run(run_phase(direct_url, "bench-key", per_round, c, bodies[mode], engine_pid)))
-        floor.append(asyncio.run(run_phase(relay_url, "bench-key", per_round, c, bodies[mode], engine_pid,
-                                           relay_pid=relay_process.pid)))  # fmt: skip
+        for name, (relay_process, relay_url) in relays.items():
+            floors[name].append(asyncio.run(run_phase(relay_url, "bench-key", per_round, c, bodies[mode], engine_pid,
+                                                      relay_pid=relay_process.pid)))  # fmt: skip
         through.append(asyncio.run(run_phase(
             gateway_info["base_url"], gateway_info["tokens"][mode], per_round, c,
             bodies["black_box"], engine_pid, gateway, mode)))  # fmt: skip
@@ -367,21 +396,24 @@ def measure_level(args, mode: str, c: int, k: int, gateway: subprocess.Popen, ga
     worker_cpu = sum(p["worker_cpu"] for p in through)
     loop_cpu = sum(p["cpu"] for p in through)
     gateway_cpu = loop_cpu + worker_cpu
-    d, f, g = summarize(direct, calls), summarize(floor, calls), summarize(through, calls)
-    return {
+    d, g = summarize(direct, calls), summarize(through, calls)
+    level = {
         "mode": mode,
         "concurrency": c,
         "capture_workers": k or None,  # None: the default size
         "direct": d,
-        "relay": f,
         "gateway": g,
+    }
+    for name, phases in floors.items():
+        # What a no-op relay process achieves in the same rounds: the machine's floor for any
+        # process put between client and engine.
+        level[name] = summarize(phases, calls)
+        level[f"{name}_floor_ratio"] = level[name]["req_per_s"] / d["req_per_s"]
+    return level | {
         "added_median_ms": g["median_ms"] - d["median_ms"],
         "added_p99_ms": g["p99_ms"] - d["p99_ms"],
         "added_ttfb_ms": g["ttfb_median_ms"] - d["ttfb_median_ms"],
         "throughput_ratio": g["req_per_s"] / d["req_per_s"],
-        # What a no-op relay process achieves in the same rounds: the machine's floor for any
-        # process put between client and engine.
-        "relay_floor_ratio": f["req_per_s"] / d["req_per_s"],
         # The spread: each round's gateway throughput over the direct round just before it.
         "throughput_ratio_range": round_ratios(direct, through),
         "added_record_median_ms": g["record_median_ms"] - d["median_ms"],
@@ -409,6 +441,8 @@ def main() -> None:
                              "a stream here, which with its client keeps about 2 cores busy)")
     parser.add_argument("--held-sessions", type=int, default=300,
                         help="then hold this many open sessions with one answer each and measure memory (0: skip)")
+    parser.add_argument("--c-relay", action="store_true",
+                        help="also measure a no-op relay written in C (socat) in the same rounds")
     parser.add_argument("--serve-gateway", nargs=2, metavar=("UPSTREAM_URL", "KEY"),
                         help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("--serve-relay", metavar="UPSTREAM_URL", help=argparse.SUPPRESS)
@@ -427,7 +461,9 @@ def main() -> None:
         json.dump(script, f)
     server, line = spawn(["-m", "pi_env.scripted", "--port", "0", "--script", f.name])
     direct_url = line.rsplit(" ", 1)[1]
-    relay = spawn([__file__, "--serve-relay", direct_url])
+    relays = {"relay": spawn([__file__, "--serve-relay", direct_url])}
+    if args.c_relay:
+        relays["c_relay"] = start_c_relay(direct_url)
     gateways = {}  # capture pool size -> (gateway process, its URL and tokens)
     for k in args.capture_workers:
         env = {**os.environ, "PI_ENV_CAPTURE_WORKERS": str(k)} if k else None
@@ -451,7 +487,7 @@ def main() -> None:
             for c in args.concurrency:
                 for k, (gateway, gateway_info) in gateways.items():
                     report["levels"].append(measure_level(args, mode, c, k, gateway, gateway_info, direct_url,
-                                                          bodies, server.pid, relay))  # fmt: skip
+                                                          bodies, server.pid, relays))  # fmt: skip
         if args.held_sessions:
             gateway, gateway_info = next(iter(gateways.values()))
             report["held_sessions"] = measure_held_sessions(gateway, gateway_info, args.held_sessions,
@@ -460,8 +496,12 @@ def main() -> None:
         for gateway, _ in gateways.values():
             gateway.stdin.close()  # it exits on EOF, removing its socket directory
             gateway.wait(10)
-        relay[0].stdin.close()
-        relay[0].wait(10)
+        for relay_process, _ in relays.values():
+            if relay_process.stdin is not None:
+                relay_process.stdin.close()  # the Python relay exits on EOF
+            else:
+                relay_process.terminate()  # socat
+            relay_process.wait(10)
         server.terminate()
         server.wait(10)
         os.unlink(f.name)
@@ -473,19 +513,20 @@ def main() -> None:
     print(header)
     for level in report["levels"]:
         k = level["capture_workers"] or "-"
-        for path in ("direct", "relay", "gateway"):
+        paths = [path for path in ("direct", "relay", "c_relay", "gateway") if path in level]
+        for path in paths:
             s = level[path]
             print(f"{level['mode']:17} {level['concurrency']:>3} {k:>2} {path:8} {s['median_ms']:>10.2f} "
                   f"{s['p99_ms']:>8.2f} {s['ttfb_median_ms']:>8.2f} {s['req_per_s']:>8.1f}")  # fmt: skip
         print(f"    gateway adds {level['added_median_ms']:+.2f} ms median, {level['added_ttfb_ms']:+.2f} ms ttfb; "
               f"record complete {level['added_record_median_ms']:+.2f} ms over direct (median); throughput "
               f"through idle x{level['throughput_ratio']:.2f} (rounds x{level['throughput_ratio_range'][0]:.2f}-"
-              f"{level['throughput_ratio_range'][1]:.2f}; a no-op relay x{level['relay_floor_ratio']:.2f}); "
+              f"{level['throughput_ratio_range'][1]:.2f}; a no-op relay x{level['relay_floor_ratio']:.2f}"
+              + (f", in C x{level['c_relay_floor_ratio']:.2f}" if "c_relay" in level else "") + "); "
               f"CPU {level['gateway_cpu_us_per_token']:.2f} us/token (event loop {level['loop_cpu_us_per_token']:.2f}, "
               f"capture workers {level['worker_cpu_us_per_token']:.2f}; {level['answers_parsed_in_worker']} answers "
-              f"in workers); cores busy direct {level['direct']['cores_busy']:.2f}, relay "
-              f"{level['relay']['cores_busy']:.2f}, through the gateway {level['gateway']['cores_busy']:.2f} "
-              f"of {os.cpu_count()}")
+              f"in workers); cores busy " + ", ".join(f"{path} {level[path]['cores_busy']:.2f}" for path in paths)
+              + f" of {os.cpu_count()}")
     if "held_sessions" in report:
         held = report["held_sessions"]
         print(f"{held['sessions']} open transparent_proxy sessions, one answer each: the gateway grew "

@@ -12,6 +12,7 @@ command -v rg >/dev/null || need+=(ripgrep)           # Pi's grep tool
 command -v fdfind >/dev/null || command -v fd >/dev/null || need+=(fd-find)  # Pi's find tool
 command -v npm >/dev/null || need+=(nodejs npm)       # installs the Pi runtime once
 command -v python3 >/dev/null || need+=(python3)
+command -v socat >/dev/null || need+=(socat)           # bench/proxy_overhead.py --c-relay: the relay floor in C
 command -v chromium >/dev/null || need+=(chromium)     # the web UI test's headless browser (Playwright drives it)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi

@@ -16,7 +16,7 @@ TINY = {
     "gate_overhead.py": ["--calls", "4", "--sessions", "1", "2", "--generate-ms", "1"],
     # 100 tokens with top-5 logprobs is ~75 KB: past OFFLOAD_MIN_BYTES, so the capture worker works
     "proxy_overhead.py": ["--n", "4", "--tokens", "100", "--concurrency", "1", "2", "--capture-workers", "1", "2",
-                          "--held-sessions", "4", "--engine-delay-ms", "0.05"],
+                          "--held-sessions", "4", "--engine-delay-ms", "0.05", "--c-relay"],
     "replica_failover.py": ["--rollouts", "2", "--concurrency", "2"],
     "rollout_overhead.py": ["-n", "1"],
     "reverify_stored.py": ["--rollouts", "6"],
@@ -48,8 +48,9 @@ def test_bench_runs_and_ends_with_one_json_line(script):
         assert {level["capture_workers"] for level in capture} == {1, 2}
         assert report["engine_delay_ms"] == 0.05
         assert all(0 < level[path]["cores_busy"] <= report["cpus"] * 1.2 for level in report["levels"]
-                   for path in ("direct", "relay", "gateway"))  # fmt: skip
+                   for path in ("direct", "relay", "c_relay", "gateway"))  # fmt: skip
         assert all(level["relay_floor_ratio"] > 0 and level["relay"]["median_ms"] > 0
+                   and level["c_relay_floor_ratio"] > 0 and level["c_relay"]["median_ms"] > 0
                    and 0 < level["throughput_ratio_range"][0] <= level["throughput_ratio_range"][1]
                    for level in report["levels"])  # fmt: skip
         assert report["held_sessions"]["sessions"] == 4 and report["held_sessions"]["record_mb"] > 0
