@@ -293,3 +293,19 @@ def test_closing_the_pool_from_a_running_loop_neither_waits_on_it_nor_leaves_its
     took, (first, queued) = asyncio.run(scenario())
     assert took < 1.0, f"close() waited {took:.1f} s on its own loop"
     assert isinstance(first, CaptureWorkerError) and isinstance(queued, CapturePoolClosed), (first, queued)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_worker_runs_as_a_batch_process_so_its_wake_ups_never_preempt_the_engine_or_the_loop():
+    import os
+
+    from pi_env.proxy.capture_worker import CapturePool
+
+    pool = CapturePool(1)
+    try:
+        asyncio.run(pool.assemble([large_answer(10)], True))
+        (pid,) = pool.pids
+        assert os.sched_getscheduler(pid) == os.SCHED_BATCH
+        assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0)  # its share is not cut
+    finally:
+        pool.close()

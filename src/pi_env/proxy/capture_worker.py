@@ -276,6 +276,14 @@ def serve() -> None:
     # anyway (a quarter of the child's CPU). It runs between answers instead, now and then.
     gc.freeze()
     gc.disable()
+    # Batch scheduling: the same CPU share as any process, but a wake-up of this worker does not
+    # preempt a running one. Its work is never urgent (a record may complete milliseconds later),
+    # while the engine, the agent and the gateway's loop are: at one stream with the engine's
+    # cores full, transparent_proxy's throughput rose ~7 % side by side (bench/proxy_overhead.py).
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux
+        pass
     answers = 0
     while True:
         header = source.read(_REQUEST.size)
