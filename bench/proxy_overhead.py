@@ -177,7 +177,7 @@ def serve_relay(upstream_url: str) -> None:
 
 def start_c_relay(upstream_url: str) -> tuple[subprocess.Popen, str]:
     """socat relaying a free local port to the upstream's (a child per connection, TCP_NODELAY
-    both ways): the relay floor in C. Returns it with its base URL once it accepts."""
+    both ways, 256 KB reads): the relay floor in C. Returns it with its base URL once it accepts."""
     socat = shutil.which("socat")
     if socat is None:
         sys.exit("--c-relay needs socat on PATH (scripts/bootstrap.sh installs it)")
@@ -185,7 +185,8 @@ def start_c_relay(upstream_url: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as probe:  # a free port for socat to listen on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen([socat, f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr,nodelay",
+    # -b: 256 KB a read (its default, 8 KB, stalls a large answer for ~200 ms now and then)
+    process = subprocess.Popen([socat, "-b", str(256 << 10), f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr,nodelay",
                                 f"TCP:{upstream.hostname}:{upstream.port},nodelay"], stdin=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 10
     while True:
