@@ -432,21 +432,24 @@ class CapturePool:
         with self._lock:
             self._closed = True
             waiting, self._waiting = list(self._waiting), collections.deque()
+        for waiter in waiting:  # callers queued for a worker: told at once, not after the wait
+            try:
+                waiter.get_loop().call_soon_threadsafe(_fail, waiter)
+            except RuntimeError:  # its loop is closed: nobody awaits it any more
+                pass
+        with self._lock:
             while len(self._idle) < len(self.workers) and (left := deadline - time.monotonic()) > 0:
                 self._returned.wait(left)
             idle, busy = list(self._idle), [worker for worker in self.workers if worker not in self._idle]
-        closed = CapturePoolClosed("the capture pool is closed")
-        for waiter in waiting:
-            waiter.get_loop().call_soon_threadsafe(_fail, waiter, closed)
         for worker in idle:
             worker.close()
         for worker in busy:
             worker.stop_child()
 
 
-def _fail(waiter: asyncio.Future, error: BaseException) -> None:
+def _fail(waiter: asyncio.Future) -> None:
     if not waiter.done():
-        waiter.set_exception(error)
+        waiter.set_exception(CapturePoolClosed("the capture pool is closed"))
 
 
 def pool_size() -> int:
