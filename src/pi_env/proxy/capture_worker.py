@@ -384,7 +384,7 @@ class CapturePool:
 
     def _give_back(self, worker: CaptureWorker) -> None:
         with self._lock:
-            while self._waiting and not self._closed:
+            while self._waiting:  # empty once closed: close() takes them and _take() adds no more
                 waiter = self._waiting.popleft()
                 if not waiter.done():
                     waiter.get_loop().call_soon_threadsafe(self._hand, waiter, worker)
