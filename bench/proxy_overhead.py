@@ -126,6 +126,11 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def on_port(url: str, port: int) -> str:
+    """`url` with its port replaced: a relay's base URL in front of the upstream's."""
+    return url.replace(f":{urlsplit(url).port}/", f":{port}/", 1)
+
+
 def serve_relay(upstream_url: str) -> None:
     """Child process: a no-op TCP relay to the upstream's host and port (asyncio, one upstream
     connection per client connection, each read written on as it arrives); print its base URL.
@@ -169,7 +174,7 @@ def serve_relay(upstream_url: str) -> None:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(Client, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        print(upstream_url.replace(f":{upstream.port}/", f":{port}/", 1), flush=True)
+        print(on_port(upstream_url, port), flush=True)
         await loop.run_in_executor(None, sys.stdin.read)  # until EOF
 
     asyncio.run(main())
@@ -198,7 +203,7 @@ def start_c_relay(upstream_url: str) -> tuple[subprocess.Popen, str]:
                 process.kill()
                 sys.exit(f"socat did not listen on 127.0.0.1:{port}")
             time.sleep(0.02)
-    return process, upstream_url.replace(f":{upstream.port}/", f":{port}/", 1)
+    return process, on_port(upstream_url, port)
 
 
 async def hold_sessions(base_url: str, tokens: list[str], body: bytes, concurrency: int = 32) -> None:
