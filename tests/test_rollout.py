@@ -95,24 +95,27 @@ def test_setup_runs_before_the_agent_and_files_are_staged():
 
 
 def test_hanging_agent_is_killed_at_its_timeout_with_nothing_left():
-    # 20 s: time for Pi's first call to be answered on a loaded machine (before it, a timeout is
-    # unscored: the agent never acted), then the tool hangs until the limit.
+    # 20 s: time for Pi's first call to be answered on a loaded machine, then the tool hangs
+    # until the limit.
     task = PiTask(task_id="hang", instruction="x", verify=["true"], timeouts={"agent_s": 20},
                   solution=[{"tool": "bash", "command": "(setsid sleep 600 &) ; nohup sleep 700 & sleep 900"}])
     result, uid = rollout_with_uid(task)
     # The agent spent its own time (a hung tool): scored like any rollout that stopped, never
     # unscored (that would let a failing agent dodge its 0).
-    assert result.error_kind is None and result.stop_reason == "timeout", result.error
+    assert result.error_kind is None and result.stop_reason == "timeout" and result.truncated, result.error
     assert result.reward == 1.0 and len(result.verify_results) == 1
     assert 20 <= result.timings["agent"] < 35
     assert processes_of_uid(uid) == []
 
 
-def test_hanging_endpoint_is_an_agent_timeout(server):
+def test_an_endpoint_that_never_begins_answering_is_scored_at_the_time_limit(server):
+    # A zero stays a zero: once Pi has called the model, a time-out is scored on what the agent
+    # left, even with Pi's first call unanswered (it used to be agent_timeout, unscored).
     key = server.add_script([ScriptedTurn(text="late", fault=Fault(hang_s=60))])
-    result, uid = rollout_with_uid(PiTask(instruction="x", verify=["true"], timeouts={"agent_s": 3}),
+    result, uid = rollout_with_uid(PiTask(instruction="x", verify=["test -f solved.txt"], timeouts={"agent_s": 3}),
                                    scripted_config(server, key))
-    assert result.reward is None and result.error_kind == "agent_timeout"
+    assert result.error_kind is None and result.reward == 0.0, (result.error_kind, result.error)
+    assert result.stop_reason == "timeout" and result.truncated and result.proxy_turns[-1].upstream_status is None
     assert processes_of_uid(uid) == []
 
 
@@ -149,7 +152,7 @@ def test_max_turns_budget_stops_the_agent_and_still_scores():
     task = PiTask(task_id="budget", instruction="x", verify=["test $(wc -l < log.txt) -ge 1"], solution=steps)
     result = run_rollout(task, PiConfig(max_turns=2))
     assert result.stop_reason == "budget" and result.budget_exhausted == "max_turns" and result.error_kind is None
-    assert result.reward == 1.0
+    assert result.reward == 1.0 and result.truncated
     assert result.files["log.txt"] == "0\n1\n"
     assert len(result.proxy_turns) == 2  # the refused third call never reached the upstream
 
@@ -427,24 +430,27 @@ def test_the_system_prompt_in_the_result_is_the_text_the_model_saw(tmp_path):
     assert "Answer in French." in system["content"] and "You are" in system["content"]
 
 
-# The agent calls the gateway itself, with Pi's own token, asking for an unstreamed answer (one
-# assistant message in its history: the scripted server answers with the script's second turn).
-OWN_CALL = ("python3 -c \"import json, urllib.request; p = json.load(open('/root/.pi/agent/models.json'))"
+def own_call(stream: bool) -> str:
+    """The agent calls the gateway itself, with Pi's own token (one assistant message in its
+    history: the scripted server answers with the script's second turn)."""
+    return ("python3 -c \"import json, urllib.request; p = json.load(open('/root/.pi/agent/models.json'))"
             "['providers']; p = next(iter(p.values())); urllib.request.urlopen(urllib.request.Request("
-            "p['baseUrl'] + '/chat/completions', json.dumps({'model': 'm', 'stream': False, 'messages': "
+            f"p['baseUrl'] + '/chat/completions', json.dumps({{'model': 'm', 'stream': {stream}, 'messages': "
             "[{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'content': 'a'}, {'role': 'user', 'content': 'b'}]})"
             ".encode(), {'Authorization': 'Bearer ' + p['apiKey'], "
             "'Content-Type': 'application/json'}), timeout=120)\"")
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
 @pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
-def test_an_agents_own_slow_unstreamed_call_at_its_time_limit_is_scored(server, mode):
-    """A zero stays a zero: the agent leaves its own slow non-streamed call in flight when its time
-    runs out. Pi streams; an unstreamed call is the agent's choice, so the rollout is verified and
-    scored (it used to be agent_timeout, unscored, and dropped from the group)."""
-    key = server.add_script([bash(OWN_CALL), ScriptedTurn(text="late", fault=Fault(hang_s=60)),
+def test_an_agents_own_slow_call_at_its_time_limit_is_scored(server, mode, stream):
+    """A zero stays a zero, by ownership: the agent leaves its own call in flight, the endpoint's
+    first byte not yet in, when its time runs out. It chose when and how to call, streamed or not,
+    so the rollout is verified and scored (it used to be agent_timeout, unscored, and dropped from
+    the group: for any streamed call, and before that for an unstreamed one too)."""
+    key = server.add_script([bash(own_call(stream)), ScriptedTurn(text="late", fault=Fault(hang_s=60)),
                              ScriptedTurn(text="done")])
     config = scripted_config(server, key).model_copy(update={"mode": mode})
     result = run_rollout(PiTask(instruction="x", verify=["test -f solved.txt"], timeouts={"agent_s": 6}), config)
-    assert result.stop_reason == "timeout" and result.proxy_turns[-1].upstream_status is None
+    assert result.stop_reason == "timeout" and result.truncated and result.proxy_turns[-1].upstream_status is None
     assert result.error_kind is None and result.reward == 0.0, (result.error_kind, result.error)

@@ -3,13 +3,25 @@
 - `judge_agent(AgentEnd) -> Verdict`: what ended the agent, judged from what the sandbox and
   the gateway saw (never from Pi's own files): an unscored error (its `ErrorKind` and message)
   or the agent's own outcome, which is verified and scored. Unscored are only: a session closed
-  under the agent (`infra`), a time limit passed while the model endpoint had not begun its
-  answer (`agent_timeout`), a trainer that never answered (`gate_timeout`), a failing endpoint
-  (`endpoint_error`), and a Pi that never got a first answer (`agent_error`). A budget is
-  scored (the gateway ended the turn cleanly).
+  under the agent (`infra`), a trainer that never answered (`gate_timeout`), a failing endpoint
+  (`endpoint_error`), a Pi that never got a first answer (`agent_error`), and a time limit that
+  passed before Pi called the model at all (`agent_timeout`, below).
 - `score_reward(reward_file, verify_results) -> Score`: the reward file's value where the task
   uses one (read by `pi_env.verify.read_reward`), else the verify commands' pass rate, else
   `no_verify`.
+
+A zero stays a zero, by ownership: an agent whose time runs out is scored on what it left
+(`stop_reason="timeout"`, `truncated`), whatever it was doing when it was stopped: a hung
+tool, a stopped Pi, a call of its own in flight, streamed or not, begun or not. It chooses when
+and how it calls, so a call it starts (or a stall) just before its time is up must not turn its
+0 into an unscored result that trainers drop. A budget is scored too (the gateway ended the
+turn cleanly), also `truncated`. The one time-out left unscored is one the agent provably had
+no part in: Pi never called the model in the whole rollout (no call the gateway recorded, any
+step's), so no answer of the model's ever existed and nothing in the sandbox is its doing; Pi
+that cannot get going is pi-env's (like `agent_error`). An endpoint that never began answering
+a call is not that proof: once a call is made, the gateway cannot always tell a hung endpoint
+from the model's own long answer (an unstreamed answer's first byte is its last), so a
+time-out with a call in flight, the first one included, is scored.
 
 `PiSession` (rollout.py) gathers the facts, asks these, and applies the answer to its result.
 """
@@ -33,9 +45,6 @@ class LastCall:
 
     upstream_status: int | None = None  # None: no answer from upstream at all
     upstream_error: str | None = None
-    client_disconnected: bool = False  # the agent hung up before the answer ended
-    ttfb_s: float | None = None  # None: the endpoint never began its answer
-    streamed: bool | None = None  # the agent asked for a streamed answer (None: the body was refused)
     upstream_broke: bool = False  # the endpoint's answer broke after its first byte
 
     @classmethod
@@ -44,10 +53,7 @@ class LastCall:
         return cls(
             upstream_status=record.upstream_status,
             upstream_error=record.upstream_error,
-            client_disconnected=record.client_disconnected,
             upstream_broke=record.upstream_broke,
-            ttfb_s=record.ttfb_s,
-            streamed=record.streamed,
         )
 
 
@@ -60,7 +66,7 @@ class AgentEnd:
     exit_code: int | None = None
     stderr: str = ""
     answered: bool = False  # the conversation rebuilt from the gateway's records has messages
-    last: LastCall | None = None  # None: Pi never called the model
+    last: LastCall | None = None  # None: Pi never called the model (in the rollout: every step's calls)
     gate_stop: str | None = None  # interception_gate's stop reason (a held call expired)
     gate_message: str | None = None
     budget_exhausted: str | None = None  # "max_turns" / "max_total_tokens": the gateway ended the turn
@@ -75,6 +81,7 @@ class Verdict:
     error: str | None = None
     stop_reason: str | None = None  # replaces the conversation's stop reason when set
     budget_exhausted: str | None = None  # set on the result when a budget ended the agent
+    truncated: bool = False  # its time limit or a budget stopped the agent, not its own end
 
     @property
     def scored(self) -> bool:
@@ -88,26 +95,25 @@ def judge_agent(end: AgentEnd) -> Verdict:
     if end.closed:  # close() from another thread killed the agent: not the agent's failure
         return Verdict("infra", "the session was closed while the agent ran")
     if end.timed_out:
-        # Unscored only when the endpoint had not begun its answer to a streamed call (Pi's
-        # way): a slow non-streamed call is the agent's choice, which it cannot make a dodge.
-        if not end.answered or (
-            last is not None and last.client_disconnected and last.ttfb_s is None and last.streamed is not False
-        ):
+        if last is None:
+            # Pi never called the model in the rollout: no answer of the model's ever existed,
+            # so nothing in the sandbox is the agent's doing (a Pi that could not get going).
             return Verdict(
                 "agent_timeout",
-                f"the agent's {end.limit_s:g} s limit passed while the model "
-                "endpoint had not begun its answer (or before Pi called it)",
+                f"the agent's {end.limit_s:g} s limit passed before Pi called the model",
                 stop_reason="timeout",
+                truncated=True,
             )
-        # Otherwise the agent spent its own time (a hung tool, a killed or stopped Pi, its own
-        # non-streamed call): scored.
-        return Verdict(stop_reason="timeout")
+        # The agent's time, whatever it was doing: a hung tool, a killed or stopped Pi, a call
+        # in flight (its own or Pi's, streamed or not, begun or not: it chooses when and how it
+        # calls). Scored on what it left.
+        return Verdict(stop_reason="timeout", truncated=True)
     if end.gate_stop:  # interception_gate: the trainer never answered
         return Verdict("gate_timeout", end.gate_message, stop_reason=end.gate_stop)
     if end.budget_exhausted:
         # A budget, not a failure: the gateway ended the turn cleanly, and what the agent did
         # is scored.
-        return Verdict(stop_reason="budget", budget_exhausted=end.budget_exhausted)
+        return Verdict(stop_reason="budget", budget_exhausted=end.budget_exhausted, truncated=True)
     if last is not None and (last.upstream_error or (last.upstream_status or 0) >= 400):
         status = last.upstream_status
         if last.upstream_broke:  # a 200 whose stream the endpoint cut (a replica died): Pi got half an answer

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 ErrorKind = Literal[
     "setup_failed",  # a setup command failed: the task or its environment is broken
     "agent_error",  # Pi never got going: it could not start, or its first call was refused
-    "agent_timeout",  # the agent's limit passed while the model had not begun its answer
+    "agent_timeout",  # the agent's limit passed before Pi called the model (a later time-out is scored)
     "endpoint_error",  # the model endpoint was unreachable, answered 5xx or broke an answer mid-stream
     "gate_timeout",  # interception_gate: the trainer did not deliver a held call within gate_timeout_s
     "invalid_reward",  # results of older pi-env only: a bad reward file is now a 0.0 (see verify_notes)
@@ -119,6 +119,10 @@ class RolloutResult(BaseModel):
     agent_exit_code: int | None = None
     stop_reason: str | None = None  # the last answer's (stop, toolUse, length), or error / budget / timeout
     budget_exhausted: str | None = None  # "max_turns" / "max_total_tokens" when a budget ended it
+    # The agent was stopped, by its time limit (stop_reason "timeout") or a budget ("budget"),
+    # rather than ending on its own (a multi-step task: any step's). Scored on what it left, but
+    # for agent_timeout (Pi never called the model): pi_env.judge, docs/isolation.md.
+    truncated: bool = False
     wall_s: float = 0.0
     timings: dict[str, float] = Field(default_factory=dict)  # per phase, seconds
     mode: str = "black_box"

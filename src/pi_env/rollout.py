@@ -411,6 +411,8 @@ class PiSession(GateAPI):
             result.stop_reason = verdict.stop_reason
         if verdict.budget_exhausted:
             result.budget_exhausted = verdict.budget_exhausted
+        if verdict.truncated:
+            result.truncated = True
         if verdict.error_kind is not None:
             self._fail(verdict.error_kind, verdict.error or verdict.error_kind)
         return verdict.scored
