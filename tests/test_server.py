@@ -27,7 +27,7 @@ from helpers import processes_of_uid, wait_for
 from pi_env import PiTask, RolloutResult
 from pi_env.server.client import PiEnv, PiEnvError
 from pi_env.server.limiter import ServerBusy
-from pi_env.scripted import ScriptedToolCall, ScriptedTurn
+from pi_env.scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 
@@ -45,7 +45,7 @@ def sleeping_task(seconds: int, task_id: str = "sleeper") -> dict:
 class ServerProcess:
     """`pi-env serve` on a free 127.0.0.1 port with its own sandbox root; stopped by its PID."""
 
-    def __init__(self, tmp: Path, web: bool = False, **env: str):
+    def __init__(self, tmp: Path, web: bool = False, extra_args: list[str] | None = None, **env: str):
         # Sandbox uids need o+x on every parent of the root; pytest's tmp dirs are private.
         self.sandbox_root = Path(tempfile.mkdtemp(prefix="pi-env-served-"))
         self.sandbox_root.chmod(0o711)
@@ -57,7 +57,8 @@ class ServerProcess:
         environment = {**os.environ, "PI_ENV_SANDBOX_ROOT": str(self.sandbox_root),
                        "ENABLE_WEB_INTERFACE": "true" if web else "false", **env}
         self.log = self.log_path.open("w")
-        self.process = subprocess.Popen([sys.executable, "-m", "pi_env.cli", "serve", "--port", str(self.port)],
+        self.process = subprocess.Popen([sys.executable, "-m", "pi_env.cli", "serve", "--port", str(self.port),
+                                         *(extra_args or [])],
                                         env=environment, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -114,10 +115,31 @@ def sandbox_uids_running() -> set[int]:
     return uids
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def scripted_port():
+    """The port every scripted server of the module listens on: the pi-env servers allow it
+    (PI_ENV_ALLOWED_BASE_URLS), as an operator allows its own model endpoint."""
+    return free_port()
+
+
+@pytest.fixture
+def server(scripted_port):
+    """A fresh scripted server (the conftest's), on the module's allowed port."""
+    with ScriptedServer(port=scripted_port) as scripted:
+        yield scripted
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, scripted_port):
     server = ServerProcess(tmp_path_factory.mktemp("served"), MAX_CONCURRENT_ENVS="2",
-                           OPENAI_API_KEY="sk-server-side-secret-0123")
+                           OPENAI_API_KEY="sk-server-side-secret-0123",
+                           PI_ENV_ALLOWED_BASE_URLS=f"http://127.0.0.1:{scripted_port}")
     yield server
     server.stop()
 

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from helpers import processes_of_uid
-from test_server import FIZZBUZZ, ServerProcess, get, sandbox_processes, sandbox_uids_running, sleeping_task, wait_for
+from test_server import (FIZZBUZZ, ServerProcess, free_port, get, sandbox_processes, sandbox_uids_running,
+                         scripted_port, server, sleeping_task, wait_for)
+
+__all__ = ["scripted_port", "server"]  # the fixtures: scripted servers on the port the servers allow
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 
@@ -59,10 +62,11 @@ def guarded(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def open_server(tmp_path_factory):
+def open_server(tmp_path_factory, scripted_port):
     """No token (a laptop's default): the Origin checks are all that stands between a web page
     the user visits and the server."""
-    server = ServerProcess(tmp_path_factory.mktemp("open"), MAX_CONCURRENT_ENVS="2", PI_ENV_MAX_QUEUE="8")
+    server = ServerProcess(tmp_path_factory.mktemp("open"), MAX_CONCURRENT_ENVS="2", PI_ENV_MAX_QUEUE="8",
+                           PI_ENV_ALLOWED_BASE_URLS=f"http://127.0.0.1:{scripted_port}/v1")
     yield server
     server.stop()
 
@@ -448,3 +452,180 @@ def test_any_api_key_works_and_never_rewrites_the_result(open_server, server, ke
     assert result.files["out.txt"] == "pass_rate stop_reason true null\n"
     assert "***" not in result.model_dump_json()
     assert server.requests[-1].api_key == key  # it reached the upstream intact
+
+
+# -- 41.7: a caller's task is data only; its URLs are rebuilt and allowlisted; errors are short -------
+
+class Upstream:
+    """A plain HTTP server on 127.0.0.1 (a host service a caller must not reach, or an allowed
+    endpoint answering errors): every request is recorded and answered `status` + `body`."""
+
+    def __init__(self, status: int = 200, body: bytes = b"", content_type: str = "application/json"):
+        import http.server
+        import threading
+
+        self.requests: list[str] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._answer()
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self._answer()
+
+            def _answer(self):
+                outer.requests.append(f"{self.command} {self.path}")
+                self.send_response(outer.status)
+                self.send_header("content-type", outer.content_type)
+                self.send_header("content-length", str(len(outer.body)))
+                self.end_headers()
+                self.wfile.write(outer.body)
+
+            def log_message(self, *args):
+                pass
+
+        self.status, self.body, self.content_type = status, body, content_type
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+SECRET_LINE = "root:$6$hostile-secret-line-4e1f:19000:0:99999:7:::"
+
+
+def harbor_task(environment: dict) -> dict:
+    """A caller's task carrying Harbor facts whose environment is `environment`."""
+    return {"instruction": "x", "verify": ["true"], "solution": [{"tool": "bash", "command": "true"}],
+            "metadata": {"harbor": {"source": "/srv/tasks/t", "path_map": {},
+                                    "environment": {"needs_build": True, **environment}}}}
+
+
+@pytest.mark.parametrize("environment", ["dockerfile", "context", "both", "no_build"])
+def test_a_callers_task_cannot_name_host_files(open_server, tmp_path, environment):
+    """A Harbor environment naming a host file as its Dockerfile or a host dir as its build
+    context (what the building backends read on the host): refused, whatever the path, on both
+    /mcp doors, before anything runs; the file's lines never come back."""
+    secret = tmp_path / "shadow"
+    secret.write_text(SECRET_LINE + "\nFROM scratch\n")
+    given = {"dockerfile": {"dockerfile": str(secret)}, "context": {"context": str(tmp_path)},
+             "both": {"dockerfile": str(secret), "context": "/"},
+             "no_build": {"dockerfile": str(secret), "needs_build": False}}[environment]
+    for mcp_sdk in (False, True):
+        text = _tool_error(open_server.url, {"task": harbor_task(given)}, mcp_sdk)
+        assert "metadata.harbor.environment." in text and "cannot name host files" in text, text
+        assert "files: {path: text}" in text, text  # what to send instead
+        assert "hostile-secret-line" not in text and "infra" not in text, text
+    assert not any(open_server.sandbox_root.iterdir())  # nothing ran
+
+
+def test_a_callers_task_with_only_an_image_is_not_a_host_path(open_server):
+    """The rule is about host paths, not about Harbor: an image name is data (the local backend
+    then says it cannot run images, as it does for any task)."""
+    arguments = {"task": harbor_task({"image": "ubuntu:24.04"})}
+    status, _, text = request(open_server.url + "/mcp", jsonrpc_call(arguments), {"Content-Type": "application/json"},
+                              timeout=300)
+    assert status == 200 and "cannot name host files" not in text, text[:500]
+
+
+BENT_URLS = [
+    ("{internal}/internal#", "fragment"),
+    ("{internal}/internal?x=", "query string"),
+    ("http://user:pw@127.0.0.1:{port}/v1", "user info"),
+    ("{internal}/v1/../internal", "'..' segments"),
+    ("{internal}/v1/%2e%2e/internal", "escapes"),
+    ("file:///etc/passwd", "not an http(s) URL"),
+    ("{internal}/v1", "not on this server's allowlist"),
+    ("{internal}", "not on this server's allowlist"),
+    ("http://127.0.0.1:{scripted}/v1@127.0.0.1:{port}/x", "user info"),
+]
+
+
+@pytest.mark.parametrize("url,what", BENT_URLS)
+@pytest.mark.parametrize("argument", ["endpoint", "base_url"])
+def test_a_callers_base_url_is_rebuilt_and_allowlisted(open_server, scripted_port, url, what, argument):
+    """A base URL ending in `#` dropped the API path, so the server POSTed to any URL it could
+    reach and returned the body. Now a caller's URL is parsed and rebuilt, and must be on the
+    operator's allowlist; the host service is never reached."""
+    internal = Upstream(200, b'{"secret": "internal-service-body-77c2"}')
+    try:
+        port = internal.httpd.server_address[1]
+        url = url.format(internal=internal.url, port=port, scripted=scripted_port)
+        if argument == "endpoint":
+            arguments = {"endpoint": url, "model": "m", "api_key": "sk-caller-4242"}
+        else:
+            arguments = {"endpoint": "vllm", "base_url": url, "model": "m", "api_key": "sk-caller-4242"}
+        arguments = with_solution({"instruction": "x", "verify": ["true"], **arguments})
+        for mcp_sdk in (False, True):
+            text = _tool_error(open_server.url, arguments, mcp_sdk)
+            assert f"{argument}:" in text and what in text, text
+            assert "internal-service-body" not in text and "sk-caller-4242" not in text, text
+            if "allowlist" in what:
+                assert "--allow-base-url" in text and "PI_ENV_ALLOWED_BASE_URLS" in text, text
+        assert internal.requests == []  # never reached
+        assert not any(open_server.sandbox_root.iterdir())
+    finally:
+        internal.close()
+
+
+def test_the_allowlist_flag_and_variable_let_an_endpoint_through(tmp_path):
+    """`--allow-base-url` (repeatable) and PI_ENV_ALLOWED_BASE_URLS add endpoints; the caller's
+    URL is used as rebuilt (a trailing slash, a default port: the same endpoint); a catalog
+    endpoint sent elsewhere does not carry the server's key."""
+    by_flag = Upstream(401, b'{"error": {"message": "bad key"}}')
+    by_env = Upstream(401, b'{"error": {"message": "bad key"}}')
+    server = ServerProcess(tmp_path, PI_ENV_ALLOWED_BASE_URLS=by_env.url + "/v1", OPENAI_API_KEY="sk-server-owned-9090",
+                           extra_args=["--allow-base-url", by_flag.url, "--allow-base-url", "http://10.9.9.9/v1"])
+    try:
+        for upstream in (by_flag, by_env):
+            status, _, text = request(server.url + "/mcp", jsonrpc_call({
+                "instruction": "x", "verify": ["true"], "endpoint": upstream.url + "/v1/", "model": "m",
+                "api_key": "sk-caller-1", "max_turns": 1}), {"Content-Type": "application/json"}, timeout=300)
+            assert status == 200 and "allowlist" not in text, text[:500]
+            assert upstream.requests and all(line == "POST /v1/chat/completions" for line in upstream.requests
+                                             if line.startswith("POST")), upstream.requests
+        text = _tool_error(server.url, {"instruction": "x", "verify": ["true"], "endpoint": "openai",
+                                        "base_url": by_env.url + "/v1", "model": "m"}, mcp_sdk=True)
+        assert "base_url:" in text and "give your own api_key" in text, text
+        text = _tool_error(server.url, {"instruction": "x", "verify": ["true"], "endpoint": "http://10.9.9.8/v1",
+                                        "model": "m", "api_key": "k"}, mcp_sdk=True)
+        assert "not on this server's allowlist" in text, text
+    finally:
+        server.stop()
+        by_flag.close()
+        by_env.close()
+
+
+@pytest.mark.parametrize("body,content_type,shown,hidden", [
+    (b"internal-page-6d0e\r\nSet-Cookie: session=abc123\x1b[31m" + b"x" * 5000, "text/html",
+     "upstream error body not shown", ["internal-page-6d0e", "abc123", "\x1b", "xxxxxxxxxx"]),
+    (json.dumps({"error": {"message": "model not found\n\x1b[2J Authorization: Bearer sk-echoed-77 "
+                           + "y" * 5000}}).encode(), "application/json",
+     "HTTP 404: model not found", ["sk-echoed-77", "\x1b", "\n", "y" * 400]),
+])
+def test_upstream_error_bodies_reach_the_caller_short_and_clean(tmp_path, body, content_type, shown,
+                                                                hidden):
+    upstream = Upstream(404, body, content_type)
+    try:
+        server = ServerProcess(tmp_path, PI_ENV_ALLOWED_BASE_URLS=upstream.url)
+        try:
+            status, _, text = request(server.url + "/mcp", jsonrpc_call({
+                "instruction": "x", "verify": ["true"], "endpoint": upstream.url + "/v1", "model": "m",
+                "api_key": "sk-caller-2", "max_turns": 1}), {"Content-Type": "application/json"}, timeout=300)
+        finally:
+            server.stop()
+        assert status == 200, text[:500]
+        result = json.loads(text)["result"]["structured_content"]
+        errors = [turn["upstream_error"] for turn in result["proxy_turns"] if turn["upstream_error"]]
+        assert errors and all(shown in error and len(error) <= 320 for error in errors), errors
+        for error in errors:
+            for secret in hidden:
+                assert secret not in error, (secret, error)
+        assert hidden[0] not in text  # nor anywhere else: the error, the logs, the agent's messages
+    finally:
+        upstream.close()

@@ -23,6 +23,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     backend_argument(parser, default=None)  # None: $PI_ENV_SANDBOX_BACKEND or local
     parser.add_argument("--no-web", action="store_true", help="no web UI at /web")
+    parser.add_argument(
+        "--allow-base-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a model endpoint callers may send as base_url or endpoint (repeatable; a URL without a "
+        "path allows its whole host:port). Added to $PI_ENV_ALLOWED_BASE_URLS; the catalog's "
+        "endpoints and PI_ENV_LOCAL_BASE_URL are always allowed",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="close a session (/ws, OpenEnv's MCP sessions, a web UI tab's kept key) idle this long "
+        "(default: $PI_ENV_IDLE_TIMEOUT_S or 300)",
+    )
 
 
 def run(args) -> int:
@@ -34,6 +51,11 @@ def run(args) -> int:
     ):
         if value is not None:
             os.environ[name] = str(value)
+    if args.allow_base_url:
+        given = [os.environ.get("PI_ENV_ALLOWED_BASE_URLS", ""), *args.allow_base_url]
+        os.environ["PI_ENV_ALLOWED_BASE_URLS"] = ",".join(url for url in given if url)
+    if args.idle_timeout is not None:
+        os.environ["PI_ENV_IDLE_TIMEOUT_S"] = str(args.idle_timeout)
     if args.no_web:
         os.environ["ENABLE_WEB_INTERFACE"] = "false"
     import uvicorn

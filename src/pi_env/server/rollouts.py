@@ -25,6 +25,7 @@ from ..config import PiConfig
 from ..endpoints import CATALOG, ORACLE, EndpointError, resolve_endpoint
 from ..results import RolloutEvent, RolloutResult
 from ..task import PiTask, TaskError
+from .callers import CallerError, caller_base_url, configured_base_urls, refuse_host_paths, short_upstream_error
 from .limiter import RolloutLimiter
 
 if TYPE_CHECKING:
@@ -60,6 +61,10 @@ def build_rollout(arguments: dict[str, Any], *, sandbox_backend: str | None = No
         task = PiTask.coerce(task_value if task_value is not None else task_fields)
     except TaskError as error:
         raise BadArguments(str(error).replace("task: invalid task:", "task:", 1)) from None
+    try:
+        refuse_host_paths(task)  # a caller's task is data only
+    except CallerError as error:
+        raise BadArguments(str(error)) from None
 
     mode = given.pop("mode", "black_box")
     if mode not in MODES:
@@ -80,6 +85,7 @@ def build_rollout(arguments: dict[str, Any], *, sandbox_backend: str | None = No
     }
     if given:
         raise BadArguments(f"unknown arguments {sorted(given)}")
+    caller_urls(fields)
     if endpoint == LOCAL:
         fields.update(local_engine(fields))
     try:
@@ -97,6 +103,30 @@ def build_rollout(arguments: dict[str, Any], *, sandbox_backend: str | None = No
         message = str(error).replace("pass --api-key", "give api_key").replace("pass --model", "give model")
         raise BadArguments(f"endpoint: {message}") from None
     return task, config
+
+
+def caller_urls(fields: dict[str, Any]) -> None:
+    """The caller's URLs (`endpoint` as a URL, `base_url`) rebuilt from their parts and on the
+    operator's allowlist (callers.caller_base_url); a catalog endpoint sent to another base URL
+    uses the caller's key, never the server's."""
+    endpoint = fields["endpoint"]
+    try:
+        if isinstance(endpoint, str) and (":" in endpoint or "/" in endpoint):  # a URL, not a name
+            fields["endpoint"] = caller_base_url(endpoint, "endpoint")
+        if fields["base_url"] is not None:
+            fields["base_url"] = caller_base_url(fields["base_url"], "base_url")
+    except CallerError as error:
+        raise BadArguments(str(error)) from None
+    if (
+        fields["base_url"] is not None
+        and endpoint in CATALOG
+        and not fields["api_key"]
+        and set(fields["base_url"].split(",")) - configured_base_urls(endpoint)
+    ):
+        raise BadArguments(
+            f"base_url: not the server's URL for endpoint {endpoint!r}, so the server's key is not sent "
+            "there; give your own api_key"
+        )
 
 
 def describe(error: ValidationError, names: dict[str, str] | None = None) -> str:
@@ -196,19 +226,73 @@ def scrub(text: str, secret: str | None) -> str:
 
 
 def scrub_result(data: dict[str, Any], secret: str | None) -> dict[str, Any]:
-    """A result (JSON mode) with the key scrubbed from the free text that quotes the upstream
-    only: the error, the gateway's log, each turn's upstream error (an upstream may echo the key
-    in its error body). Structured fields and what the agent wrote are never touched (the agent
-    never holds the key), so a key like "stop" leaves `stop_reason` and the agent's words."""
+    """A result (JSON mode) as a caller gets it. An upstream's error body reaches the caller only
+    as each turn's short, cleaned `upstream_error` (callers.short_upstream_error): wherever else
+    the body was quoted (the error, the agent's and the gateway's logs, the agent's messages) it
+    is replaced by a pointer to that. The caller's key is scrubbed from the free text that quotes
+    the upstream only: the error, the gateway's log, each turn's upstream error (an upstream may
+    echo the key in its error body). Structured fields and what the agent wrote are never
+    touched (the agent never holds the key), so a key like "stop" leaves `stop_reason` and the
+    agent's words."""
+    bodies: set[str] = set()
+    for turn in data.get("proxy_turns") or []:
+        if isinstance(turn.get("upstream_error"), str):
+            status = turn.get("upstream_status")
+            if isinstance(status, int) and status >= 400:
+                bodies.add(turn["upstream_error"])
+            turn["upstream_error"] = short_upstream_error(scrub(turn["upstream_error"], secret), status)
+    if bodies:
+        forms = upstream_body_forms(bodies)
+        for field in QUOTING_UPSTREAM:
+            if field in data:
+                data[field] = _without(data[field], forms)
     if not secret:
         return data
     for field in ("error", "proxy_log_tail"):
         if isinstance(data.get(field), str):
             data[field] = scrub(data[field], secret)
-    for turn in data.get("proxy_turns") or []:
-        if isinstance(turn.get("upstream_error"), str):
-            turn["upstream_error"] = scrub(turn["upstream_error"], secret)
     return data
+
+
+# Where an upstream's error body may be quoted: pi-env's error, the agent's and gateway's logs,
+# the agent's messages (Pi records the failed call's error there).
+QUOTING_UPSTREAM = ("error", "agent_log_tail", "proxy_log_tail", "messages", "pi_session_messages")
+UPSTREAM_BODY = "[upstream error body: see proxy_turns' upstream_error]"
+WINDOW = 16  # a quoted body is found by any run of this many of its characters
+
+
+def upstream_body_forms(bodies: set[str]) -> set[str]:
+    """Every WINDOW-character run of each body, as is and JSON-escaped (a log or a message may
+    quote the body cut, re-indented or escaped); a shorter body whole."""
+    forms: set[str] = set()
+    for body in bodies:
+        for text in {body, json.dumps(body)[1:-1], json.dumps(body, ensure_ascii=False)[1:-1]}:
+            text = text.strip()
+            if len(text) < WINDOW:
+                forms.add(text) if len(text) >= 6 else None
+            forms.update(text[i : i + WINDOW] for i in range(len(text) - WINDOW + 1))
+    return forms
+
+
+def _without(value: Any, forms: set[str]) -> Any:
+    """`value` with each line that quotes an upstream body cut at the quote, UPSTREAM_BODY after."""
+    if isinstance(value, str):
+        return "".join(_line_without(line, forms) for line in value.splitlines(keepends=True))
+    if isinstance(value, dict):
+        return {key: _without(item, forms) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_without(item, forms) for item in value]
+    return value
+
+
+def _line_without(line: str, forms: set[str]) -> str:
+    for at in range(max(0, len(line) - WINDOW + 1)):
+        if line[at : at + WINDOW] in forms:
+            return line[:at] + UPSTREAM_BODY + ("\n" if line.endswith("\n") else "")
+    for form in forms:
+        if len(form) < WINDOW and form in line:
+            return line.replace(form, UPSTREAM_BODY)
+    return line
 
 
 # A threading.Event set when the HTTP client of the current request disconnects (see
