@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import processes_of_uid
+from pi_env import PiTask
 from test_server import (FIZZBUZZ, ServerProcess, free_port, get, sandbox_processes, sandbox_uids_running,
                          scripted_port, server, sleeping_task, wait_for)
 
@@ -629,3 +630,31 @@ def test_upstream_error_bodies_reach_the_caller_short_and_clean(tmp_path, body, 
         assert hidden[0] not in text  # nor anywhere else: the error, the logs, the agent's messages
     finally:
         upstream.close()
+
+
+def test_a_callers_task_limits_only_lower_the_caps(open_server):
+    """A task's own agent time limit (600 s) no longer replaces the cap (the call's 3 s): the
+    agent's 40 s sleep is stopped at the cap."""
+    task = {"instruction": "wait", "verify": ["true"], "timeouts": {"agent_s": 600},
+            "solution": [{"tool": "bash", "command": "sleep 40"}]}
+    status, _, text = request(open_server.url + "/mcp", jsonrpc_call({"task": task, "agent_timeout_s": 3}),
+                              {"Content-Type": "application/json"}, timeout=300)
+    assert status == 200, text[:300]
+    result = json.loads(text)["result"]["structured_content"]
+    assert result["stop_reason"] == "timeout" and result["wall_s"] < 20, (result["stop_reason"], result["wall_s"])
+
+
+def test_task_memory_and_disk_only_lower_the_config_caps():
+    from types import SimpleNamespace
+
+    from pi_env import PiConfig
+    from pi_env.specs import sandbox_spec
+
+    runtime = SimpleNamespace(root="/nonexistent", archive_dir=None, supports=lambda flag: True)
+    config = PiConfig(max_total_memory_bytes=1 << 30, max_disk_bytes=2 << 30)
+    for limits, memory, disk in (({"memory_mb": 1 << 20, "storage_mb": 1 << 20}, 1 << 30, 2 << 30),
+                                 ({"memory_mb": 512, "storage_mb": 256}, 512 << 20, 256 << 20),
+                                 ({}, 1 << 30, 2 << 30)):
+        task = PiTask.coerce({"instruction": "x", "limits": limits}) if limits else PiTask.coerce("x")
+        spec = sandbox_spec(config, task, "local", runtime, "/nonexistent.sock")
+        assert (spec.limits.max_total_memory_bytes, spec.limits.max_disk_bytes) == (memory, disk), limits

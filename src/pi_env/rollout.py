@@ -44,7 +44,7 @@ from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported
 from .specs import load_token_in, open_gateway_session, sandbox_spec, session_endpoint
 from .steps import StepOutcome, StepRunner
 from .task import PiTask
-from .task_setup import run_command, run_setup
+from .task_setup import capped, run_command, run_setup
 from .training import TrainingTrace, build_training_trace
 from .turns import proxy_trace, rollout_turn, turn_log
 from .verify import put_back, read_reward, set_aside, stage
@@ -441,7 +441,7 @@ class PiSession(GateAPI):
             result.verify_results.append(
                 self._run(
                     command,
-                    task.timeouts.verify_s or self.config.verify_timeout_s,
+                    capped(task.timeouts.verify_s, self.config.verify_timeout_s),
                     "full" if task.verify_network else "none",
                     env=world.env_for(task),
                 )
@@ -534,7 +534,7 @@ class PiSession(GateAPI):
         return run_command(_made(self.sandbox, "sandbox"), command, timeout_s, network, env=env)
 
     def _agent_limit(self, task: PiTask) -> float:
-        return task.timeouts.agent_s or self.config.agent_timeout_s
+        return capped(task.timeouts.agent_s, self.config.agent_timeout_s)
 
     def _note(self, text: str) -> None:
         """pi-env's own word on the rollout, after the agent's log."""

@@ -8,7 +8,7 @@
 - `trace_path`: the session's trace file (in `trace_dir`, or scratch in a private dir).
 - `open_gateway_session`: the gateway session opened with all of the above that concerns it and
   the config's budgets, limits, gate deadline and routing, reading the factory's policy version.
-- `sandbox_spec`: mounts, limits (the task's over the config's), the environment to build and
+- `sandbox_spec`: mounts, limits (the task's may lower the config's, never raise them), the environment to build and
   whether setup and verify get root of a container (Harbor's tasks).
 - `with_forced_sampling`: `PiSessionFactory(sampling=...)` over `proxy_sampling`.
 """
@@ -38,6 +38,7 @@ from .proxy.rewrite import CaptureOptions
 from .results import RolloutResult
 from .sandbox import SANDBOX_WORKDIR, SandboxLimits, SandboxSpec
 from .task import PiTask
+from .task_setup import capped
 from .verify import RESERVE_DIR, startup_mount
 
 
@@ -158,8 +159,8 @@ def sandbox_spec(config: PiConfig, task: PiTask, backend: str, runtime: PiRuntim
             max_processes=config.max_processes,
             max_file_bytes=config.max_file_bytes,
             max_memory_bytes=config.max_memory_bytes,
-            max_total_memory_bytes=_mb(task.limits.memory_mb) or config.max_total_memory_bytes,
-            max_disk_bytes=_mb(task.limits.storage_mb) or config.max_disk_bytes,
+            max_total_memory_bytes=capped(_mb(task.limits.memory_mb), config.max_total_memory_bytes),
+            max_disk_bytes=capped(_mb(task.limits.storage_mb), config.max_disk_bytes),
         ),
         env=dict(config.extra_env),
         # Old Pi has no -na: hide the task's .pi/ so it cannot change Pi's settings.

@@ -32,6 +32,7 @@ from .proxy.gateway import GatewaySession
 from .results import CommandResult, ErrorKind, RolloutResult
 from .sandbox import SANDBOX_HOME
 from .task import PiTask
+from .task_setup import capped
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class StepRunner:
             session._check_open()
             outcome = session._run(
                 command,
-                step.timeouts.setup_s or session.config.setup_timeout_s,
+                capped(step.timeouts.setup_s, session.config.setup_timeout_s),
                 "full" if step.setup_network else "none",
             )
             session._result.setup_results.append(outcome)

@@ -20,6 +20,14 @@ from .sandbox.base import Network
 from .task import PiTask
 
 
+def capped(own: float | int | None, cap: float | int | None):
+    """A task's own limit (a time, memory, disk; from its file or a caller) can only lower the
+    operator's cap, never raise it. None: no limit of the task's / no cap."""
+    if own is None or own == 0:
+        return cap
+    return own if cap is None else min(own, cap)
+
+
 def run_command(
     sandbox: Sandbox, command: str, timeout_s: float, network: Network, *, env: dict[str, str] | None = None
 ) -> CommandResult:
@@ -49,7 +57,7 @@ def run_setup(
         outcome = run_command(
             sandbox,
             command,
-            task.timeouts.setup_s or config.setup_timeout_s,
+            capped(task.timeouts.setup_s, config.setup_timeout_s),
             "full" if task.setup_network else "none",
         )
         results.append(outcome)
