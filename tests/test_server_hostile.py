@@ -658,3 +658,36 @@ def test_task_memory_and_disk_only_lower_the_config_caps():
         task = PiTask.coerce({"instruction": "x", "limits": limits}) if limits else PiTask.coerce("x")
         spec = sandbox_spec(config, task, "local", runtime, "/nonexistent.sock")
         assert (spec.limits.max_total_memory_bytes, spec.limits.max_disk_bytes) == (memory, disk), limits
+
+
+def test_idle_sessions_are_closed_on_every_route(tmp_path):
+    """PI_ENV_IDLE_TIMEOUT_S (here 2 s): an idle /ws socket is closed, an idle OpenEnv HTTP MCP
+    session is reaped; a socket whose rollout runs longer than that is not idle."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    server = ServerProcess(tmp_path, PI_ENV_IDLE_TIMEOUT_S="2")
+    ws = server.url.replace("http", "ws") + "/ws"
+    try:
+        with connect(ws, open_timeout=10) as socket_:
+            socket_.send(json.dumps({"type": "state"}))
+            assert "episode_id" in socket_.recv(timeout=10)
+            started = time.monotonic()
+            with pytest.raises(ConnectionClosed):
+                socket_.recv(timeout=30)
+            assert time.monotonic() - started < 10
+        with connect(ws, open_timeout=10) as socket_:  # busy for 6 s: not idle
+            started = time.monotonic()
+            socket_.send(json.dumps({"type": "step", "data": {"type": "call_tool", "tool_name": "run_rollout",
+                                                              "arguments": {"task": sleeping_task(6)}}}))
+            answer = json.loads(socket_.recv(timeout=120))  # the rollout's answer, not a close
+            assert answer["type"] == "observation" and time.monotonic() - started > 5, str(answer)[:500]
+        status, _, text = request(server.url + "/mcp", json.dumps({"jsonrpc": "2.0", "id": 1,
+                                                                   "method": "openenv/session/create"}).encode(),
+                                  {"Content-Type": "application/json"})
+        session_id = json.loads(text)["result"]["session_id"]
+        time.sleep(9)  # OpenEnv's reaper looks every 5 s at least
+        with connect(ws + f"?session_id={session_id}", open_timeout=10) as socket_:
+            assert "Unknown session_id" in socket_.recv(timeout=10)
+    finally:
+        server.stop()

@@ -21,12 +21,14 @@ PI_ENV_SANDBOX_BACKEND; ENABLE_WEB_INTERFACE (default true here); the catalog's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
 import logging
 import os
 import threading
+import time
 import uuid
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
@@ -40,6 +42,7 @@ from fastmcp.server.middleware import Middleware
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
+from openenv.core.env_server.types import ConcurrencyConfig
 from openenv.core.env_server.types import Observation, State
 from pydantic import Field, ValidationError
 
@@ -64,6 +67,7 @@ log = logging.getLogger("pi_env.server")
 logging.getLogger("fastmcp.server.server").addFilter(
     lambda record: not record.getMessage().startswith("Invalid arguments")
 )
+DEFAULT_IDLE_TIMEOUT_S = 300.0
 ROLLOUT_TOOL_TIMEOUT_S = 24 * 3600  # OpenEnv's default tool timeout is 30 s; a rollout takes minutes
 
 INSTRUCTIONS = """pi-env runs the Pi coding agent on a task in an isolated sandbox against an
@@ -254,7 +258,10 @@ def create_pi_app(service: RolloutService | None = None, *, web: bool | None = N
         CallToolAction,
         CallToolObservation,
         env_name="pi_env",
-        max_concurrent_envs=limits.max_running + limits.max_waiting,
+        # Idle OpenEnv sessions (its HTTP MCP sessions) are reaped; sockets: DisconnectWatch.
+        concurrency_config=ConcurrencyConfig(
+            max_concurrent_envs=limits.max_running + limits.max_waiting, session_timeout=idle_timeout_s()
+        ),
         gradio_builder=builder,
         show_default_tab=False,
         title_override="pi-env",
@@ -406,10 +413,13 @@ class DisconnectWatch:
         gone = threading.Event()
         token = client_gone.set(gone)
         inbox: asyncio.Queue = asyncio.Queue(maxsize=64)  # bounded: a flooding client waits
+        idle_s = idle_timeout_s()
+        state = {"answering": False, "last": time.monotonic(), "closed": False}
 
         async def read_ahead() -> None:
             while True:
                 message = await receive()
+                state["answering"], state["last"] = True, time.monotonic()
                 if message["type"] == "websocket.disconnect":
                     gone.set()
                 elif inbox.full():  # floods while its rollout runs: treated as gone
@@ -419,12 +429,43 @@ class DisconnectWatch:
                 if message["type"] == "websocket.disconnect":
                     return
 
+        async def answered(message) -> None:
+            if state["closed"]:  # closed as idle: the handler's late words go nowhere
+                return
+            state["answering"], state["last"] = False, time.monotonic()
+            await send(message)
+
+        async def reap_when_idle() -> None:
+            """A socket that has sent nothing for idle_s, with no call of its own running, is
+            closed (1001) and its session ended, as OpenEnv's reaper ends idle HTTP sessions."""
+            while True:
+                await asyncio.sleep(min(1.0, idle_s / 4))
+                if not state["answering"] and time.monotonic() - state["last"] > idle_s:
+                    state["closed"] = True
+                    with contextlib.suppress(Exception):
+                        await send({"type": "websocket.close", "code": 1001, "reason": "idle"})
+                    await inbox.put({"type": "websocket.disconnect", "code": 1001})
+                    return
+
         reader = asyncio.ensure_future(read_ahead())
+        reaper = asyncio.ensure_future(reap_when_idle())
         try:
-            await self.app(scope, inbox.get, send)
+            await self.app(scope, inbox.get, answered)
         finally:
             client_gone.reset(token)
             reader.cancel()
+            reaper.cancel()
+
+
+def idle_timeout_s() -> float:
+    """PI_ENV_IDLE_TIMEOUT_S (default 300): how long a session may sit idle before it is closed."""
+    try:
+        value = float(os.environ.get("PI_ENV_IDLE_TIMEOUT_S") or DEFAULT_IDLE_TIMEOUT_S)
+    except ValueError:
+        raise ValueError("PI_ENV_IDLE_TIMEOUT_S must be a number of seconds") from None
+    if not value > 0:
+        raise ValueError("PI_ENV_IDLE_TIMEOUT_S must be more than 0 seconds")
+    return value
 
 
 def __getattr__(name: str):

@@ -24,6 +24,7 @@ import gradio as gr
 
 from ..results import RolloutEvent, RolloutResult
 from ..task import PiTask, TaskError, load_tasks
+from .app import idle_timeout_s
 from .limiter import ServerBusy
 from .rollouts import MODES, BadArguments, RolloutService, catalog_summary, scrub, scrub_result
 
@@ -58,7 +59,8 @@ def gradio_builder(
 
     by_page: dict[str | None, set[asyncio.Future]] = {}  # the running rollouts of each open tab
     with gr.Blocks(title="pi-env") as blocks:
-        stored_key = gr.State(None)
+        # The key kept for the tab is dropped once the tab has been idle PI_ENV_IDLE_TIMEOUT_S.
+        stored_key = gr.State(None, time_to_live=idle_timeout_s())
         gr.Markdown(
             "## pi-env: the Pi coding agent in a sandbox, scored\n"
             f"At most **{service.limiter.max_running}** rollouts run at once on this server; "
