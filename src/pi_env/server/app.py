@@ -42,8 +42,7 @@ from fastmcp.server.middleware import Middleware
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
-from openenv.core.env_server.types import ConcurrencyConfig
-from openenv.core.env_server.types import Observation, State
+from openenv.core.env_server.types import ConcurrencyConfig, Observation, State
 from pydantic import Field, ValidationError
 
 from .auth import ServerGuard, allowed_origins_from_env
