@@ -120,6 +120,109 @@ def test_a_forgery_in_the_work_dir_scores_0_and_the_honest_answer_1(attack, back
             assert forged.files.get(path) == text, sorted(forged.files)
 
 
+# Issue 41's classes: what tools, import systems and git prefer, links, the verify commands' own
+# leftovers. name -> (task fields, the wrong answer, what the agent plants (files), commands the
+# agent runs after writing them, the honest answer, what the sandbox needs). Each forgery scored
+# 1.0 (or 0.5) on the set-aside design; each must score what the wrong answer scores alone.
+CHECKLIB = "def ok(x):\n    return x == 42\n"
+LIB_CHECK = "import sys, checklib, solution\nsys.exit(0 if checklib.ok(solution.answer()) else 1)\n"
+EXTENSION = ("#include <Python.h>\nstatic PyObject *ok(PyObject *s, PyObject *a) { Py_RETURN_TRUE; }\n"
+             "static PyMethodDef m[] = {{\"ok\", ok, METH_VARARGS, \"\"}, {0}};\n"
+             "static struct PyModuleDef d = {PyModuleDef_HEAD_INIT, \"checklib\", 0, -1, m};\n"
+             "PyMODINIT_FUNC PyInit_checklib(void) { return PyModule_Create(&d); }\n")
+BUILD = ("gcc -shared -fPIC $(python3 -c 'import sysconfig; print(\"-I\" + sysconfig.get_paths()[\"include\"])') ext.c "
+         "-o checklib$(python3 -c 'import sysconfig; print(sysconfig.get_config_var(\"EXT_SUFFIX\"))')")
+# Run by the first verify command: an unchecked-hash .pyc for the hidden checklib, used by the next.
+PYC = (WRONG + "if __name__ == '__main__':\n    import os, py_compile, sys\n"
+       "    open('evil.py', 'w').write('def ok(x):\\n    return True\\n')\n"
+       "    py_compile.compile('evil.py', cfile=f'__pycache__/checklib.{sys.implementation.cache_tag}.pyc',\n"
+       "                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)\n    print(41)\n")
+GIT_SETUP = ["git init -q && git add -A && git -c user.email=a@b -c user.name=a commit -qm init"]
+GIT_CHECK = ("import solution\nopen('/root/logs/verifier/reward.txt', 'w')"
+             ".write('1' if solution.answer() == 42 else '0')\n")
+FORGING_CONFIG = ("[core]\n\trepositoryformatversion = 0\n\tbare = false\n[filter \"x\"]\n"
+                  "\tclean = sh -c 'echo 1 > /root/logs/verifier/reward.txt; cat'\n")
+PYTEST_HIDDEN = {"setup": [INSTALL_PYTEST], "verify_files": {"test_hidden.py": HIDDEN_PYTEST},
+                 "verify": ["python3 -m pytest -q -p no:cacheprovider test_hidden.py"]}
+COLLECT_ONLY = "addopts = ['--collect-only']\n"
+CLASSES = {
+    "pytest-toml": (PYTEST_HIDDEN, {"solution.py": WRONG}, {"pytest.toml": "[pytest]\n" + COLLECT_ONLY}, [],
+                    {"solution.py": RIGHT}, "pytest"),
+    "pyproject-native-table": (PYTEST_HIDDEN, {"solution.py": WRONG}, {"pyproject.toml": "[tool.pytest]\n" + COLLECT_ONLY},
+                               [], {"solution.py": RIGHT}, "pytest"),
+    "pyproject-dotted-key": (PYTEST_HIDDEN, {"solution.py": WRONG},
+                             {"pyproject.toml": "tool.pytest.ini_options.addopts = '--collect-only'\n"}, [],
+                             {"solution.py": RIGHT}, "pytest"),
+    "extension-module": ({"verify_files": {"check.py": LIB_CHECK, "checklib.py": CHECKLIB}, "verify": ["python3 check.py"]},
+                         {"solution.py": WRONG}, {"ext.c": EXTENSION}, [BUILD], {"solution.py": RIGHT}, "gcc"),
+    "node-extensionless": ({"verify_files": {"judge.js": "module.exports = x => x === 42\n",
+                                             "check.js": "process.exit(require('./judge')(require('./solution.js')"
+                                                         ".answer()) ? 0 : 1)\n"},
+                            "verify": ["node check.js"]},
+                           NODE_FILES, {"judge": "module.exports = () => true\n"}, [],
+                           {"solution.js": "exports.answer = () => 42\n"}, "node"),
+    "pyc-from-an-earlier-command": ({"verify_files": {"check.py": LIB_CHECK, "checklib.py": CHECKLIB},
+                                     "verify": ["python3 solution.py | grep -qx 42", "python3 check.py"]},
+                                    {"solution.py": WRONG + "if __name__ == '__main__':\n    print(41)\n"},
+                                    {"solution.py": PYC}, [], {"solution.py": RIGHT + "print(42)\n"}, "python3"),
+    "git-filter-driver": ({"setup": GIT_SETUP, "files": {"solution.py": "def answer():\n    return 0\n"},
+                           "reward_file": True, "verify_files": {"check.py": GIT_CHECK},
+                           "verify": ["python3 check.py; git status --short > /dev/null"]},
+                          {"solution.py": WRONG}, {".git/config": FORGING_CONFIG, ".git/info/attributes": "* filter=x\n"},
+                          [], {"solution.py": RIGHT}, "git"),
+    "link-to-the-reward-file": ({"reward_file": True,
+                                 "verify": ["python3 solution.py > out.txt; grep -qx 42 out.txt && "
+                                            "echo 1 > $HOME/logs/verifier/reward.txt; true"]},
+                                {"solution.py": "print(1)\n"}, {}, ["ln -s /root/logs/verifier/reward.txt out.txt"],
+                                {"solution.py": "print(42)\n"}, "python3"),
+    "link-to-a-hidden-file": ({"verify_files": {"check.py": HIDDEN_CHECK},
+                               "verify": ["python3 solution.py > notes.txt; python3 check.py"]},
+                              {"solution.py": WRONG + "print('import os; os._exit(0)')\n"}, {},
+                              ["ln -s check.py notes.txt"], {"solution.py": RIGHT}, "python3"),
+}
+NEEDS.update({"gcc": "command -v gcc && python3 -c 'import sysconfig, os; "
+                     "assert os.path.exists(sysconfig.get_paths()[\"include\"] + \"/Python.h\")'",
+              "git": "command -v git && command -v python3"})
+
+
+@pytest.mark.parametrize("backend", ["local", "podman"])
+@pytest.mark.parametrize("attack", sorted(CLASSES))
+def test_a_class_of_forgery_scores_what_the_wrong_answer_scores_alone(attack, backend):
+    fields, wrong, planted, commands, honest_files, needs = CLASSES[attack]
+    config = _config(backend, needs)
+
+    def task(files: dict[str, str], commands: list[str]) -> PiTask:
+        steps = [{"tool": "write", "path": path, "content": text} for path, text in files.items()]
+        # "planted" is printed only when every command of the attack succeeded
+        steps += [{"tool": "bash", "command": " && ".join([*commands, "echo plant''ed"])}]
+        return PiTask(task_id=attack, instruction="make answer() return 42", **fields, solution=steps)
+
+    alone = run_rollout(task(wrong, []), config)
+    forged = run_rollout(task({**wrong, **planted}, commands), config)
+    assert forged.error_kind is None, (forged.error, forged.agent_log_tail[-1500:], forged.setup_results)
+    assert "planted" in json.dumps(forged.messages), "the attack did not run: the test proves nothing"
+    assert alone.reward == 0.0 and forged.reward == alone.reward, (_scores(forged), forged.verify_notes)
+    honest = run_rollout(task(honest_files, []), config)
+    assert honest.reward == 1.0, (_scores(honest), honest.verify_notes)
+
+
+def test_a_runner_the_image_lacks_is_the_tasks_error_or_not_found_never_the_agents():
+    """No pytest for the sandbox's python3: `python3 -m pytest` is the task's error, found after
+    setup (unscored, `setup_failed`, saying what to install), and where pi-env cannot tell (the
+    command sets PATH), the agent's pytest.py is not imported: the command fails as it would
+    beside an empty work dir."""
+    config = _config("local", "python3")
+    plain = {"verify_files": {"test_hidden.py": HIDDEN_PYTEST}, "verify": ["python3 -m pytest -q test_hidden.py"]}
+    result = run_rollout(_task("no-runner", plain, {"solution.py": WRONG, "pytest.py": EXIT_0}), config)
+    if result.error_kind is None:
+        pytest.skip("the sandbox's python3 has pytest")
+    assert result.error_kind == "setup_failed" and "install it in setup" in result.error, result.error
+    hidden = {**plain, "verify": ["PATH=$PATH python3 -m pytest -q test_hidden.py"]}
+    result = run_rollout(_task("no-runner-unchecked", hidden, {"solution.py": RIGHT, "pytest.py": EXIT_0}), config)
+    assert "planted" in json.dumps(result.messages)
+    assert result.reward == 0.0 and "No module named 'pytest'" in result.verify_results[0].stderr, _scores(result)
+
+
 def test_a_reward_file_written_by_the_agents_program_is_ignored_and_noted():
     fields, planted, _ = ATTACKS["reward-file-from-program"]
     result = run_rollout(_task("noted", fields, planted))
@@ -199,16 +302,39 @@ def test_harbor_tests_are_staged_where_nothing_the_agent_planted_sits_beside_the
     assert any(".harbor" in note for note in result.verify_notes), result.verify_notes
 
 
-@pytest.mark.parametrize("backend", ["local", "podman", "unsafe-local"])
-def test_set_aside_moves_only_what_the_agent_planted_and_put_back_restores_it(backend):
-    """Sandbox level: setup's conftest.py stays, the agent's new ones go (names that are not UTF-8,
-    hold a newline or a space included), the task's own file of such a name is staged again, and
-    put_back gives the agent's files back byte for byte."""
-    from pi_env.sandbox import SandboxSpec
-    from pi_env.verify import put_back, record_setup, set_aside, startup_mount
+ROOM_PLANT = r"""set -e
+mkfifo fifo
+ln -s /root/logs/verifier/reward.txt out.txt          # the verifier's redirect would write the reward
+ln -s check.py alias.py                               # a link onto a hidden file
+ln -s /root/.bashrc home.txt                          # anything of the home
+ln -s /usr/bin/python3 python                         # a venv's interpreter: kept
+ln -s keep.py also.py                                 # a link within the work: kept
+mkdir -p check __pycache__ .git/hooks .git/info .git/objects .git/refs/heads pkg2
+printf 'import os; os._exit(0)\n' > check/__init__.py     # a package dir beats check.py
+printf 'x' > check.cpython-311-x86_64-linux-gnu.so   # an extension module beats check.py
+printf 'x' > lib; printf 'x' > lib.json               # Node: ./lib and ./lib.json before ./lib.js
+printf 'x' > __pycache__/keep.cpython-311.pyc; printf 'x' > lone.pyc; printf 'x' > pkg2/x.pyo
+printf 'ref: refs/heads/main\n' > .git/HEAD
+printf '#!/bin/sh\nexit 0\n' > .git/hooks/pre-commit
+printf '* filter=evil diff=evil\n' > .git/info/attributes
+printf '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = /x\n\tpager = /x\n[filter "evil"]\n\tclean = /x\n' > .git/config
+printf '[diff "evil"]\n\ttextconv = /x\n[include]\n\tpath = /x\n[user]\n\tname = agent\n' >> .git/config
+mkdir -p sub && printf 'gitdir: /root/x\n' > sub/.git
+mkdir -p $'a\nb' $'c\xff' 'd e'; for d in $'a\nb' $'c\xff' 'd e'; do echo odd > "$d/conftest.py"; done
+"""
 
-    task = PiTask(task_id="aside", instruction="x", files={"pkg/conftest.py": "# the task's\n"},
-                  verify_files={"tests/test_hidden.py": "def test_x(): pass\n"})
+
+@pytest.mark.parametrize("backend", ["local", "podman", "unsafe-local"])
+def test_the_room_holds_the_agents_work_as_data_and_leave_gives_it_back(backend):
+    """Sandbox level (pi_env.verify.room): every rule of the room on one planted work dir, the
+    task's own files staged again, setup's configuration kept, an earlier command's leftovers
+    cleaned again by refresh, and leave() giving the agent's work dir back as it left it."""
+    from pi_env.sandbox import SandboxSpec
+    from pi_env.verify import SETUP_PATHS, record_setup, stage, startup_mount
+    from pi_env.verify.room import enter, leave, refresh, restage_task_files, room_for
+
+    task = PiTask(task_id="room", instruction="x", files={"pkg/conftest.py": "# the task's\n", "check.txt": "data"},
+                  verify_files={"tests/test_hidden.py": "def test_x(): pass\n", "check.py": "print('hidden')\n", "lib.js": "hidden"})
     made = registered(backend)()
     with made.create(SandboxSpec(ro_mounts=startup_mount())) as sandbox:
         for path, text in task.files.items():
@@ -216,28 +342,69 @@ def test_set_aside_moves_only_what_the_agent_planted_and_put_back_restores_it(ba
         sandbox.write_file("setup/conftest.py", "# setup's\n")
         record_setup(sandbox, task, setup_ran=True, env={})  # setup made setup/conftest.py
         planted = {"conftest.py": "a", "deep/er/pytest.ini": "b", "pkg/conftest.py": "c", "tests/helper.py": "d",
-                   "tests/__init__.py": "e", "node_modules/x/index.js": "f", "keep.py": "g",
-                   "pyproject.toml": "[tool.pytest.ini_options]\n", "setup.cfg": "[metadata]\nname = x\n"}
+                   "tests/__init__.py": "e", "node_modules/x/index.js": "f", "keep.py": "g", "pytest.toml": "h",
+                   "pyproject.toml": 'tool.pytest.ini_options.addopts = "--co"\n', "tests.py": "i", "check.txt": "j"}
         for path, text in planted.items():
             sandbox.write_file(path, text)
-        odd = sandbox.exec(["/bin/bash", "-c", r"mkdir -p $'a\nb' $'c\xff' 'd e' && for d in $'a\nb' $'c\xff' 'd e'; "
-                                               r'do echo odd > "$d/conftest.py"; done'], timeout_s=30)
-        assert odd.exit_code == 0, odd.stderr
-        moved, notes = set_aside(sandbox, task)
-        assert len(moved) == 9, notes  # 3 odd, conftest.py, deep/er/pytest.ini, pkg/conftest.py, tests, node_modules, pyproject
-        assert "pkg/conftest.py" not in notes[0]  # the task's own file: set aside, but not news
-        assert sandbox.read_file("setup/conftest.py") == b"# setup's\n"  # setup made it: stays
+        plant = sandbox.exec(["/bin/bash", "-c", ROOM_PLANT.replace("/root", sandbox.host_path("/root")) if backend == "unsafe-local"
+                              else ROOM_PLANT], timeout_s=30)
+        assert plant.exit_code == 0, plant.stderr
+        before = sandbox.exec(["/bin/bash", "-c", "find . -printf '%p %y %l\\n' | sort | md5sum"], timeout_s=30).stdout
+        room = room_for(sandbox, task)
+        entered = enter(sandbox, task, room, SETUP_PATHS)
+        restage_task_files(sandbox, task)
+        stage(sandbox, task)
+        assert "tests.py" in entered.notes[0] and "pkg/conftest.py" not in entered.notes[0], entered.notes
+        listing = sandbox.exec(["/bin/bash", "-c", r"find . -mindepth 1 ! -path './.git/?*/?*' -printf '%P\0' | "
+                                r"tr '\n\0\377' '?\n?'"], timeout_s=30).stdout
+        assert set(listing.splitlines()) == {
+            ".git", ".git/HEAD", ".git/config", ".git/info", ".git/objects", ".git/refs",  # no hooks, no attributes
+            "also.py", "python",  # links within the work and into the system; none to the home or the verifier
+            "check.py", "check.txt", "lib.js", "tests", "tests/test_hidden.py",  # the verifier's names: its alone
+            "keep.py", "pkg", "pkg/conftest.py", "pkg2", "setup", "setup/conftest.py", "sub",  # no cache, no .git file
+            "deep", "deep/er", "a?b", "c?", "d e",  # no tool configuration, whatever its name's bytes
+        }, listing
         assert sandbox.read_file("pkg/conftest.py") == b"# the task's\n"  # the task's own, staged again
-        assert sandbox.read_file("keep.py") == b"g" and sandbox.read_file("setup.cfg").startswith(b"[metadata]")
-        assert not any(sandbox.exists(path) for path in ("conftest.py", "tests", "node_modules", "pyproject.toml",
-                                                         "deep/er/pytest.ini", "d e/conftest.py"))
-        sandbox.write_file("tests/test_hidden.py", "staged")  # what verify stages there meanwhile
-        put_back(sandbox, task, moved)
+        assert sandbox.read_file("check.txt") == b"data"  # the task's own, under a hidden file's stem
+        assert sandbox.read_file("check.py") == b"print('hidden')\n"
+        config = sandbox.read_file(".git/config").decode()
+        assert "evil" not in config and "/x" not in config, config  # every key that names a program: gone
+        if sandbox.exec("test -x /usr/bin/git", timeout_s=30).exit_code == 0:
+            assert "agent" in config, config  # allowlisted keys stay
+        # An earlier command's agent code leaves a cache, a link and a FIFO; refresh cleans them, keeps data.
+        dirty = sandbox.exec(["/bin/bash", "-c", "mkdir -p __pycache__ && echo x > __pycache__/check.cpython-311.pyc"
+                              " && ln -s ../logs/verifier/reward.txt r.txt && mkfifo f && echo 41 > out.txt"],
+                             timeout_s=30)
+        assert dirty.exit_code == 0, dirty.stderr
+        refresh(sandbox, task, room, SETUP_PATHS)
+        assert not any(sandbox.exists(path) for path in ("__pycache__", "r.txt", "f"))
+        assert sandbox.read_file("out.txt") == b"41\n"
+        leave(sandbox, task, entered)
+        after = sandbox.exec(["/bin/bash", "-c", "find . -printf '%p %y %l\\n' | sort | md5sum"], timeout_s=30).stdout
+        assert after == before  # the agent's work dir, as it left it (the collected files, a later step's agent)
         for path, text in planted.items():
             assert sandbox.read_file(path) == text.encode(), path
-        check = sandbox.exec(["/bin/bash", "-c", r"cat $'a\nb/conftest.py' $'c\xff/conftest.py' 'd e/conftest.py'"],
-                             timeout_s=30)
-        assert check.stdout == "odd\n" * 3 and not sandbox.exists("tests/test_hidden.py")
+
+
+@pytest.mark.parametrize("backend", ["local", "podman"])
+def test_a_task_with_outputs_gets_only_those_and_its_own_files(backend):
+    from pi_env.sandbox import SandboxSpec
+    from pi_env.verify import SETUP_PATHS, startup_mount
+    from pi_env.verify.room import enter, leave, restage_task_files, room_for
+
+    task = PiTask(task_id="outputs", instruction="x", outputs=["src/**/*.py", "README.md"],
+                  files={"data/in.csv": "1,2\n", "src/app.py": "task's\n"})
+    with registered(backend)().create(SandboxSpec(ro_mounts=startup_mount())) as sandbox:
+        for path, text in {"data/in.csv": "forged", "src/app.py": "agent's", "src/deep/er/x.py": "x",
+                           "src/notes.txt": "n", "README.md": "r", "conftest.py": "c", "pytest.ini": "p"}.items():
+            sandbox.write_file(path, text)
+        entered = enter(sandbox, task, room_for(sandbox, task), SETUP_PATHS)
+        restage_task_files(sandbox, task)
+        files = sandbox.snapshot("/root/workdir")
+        assert files == {"src/app.py": b"agent's", "src/deep/er/x.py": b"x", "README.md": b"r",
+                         "data/in.csv": b"1,2\n"}, files
+        leave(sandbox, task, entered)
+        assert sandbox.read_file("pytest.ini") == b"p" and sandbox.read_file("data/in.csv") == b"forged"
 
 
 @pytest.mark.parametrize("name", ["hf", "e2b"])

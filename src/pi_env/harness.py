@@ -21,8 +21,11 @@ What the worker does with it, and what pi-env does in turn:
   id or instruction it equals, else (given a list) `tasks[seed % len(tasks)]`, so every sample of
   a GRPO group gets the same task. Without a list, the prompt is the task.
 - `wait_for_completion()`: the agent runs, then the task's verify commands. Raises
-  `TimeoutError` when `timeout_s` passes first (the rollout goes on) and when the agent ran past
-  its own time limit (it was killed; the captured turns stay trainable, the rollout unscored).
+  `TimeoutError` when `timeout_s` passes first (the rollout goes on) and when the agent's time
+  ran out before Pi made a single model call (unscored `agent_timeout`). An agent that ran out
+  of time after calling the model is killed, verified and scored on what it left, like any
+  agent that gave up (a time-out must not turn its 0 into a dropped sample):
+  `metrics["truncated"]` tells the trainer.
 - `fetch_training_trace()`: openenv's own `TrainingTrace`, one validated turn per model call with
   the engine's prompt ids, completion ids, logprobs and a loss mask. A model call whose capture
   cannot satisfy that contract raises ValueError naming the turn and why; nothing is dropped or
@@ -182,7 +185,8 @@ class HarnessSession(ResourceSession):
         """Wait for the agent and the verify commands; returns the agent's exit code (-1 when
         the agent never ran). Raises TimeoutError when `timeout_s` passes first (the rollout goes
         on: call again, or close()) and when the agent ran past its own limit and was killed
-        (the rollout is then finished, unscored, and its captured turns stay readable)."""
+        before Pi made a model call (the rollout is then finished, unscored, and its captured turns
+        stay readable). An agent cut off later is scored: `verify()`'s metrics say `truncated`."""
         result = self.pi_session.wait_for_completion(timeout_s)
         if result.error_kind == "agent_timeout":
             raise TimeoutError(f"rollout {self.episode_id}: {result.error}")
@@ -246,6 +250,7 @@ class HarnessSession(ResourceSession):
             "error_kind": result.error_kind,
             "reward_source": result.reward_source,
             "stop_reason": result.stop_reason,
+            "truncated": result.truncated,
             "budget_exhausted": result.budget_exhausted,
             "model_calls": len(result.proxy_turns),
             "verify_passed": passed,

@@ -47,7 +47,8 @@ from .task import PiTask
 from .task_setup import capped, run_command, run_setup
 from .training import TrainingTrace, build_training_trace
 from .turns import proxy_trace, rollout_turn, turn_log
-from .verify import put_back, read_reward, set_aside, stage
+from .verify import SETUP_PATHS, RewardReading, read_reward, stage
+from .verify.room import Entered, RoomError, enter, leave, refresh, restage_task_files, room_for
 from .verify.workdir import WorkdirEntry, WorkdirLimits, restore_workdir
 from .verify.world import VerifyWorld
 
@@ -210,7 +211,9 @@ class PiSession(GateAPI):
             with self._clock.phase("setup"):
                 if not self._run_setup(self.task):
                     return
-                _made(self._world, "verify world").keep_setup(_made(self.sandbox, "sandbox"), self.task)
+                if why := _made(self._world, "verify world").keep_setup(_made(self.sandbox, "sandbox"), self.task):
+                    self._fail("setup_failed", why)
+                    return
             with self._clock.phase("agent_start"):
                 self._check_open()
                 if self._replay is None:
@@ -419,7 +422,8 @@ class PiSession(GateAPI):
 
     def _verify(self, task: PiTask, index: int) -> StepOutcome | None:
         """Step `index` of `task` (0: the task itself) verified in a world the agent did not
-        shape, and its reward; None when that world could not be made (the rollout failed)."""
+        shape, on its work as data (pi_env.verify.room), and its reward; None when that world
+        could not be made for reasons not the agent's (the rollout failed)."""
         result, world = self._result, _made(self._world, "verify world")
         try:
             sandbox, home_aside = world.build(
@@ -431,13 +435,30 @@ class PiSession(GateAPI):
             if sandbox is not self.sandbox:
                 self.sandbox, old = sandbox, self.sandbox
                 old.close()
-            moved, notes = set_aside(sandbox, task)
-            result.verify_notes += notes
+            room = room_for(sandbox, task)
         except (SandboxError, OSError) as error:
             self._fail("infra", f"could not give verify a clean world: {type(error).__name__}: {error}")
             return None
-        for command in task.verify:
-            stage(sandbox, task)  # afresh for each: agent code an earlier command ran may have changed them
+        refused, entered = None, Entered()
+        for position, command in enumerate(task.verify):
+            try:
+                if position == 0:
+                    entered = enter(sandbox, task, room, SETUP_PATHS)
+                    result.verify_notes += entered.notes
+                else:  # nothing an earlier command's agent code left runs on, or shapes this one's room
+                    sandbox.kill_all()
+                    refresh(sandbox, task, room, SETUP_PATHS)
+                restage_task_files(sandbox, task)
+                stage(sandbox, task)
+            except OSError as error:
+                if isinstance(error, RoomError) and error.moved:
+                    entered = Entered(error.moved)
+                if position == 0 and not (isinstance(error, RoomError) and error.agents):
+                    self._fail("infra", f"could not give verify a clean room: {type(error).__name__}: {error}")
+                    leave(sandbox, task, entered)
+                    return None
+                refused = f"reward 0.0: verify's room could not be made before command {position + 1} ({error})"
+                break
             result.verify_results.append(
                 self._run(
                     command,
@@ -447,14 +468,18 @@ class PiSession(GateAPI):
                 )
             )
         sandbox.kill_all()
-        reading = read_reward(sandbox, task)
+        if refused is not None:  # within the agent's reach (its files, its disk, its code's leftovers)
+            result.verify_notes.append(refused)
+            reading = RewardReading(0.0, valid=False)
+        else:
+            reading = read_reward(sandbox, task, result.verify_results[-1] if result.verify_results else None)
         result.verify_notes += reading.notes
         score = score_reward(reading.reward, result.verify_results)
         if score.error_kind is not None:
             self._fail(score.error_kind, score.error or score.error_kind)
         else:
             result.reward, result.reward_source = score.reward, score.source
-        put_back(sandbox, task, moved)
+        leave(sandbox, task, entered)
         self._reads.artifacts(self.task, self.sandbox, result, step=index)
         return StepOutcome(result.reward, reading.valid, home_aside)
 

@@ -198,6 +198,10 @@ class PiTask(BaseModel):
     verify: list[str] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)
     verify_files: dict[str, str] = Field(default_factory=dict)
+    # What of the agent's work dir reaches verify (globs relative to the work dir, `**` for any
+    # depth; a dir brings what is below it). None: all of it, under the clean room's rules
+    # (pi_env.verify.room). The task's own `files` outside these reach verify as the task wrote them.
+    outputs: list[str] | None = None
     solution: list[SolutionStep] | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     timeouts: PhaseTimeouts = Field(default_factory=PhaseTimeouts)
@@ -231,6 +235,15 @@ class PiTask(BaseModel):
     @classmethod
     def _relative_keys(cls, files: dict[str, str], info) -> dict[str, str]:
         return check_file_keys(files, info.field_name)
+
+    @field_validator("outputs")
+    @classmethod
+    def _relative_globs(cls, outputs: list[str] | None) -> list[str] | None:
+        for index, glob in enumerate(outputs or []):
+            check_relative_path(glob, f"outputs[{index}]")
+            if "\0" in glob or "\n" in glob:
+                raise ValueError(f"outputs[{index}]: {glob!r} holds a NUL or newline; give a glob of a path")
+        return outputs
 
     @field_validator("solution")
     @classmethod
@@ -278,6 +291,8 @@ class PiTask(BaseModel):
     def digest(self) -> str:
         """A content hash of what defines the task (not its id or metadata)."""
         payload = self.model_dump(include={"instruction", "setup", "verify", "files", "verify_files"})
+        if self.outputs is not None:  # what verify sees of the work: part of the task (older digests unchanged)
+            payload["outputs"] = self.outputs
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
     @classmethod

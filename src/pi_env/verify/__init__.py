@@ -37,9 +37,11 @@ import re
 from dataclasses import dataclass, field
 from importlib import resources
 
+from ..results import CommandResult
 from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox
 from ..sandbox.base import HostPaths
 from ..task import PiTask
+from .room import TOOL_CONFIG
 
 VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"
 REWARD_FILE = f"{VERIFIER_DIR}/reward.txt"
@@ -53,7 +55,6 @@ SETUP_PATHS = f"{SANDBOX_HOME}/.pi-env-verify/setup-paths"
 # hidden from the agent (SandboxSpec.agent_masked_paths), freed when verify's world is restored.
 RESERVE_DIR = f"{SANDBOX_HOME}/.pi-env-reserve"
 RESERVE_MIN_BYTES, RESERVE_INODES = 8 << 20, 64
-ASIDE_DIR = f"{SANDBOX_HOME}/.pi-env-verify/set-aside"
 OWN_PATH = "/usr/bin:/bin"  # what pi-env's own commands in the sandbox find their tools on
 OWN_ENV = {"PATH": OWN_PATH, "BASH_ENV": "", "ENV": "", "LC_ALL": "C"}
 
@@ -64,11 +65,14 @@ VERIFY_ENV = {
     "BASH_ENV": "",
     "ENV": "",
     "PYTHONDONTWRITEBYTECODE": "1",
-    "GIT_CONFIG_COUNT": "2",
+    "GIT_CONFIG_COUNT": "3",
     "GIT_CONFIG_KEY_0": "core.fsmonitor",
     "GIT_CONFIG_VALUE_0": "false",
     "GIT_CONFIG_KEY_1": "core.hooksPath",
     "GIT_CONFIG_VALUE_1": "/dev/null",
+    # No directory of the agent's is taken for a bare repository (its config would be read).
+    "GIT_CONFIG_KEY_2": "safe.bareRepository",
+    "GIT_CONFIG_VALUE_2": "explicit",
 }
 # Hooks verify turns off unless setup made them (then they are the task's, restored with the
 # home): name -> (value, home paths whose presence after setup means setup made them).
@@ -78,16 +82,6 @@ VERIFY_HOOKS = {
     "PYTHONNOUSERSITE": ("1", (f"{SANDBOX_HOME}/.local/lib",)),
     "GIT_CONFIG_GLOBAL": (f"{SANDBOX_HOME}/.gitconfig", (f"{SANDBOX_HOME}/.config/git",)),
 }
-# Work-dir files a verifier's tool loads on its own, wherever they are (pytest: conftest.py and
-# its ini files; Python: sitecustomize, and compiled modules it prefers to their source when the
-# source's mtime and size match; npm: the project .npmrc; node: node_modules).
-TOOL_DIRS = ("node_modules", "__pycache__")
-TOOL_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "sitecustomize.py", "usercustomize.py", ".npmrc", *TOOL_DIRS)
-# Files that configure pytest only when they have its section (grep -E finds the section's header).
-TOOL_SECTIONS = {"pyproject.toml": "tool.pytest", "setup.cfg": "tool:pytest", "tox.ini": "pytest"}
-SECTION_PATTERN = (
-    r"^[[:space:]]*\[(" + "|".join(section.replace(".", r"\.") for section in TOOL_SECTIONS.values()) + ")"
-)
 MAX_REWARD_BYTES = 64 << 10
 MAX_NOTE_NAMES = 20
 # A verify command or verify file naming this uses a reward file (when the task does not say).
@@ -123,7 +117,9 @@ def record_setup(sandbox: Sandbox, task: PiTask, *, setup_ran: bool, env: dict[s
         sandbox.remove(SETUP_PATHS)
         return {"PATH": env.get("PATH", ""), "PYTHONPATH": env.get("PYTHONPATH", "")}
     outcome = _own(
-        sandbox, ["/bin/bash", "-c", _RECORD, "pi-env", SETUP_PATHS, *_find_args(sandbox, task)], keep_path=True
+        sandbox,
+        ["/bin/bash", "-c", _RECORD, "pi-env", _in_sandbox(sandbox, SETUP_PATHS), *_config_find_args(sandbox)],
+        keep_path=True,
     )
     if outcome.exit_code != 0:
         raise OSError(f"could not record what setup left for the verifier: {outcome.stderr[-300:]}")
@@ -135,7 +131,8 @@ def verify_env(sandbox: Sandbox, task: PiTask, setup_env: dict[str, str], caller
     """The environment of every verify command: VERIFY_ENV and the hooks setup did not make
     turned off (unless the caller set them on purpose in PiConfig.extra_env), pi-env's Python
     start-up first on PYTHONPATH (setup's after it), and PATH (setup's, the caller's included)
-    with every entry in the work dir, or relative to the cwd, after the others."""
+    without any entry in the work dir or relative to the cwd: a runner on PATH is the
+    verifier's, never a program of the agent's (a task runs its program by its path)."""
     env = dict(VERIFY_ENV)
     for name, (value, made_by_setup) in VERIFY_HOOKS.items():
         if not any(sandbox.exists(path) for path in made_by_setup):
@@ -151,10 +148,46 @@ def verify_env(sandbox: Sandbox, task: PiTask, setup_env: dict[str, str], caller
     def agents(entry: str) -> bool:
         return not entry.startswith("/") or entry.rstrip("/") == workdir or entry.startswith(workdir + "/")
 
-    ordered = [e for e in entries if not agents(e)] + [e for e in entries if agents(e)]
-    if ordered != entries:
-        env["PATH"] = ":".join(ordered)
+    kept = [entry for entry in entries if not agents(entry)]
+    if kept != entries:
+        env["PATH"] = ":".join(kept)
     return env
+
+
+# `python3 -m NAME` at the start of a verify command (or after `&&`, `;`, `|`, `(`): the runner
+# pi-env checks for after setup. A command that changes its Python first (a venv, uv, PATH) is
+# not checked: pi-env cannot tell which Python it runs.
+_RUNNER = re.compile(
+    r"(?:^|&&|\|\||[;|(])\s*(?:\w+=\S*\s+)*((?:/\S*/)?python(?:3(?:\.\d+)?)?)((?:\s+-[A-Za-z]+)*)\s+-m\s*([A-Za-z_]\w*)"
+)
+_OWN_PYTHON = re.compile(r"activate|\buv\b|poetry|conda|pipenv|hatch|pdm|\btox\b|\bnox\b|\bPATH=|\bpip\b")
+_HAS_MODULE = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
+
+
+def missing_runner(sandbox: Sandbox, task: PiTask, env: dict[str, str]) -> str | None:
+    """After setup, before the agent: a `python3 -m NAME` runner a verify command names that the
+    sandbox's Python lacks, as the task's error (never the agent's: a runner the image lacks
+    is not looked up in the work dir, pi_env.verify.startup). None when every one is there, or
+    pi-env cannot tell (a verify with network may install it; a command that picks its Python)."""
+    if task.verify_network:
+        return None
+    wanted = {
+        (match.group(1), match.group(3))
+        for command in task.verify
+        if not _OWN_PYTHON.search(command)
+        for match in _RUNNER.finditer(command)
+        if "m" not in match.group(2).replace("-", "")  # `-Bm x`: rare, not checked
+    }
+    for python, module in sorted(wanted):
+        outcome = sandbox.exec(
+            [python, "-c", _HAS_MODULE, module], cwd=SANDBOX_HOME, env=env, timeout_s=60, network="none"
+        )
+        if outcome.exit_code == 3:
+            return (
+                f"a verify command runs `{python} -m {module}`, but the sandbox's {python} has no module "
+                f"{module!r}: install it in setup (or the task's image); it is never taken from the agent's work dir"
+            )
+    return None
 
 
 def reserve(sandbox: Sandbox, task: PiTask, disk_bytes: int | None) -> None:
@@ -172,108 +205,19 @@ def reserve(sandbox: Sandbox, task: PiTask, disk_bytes: int | None) -> None:
         sandbox.write_file(f"{RESERVE_DIR}/{index}", b"")
 
 
+# The verifier's own Python files, mounted read-only in every sandbox at STARTUP_DIR (first on
+# verify's PYTHONPATH): the start-up, and the helpers a check imports (pi_env_check.py).
+STARTUP_FILES = ("sitecustomize.py", "pi_env_check.py")
+
+
 def startup_mount() -> dict[str, str]:
-    """The sandbox's read-only mount of pi-env's Python start-up (SandboxSpec.ro_mounts): the
+    """The sandbox's read-only mounts of pi-env's verifier files (SandboxSpec.ro_mounts): each
     file alone, which a backend can bind from a copy where pi-env is installed out of the
     sandbox uid's reach (a private dir, a package under /root)."""
-    return {f"{STARTUP_DIR}/sitecustomize.py": f"{STARTUP_HOST_DIR}/sitecustomize.py"}
+    return {f"{STARTUP_DIR}/{name}": f"{STARTUP_HOST_DIR}/{name}" for name in STARTUP_FILES}
 
 
-# -- before verify --------------------------------------------------------------------------
-
-# Each path moved is printed as "<n> <hex of its bytes>": pi-env keeps the list (a full home
-# could not hold it) and hands it back to _PUT_BACK; names need not be UTF-8.
-_SET_ASIDE = r"""set -u
-list=$1 aside=$2 count=$3; shift 3
-always=("${@:1:count}"); shift "$count"
-PATH=/usr/bin:/bin
-rm -rf -- "$aside"; mkdir -p -- "$aside"
-[ -f "$list" ] || list=/dev/null
-{ find "$@" 2>/dev/null | sort -z | comm -z -23 - "$list"; [ "$count" = 0 ] || printf '%s\0' "${always[@]}"; } | {
-    i=0
-    while IFS= read -r -d '' path; do
-        if mv -T -- "$path" "$aside/$i" 2>/dev/null; then
-            printf '%s %s\n' "$i" "$(printf '%s' "$path" | od -An -v -tx1 | tr -d ' \n')"; i=$((i+1))
-        fi
-    done
-}
-"""
-
-_PUT_BACK = r"""set -u
-aside=$1; shift
-PATH=/usr/bin:/bin
-for entry in "$@"; do
-    i=${entry%% *} hex=${entry#* } escaped=
-    for ((k = 0; k < ${#hex}; k += 2)); do escaped+="\\x${hex:k:2}"; done
-    printf -v path '%b' "$escaped"
-    rm -rf -- "$path"; mkdir -p -- "${path%/*}"; mv -T -- "$aside/$i" "$path"
-done
-rm -rf -- "$aside"
-"""
-
-
-def set_aside(sandbox: Sandbox, task: PiTask) -> tuple[list[str], list[str]]:
-    """Move out of the work dir, for the verify phase, what the agent planted that a verifier's
-    tool loads on its own (see the module docstring), then stage the task's own files of those
-    names again. Returns (what to hand to put_back, notes for the result)."""
-    workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/") + "/"
-    # The task's own files of those names (the agent may have changed them), and whatever the
-    # agent left where hidden files go: set aside whether setup made them or not.
-    own = (
-        [workdir + path for path in task.files if _is_tool_path(task, path)]
-        + [workdir + path for path in task.verify_files]
-        + [
-            workdir + name
-            for module in _verifier_modules(task)
-            for name in (module, f"{module}.py")
-            if name not in task.verify_files and name not in _staging_dirs(task)
-        ]
-    )
-    outcome = _own(
-        sandbox,
-        [
-            "/bin/bash",
-            "-c",
-            _SET_ASIDE,
-            "pi-env",
-            SETUP_PATHS,
-            ASIDE_DIR,
-            str(len(own)),
-            *own,
-            *_find_args(sandbox, task),
-        ],
-    )
-    if outcome.exit_code != 0:
-        raise OSError(f"could not set aside the agent's verifier files: {outcome.stderr[-300:]}")
-    moved = [line for line in outcome.stdout.splitlines() if re.fullmatch(r"\d+ [0-9a-f]+", line)]
-    for path, text in task.files.items():
-        if _is_tool_path(task, path):
-            sandbox.write_file(path, text)
-    # The notes name only what the agent planted: not the task's own, nor where hidden files go.
-    expected = set(own)
-    names = [
-        name.removeprefix(workdir)
-        for name in (bytes.fromhex(line.split()[1]).decode("utf-8", "replace") for line in moved)
-        if name not in expected
-    ]
-    if not names:
-        return moved, []
-    shown = ", ".join(names[:MAX_NOTE_NAMES]) + (
-        f" and {len(names) - MAX_NOTE_NAMES} more" if len(names) > MAX_NOTE_NAMES else ""
-    )
-    return moved, [f"set aside for verify (the agent's, and a verifier's tool would load it): {shown}"]
-
-
-def put_back(sandbox: Sandbox, task: PiTask, moved: list[str]) -> None:
-    """Undo set_aside() and stage(): the hidden files gone, the agent's files back where it left
-    them, so the work dir is the agent's again (the collected files, a later step's agent).
-    Call with nothing running."""
-    for path in task.verify_files:
-        sandbox.remove(path)
-    for start in range(0, len(moved), 500):  # nothing moved: no command; 500 a command, well within ARG_MAX
-        outcome = _own(sandbox, ["/bin/bash", "-c", _PUT_BACK, "pi-env", ASIDE_DIR, *moved[start : start + 500]])
-        if outcome.exit_code != 0:
-            raise OSError(f"could not put back the agent's verifier files: {outcome.stderr[-300:]}")
+# -- before each verify command --------------------------------------------------------
 
 
 def stage(sandbox: Sandbox, task: PiTask) -> None:
@@ -298,9 +242,12 @@ class RewardReading:
     notes: list[str] = field(default_factory=list)
 
 
-def read_reward(sandbox: Sandbox, task: PiTask) -> RewardReading:
-    """The reward file as the last verify command left it: reward.txt (one number) first, else
-    reward.json (an object whose "reward" entry, or only entry, is a number)."""
+def read_reward(sandbox: Sandbox, task: PiTask, last: CommandResult | None = None) -> RewardReading:
+    """The reward file as the last verify command (`last`) left it: reward.txt (one number)
+    first, else reward.json (an object whose "reward" entry, or only entry, is a number). It
+    counts only when that command ended on its own: one killed by a signal (a status of 128 or
+    more, as shells report it) or timed out may have been killed by the agent's code it ran,
+    which then wrote the file in its place."""
     if not uses_reward_file(task):
         written = [path for path in (REWARD_FILE, REWARD_JSON) if sandbox.exists(path)]
         return RewardReading(
@@ -310,6 +257,11 @@ def read_reward(sandbox: Sandbox, task: PiTask) -> RewardReading:
             ]
             if written
             else []
+        )
+    if last is not None and (last.timed_out or last.exit_code is None or not 0 <= last.exit_code < 128):
+        ended = "timed out" if last.timed_out else f"ended with status {last.exit_code} (killed)"
+        return RewardReading(
+            0.0, valid=False, notes=[f"reward 0.0: the last verify command {ended}, so its reward file does not count"]
         )
     low, high = task.reward_range
     value, why = _reward_value(sandbox)
@@ -371,19 +323,6 @@ def _read(sandbox: Sandbox, path: str) -> tuple[str | None, str | None]:
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _is_tool_path(task: PiTask, path: str) -> bool:
-    """Does `path` (work-dir relative) fall under what set_aside moves? (TOOL_SECTIONS files are
-    the task's own: staged again whatever their content.)"""
-    parts = path.split("/")
-    return (
-        parts[-1] in TOOL_FILES
-        or parts[-1] in TOOL_SECTIONS
-        or any(d in parts[:-1] for d in TOOL_DIRS)
-        or parts[0] in _staging_dirs(task)
-        or path in _init_files(task)
-    )
-
-
 def verifier_modules_env(task: PiTask) -> dict[str, str]:
     """Top-level modules of `task`'s hidden files (a staged `test/` package, a `helpers.py`): the
     verifier's own, so found where Python would find them, as the stdlib's `test` is not. Per
@@ -400,77 +339,18 @@ def _verifier_modules(task: PiTask) -> set[str]:
     return {name for name in names if name.isidentifier()}
 
 
-def _staging_dirs(task: PiTask) -> set[str]:
-    """Top-level work-dir dirs hidden verify files are staged into: the verifier's alone."""
-    return {path.split("/")[0] for path in task.verify_files if "/" in path}
-
-
-def _init_files(task: PiTask) -> set[str]:
-    """An `__init__.py` beside a hidden verify file would make pytest import it as a package."""
-    return {"/".join([*path.split("/")[:-1], "__init__.py"]) for path in task.verify_files}
-
-
-def _find_args(sandbox: Sandbox, task: PiTask) -> list[str]:
-    """find's arguments for every path set_aside moves (printed NUL-terminated, absolute)."""
-    workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/")
-    names: list[str] = []
-    for name in TOOL_FILES:
-        if name not in TOOL_DIRS:
-            names += ["-o", "-name", name]
-    pruned: list[str] = []
-    for name in TOOL_DIRS:
-        pruned += ["-o", "-name", name]
-    for path in sorted(_init_files(task)):
-        names += ["-o", "-path", _glob_escape(f"{workdir}/{path}")]
-    for top in sorted(_staging_dirs(task)):
-        base = _glob_escape(f"{workdir}/{top}")
-        names += ["-o", "-path", base, "-o", "-path", f"{base}/*"]
-    sections: list[str] = []
-    for name in TOOL_SECTIONS:
-        sections += ["-o", "-name", name]
-    return [
-        workdir,
-        "-mindepth",
-        "1",
-        "(",
-        "(",
-        *pruned[1:],
-        ")",
-        "-prune",
-        "-print0",
-        ")",
-        "-o",
-        "(",
-        "(",
-        *names[1:],
-        ")",
-        "-print0",
-        ")",
-        "-o",
-        "(",
-        "(",
-        *sections[1:],
-        ")",
-        "-type",
-        "f",
-        "-exec",
-        "grep",
-        "-qsE",
-        SECTION_PATTERN,
-        "{}",
-        ";",
-        "-print0",
-        ")",
-    ]
-
-
-def _glob_escape(path: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", path)
-
-
 def _in_sandbox(sandbox: Sandbox, path: str) -> str:
     """A sandbox path as the sandbox's commands see it (unsafe-local runs on host paths)."""
     return sandbox.host_path(path) if isinstance(sandbox, HostPaths) and path.startswith("/") else path
+
+
+def _config_find_args(sandbox: Sandbox) -> list[str]:
+    """find's arguments for the work dir's tool configuration (room.TOOL_CONFIG), absolute."""
+    names: list[str] = []
+    for pattern in TOOL_CONFIG:
+        names += ["-o", "-name", pattern]
+    workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/")
+    return [workdir, "-mindepth", "1", "(", *names[1:], ")", "-prune", "-print0"]
 
 
 def _own(sandbox: Sandbox, argv: list[str], *, keep_path: bool = False):

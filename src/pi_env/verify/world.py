@@ -21,7 +21,7 @@ from ..results import CommandResult
 from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from ..sandbox.base import ExportsTrees, RestoresHome
 from ..task import PiTask
-from . import RESERVE_DIR, VERIFY_ENV, record_setup, reserve, verifier_modules_env, verify_env
+from . import RESERVE_DIR, VERIFY_ENV, missing_runner, record_setup, reserve, verifier_modules_env, verify_env
 
 # The agent's output is the work dir and these home dirs (Harbor's /logs/agent, where Pi's
 # session is too); the rest of the home is setup's.
@@ -50,14 +50,18 @@ class VerifyWorld:
         """Did anything but pi-env make the work dir (setup commands, a built environment)?"""
         return bool(task.setup or self.extra_setup or self.spec.environment)
 
-    def keep_setup(self, sandbox: Sandbox, task: PiTask) -> None:
+    def keep_setup(self, sandbox: Sandbox, task: PiTask) -> str | None:
         """Remember the world setup left: which of the verifier's files setup made, the home but
-        the work dir where the sandbox can put it back in place, which hooks setup itself made."""
+        the work dir where the sandbox can put it back in place, which hooks setup itself made.
+        Returns the task's error when a verify runner is missing from it (`missing_runner`)."""
         setup_env = record_setup(sandbox, task, setup_ran=self.setup_ran(task), env=self.spec.env)
+        self.env = verify_env(sandbox, task, setup_env, self.caller_env)
+        if why := missing_runner(sandbox, task, self.env_for(task)):
+            return why
         if isinstance(sandbox, RestoresHome):
             sandbox.checkpoint_home()
             self.reserve(sandbox, task)
-        self.env = verify_env(sandbox, task, setup_env, self.caller_env)
+        return None
 
     def env_for(self, task: PiTask) -> dict[str, str]:
         """Every verify command's environment when verifying `task`: setup's world as kept, with

@@ -6,9 +6,11 @@ sys.path without the agent's work dir (PI_ENV_WORKDIR), so a `pytest.py`, `json.
 `unittest.py` the agent left there is imported only when nothing of the verifier's (the
 standard library, installed packages, the verifier's own dirs) has that name. The hidden verify
 files' own top-level modules (PI_ENV_VERIFIER_MODULES: a staged `test/` package) are found as
-Python would find them. Everything else is as Python does it: the script's dir and the cwd stay
-on sys.path, so a check that imports the agent's module still finds it. Then the interpreter's
-own sitecustomize, which this file shadows, runs.
+Python would find them. The module `python3 -m NAME` runs (a runner: pytest, unittest) is the
+verifier's alone: where nothing of the verifier's has that name, it is not found (as beside an
+empty work dir), never the agent's `pytest.py`. Everything else is as Python does it: the
+script's dir and the cwd stay on sys.path, so a check that imports the agent's module still
+finds it. Then the interpreter's own sitecustomize, which this file shadows, runs.
 """
 
 import importlib.machinery
@@ -16,9 +18,38 @@ import os
 import sys
 
 
-def _pi_env_verify_startup():
+def _main_module():
+    """The top-level name of the module `-m` runs, or None (a script, -c, the REPL)."""
+    argv = getattr(sys, "orig_argv", None)
+    if argv is None:
+        try:
+            with open("/proc/self/cmdline", "rb") as cmdline:
+                argv = [arg.decode("utf-8", "surrogateescape") for arg in cmdline.read().split(b"\0")[:-1]]
+        except OSError:
+            return None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "--" or not arg.startswith("-") or arg == "-":
+            return None
+        for at, flag in enumerate(arg[1:], 1):
+            if flag == "m":
+                return (arg[at + 1 :] or next(args, "")).split(".")[0] or None
+            if flag == "c":
+                return None
+            if flag in "WX":
+                if not arg[at + 1 :]:
+                    next(args, None)
+                break
+            if flag == "-":  # a long option (--check-hash-based-pycs takes a value)
+                if arg == "--check-hash-based-pycs":
+                    next(args, None)
+                break
+    return None
+
+
+def _pi_env_verify_startup(runner):
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [entry for entry in sys.path if entry != here]
+    # `here` stays on sys.path: the verifier's helpers (pi_env_check) are imported from it.
     workdir = os.path.realpath(os.environ.get("PI_ENV_WORKDIR") or "/nonexistent/pi-env")
     verifiers = set(filter(None, os.environ.get("PI_ENV_VERIFIER_MODULES", "").split(",")))
     seen = {}
@@ -42,7 +73,12 @@ def _pi_env_verify_startup():
             entries = [entry for entry in sys.path if not agents(entry)]
             if len(entries) == len(sys.path):
                 return None  # nothing of the agent's on sys.path: the usual search
-            return importlib.machinery.PathFinder.find_spec(name, entries)
+            spec = importlib.machinery.PathFinder.find_spec(name, entries)
+            if spec is None and name == runner:
+                raise ModuleNotFoundError(
+                    f"No module named {name!r} (pi-env: a -m runner is never the agent's)", name=name
+                )
+            return spec
 
         @staticmethod
         def invalidate_caches():
@@ -67,5 +103,5 @@ def _pi_env_verify_startup():
         spec.loader.exec_module(module)
 
 
-_pi_env_verify_startup()
-del _pi_env_verify_startup
+_pi_env_verify_startup(_main_module())
+del _pi_env_verify_startup, _main_module

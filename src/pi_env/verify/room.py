@@ -1,0 +1,406 @@
+"""Verify's clean room: the agent's work dir reaches verify as data, never as the verifier's tools.
+
+Before verify the agent's work dir is moved aside, whole (`AGENT_WORKDIR`: given back after
+verify, so the collected files and a later step's agent see exactly what the agent left), and
+verify's work dir is built in its place: hard links to the agent's files (no data copied, no
+room taken), or only the task's `outputs` when it declares them, and the task's own files. Then,
+before *every* verify command (so nothing an earlier command's agent code left carries over),
+pi-env's own command applies the room's rules to it, and the hidden files and an empty
+logs/verifier are staged afresh over whatever stands at their paths (`prepare`). The rules, each
+closing a class of forgery whatever the names involved:
+
+- **Kinds**: only regular files, directories and symlinks; FIFOs, sockets and devices are
+  removed, set-uid/set-gid bits cleared, and every dir made writable by its owner (so no rule can
+  be dodged by a dir pi-env cannot delete in).
+- **Links**: a symlink is kept only when it resolves (in the sandbox, fully) to a path inside the
+  room that is not the verifier's, or to a path outside every place a command can write (the
+  home, /tmp, /var/tmp, /dev, /proc, /sys, /run): a venv's `python -> /usr/bin/python3` works,
+  a link to the reward file, a hidden file or anything of the home is gone. So a redirect the
+  verifier makes into the work dir writes the work dir, never the verifier's files.
+- **Code a tool trusts instead of its source**: compiled Python (`*.pyc`, `*.pyo` anywhere,
+  `__pycache__`), which Python imports without checking it against a source (an unchecked-hash
+  .pyc, or a .pyc with no source at all).
+- **The verifier's names**: a hidden verify file's name is the verifier's in its directory: every
+  entry of the agent's named as its stem or `stem.*` (a compiled extension `check.cpython-311-*.so`,
+  a Node `./check` without an extension, a package dir `check/`) is removed, so however an
+  import system orders candidates, the only candidate is the verifier's file; a directory
+  hidden files are staged into (`tests/`) is wholly the verifier's, and so is an `__init__.py`
+  beside a hidden file.
+- **git**: every `.git` dir keeps its objects, refs, HEAD, index, logs, packed-refs and
+  info/exclude, and its config is rewritten from an allowlist of keys that name no program
+  (`GIT_CONFIG_KEYS`): filter drivers, external diff, textconv, hooks, fsmonitor, aliases,
+  pagers, includes, submodule configs are never read. A `.git` *file* (a link to a git dir
+  elsewhere) is removed; verify's git takes no other directory for a bare repository
+  (`safe.bareRepository=explicit`, pi_env.verify.VERIFY_ENV).
+- **Tool configuration**, for a task without `outputs`: what the verifier's test runners read
+  from the tree by name (`TOOL_CONFIG`, whatever its content: every pytest config file name,
+  conftest.py, node_modules, .npmrc, JS test runner configs ...), unless setup made it. A task
+  that declares `outputs` (globs) gets only those from the agent: then nothing else reaches
+  verify at all, which is the allowlist a task author controls.
+
+`enter` (once, before the first command), `prepare` (before each command), `leave` (after the
+last: the room deleted, the agent's work dir back in place). Every command pi-env runs here is an
+absolute program with PATH=/usr/bin:/bin, started from the home; none runs Python.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox
+from ..sandbox.base import HostPaths
+from ..task import PiTask
+
+ASIDE = f"{SANDBOX_HOME}/.pi-env-verify/aside"  # what the rules moved out of the agent's work dir
+MAX_NOTE_NAMES = 20
+OWN_ENV = {"PATH": "/usr/bin:/bin", "BASH_ENV": "", "ENV": "", "LC_ALL": "C"}
+# Places a command in the sandbox can write (besides the home): a link into one is not data.
+WRITABLE = ("/tmp", "/var/tmp", "/dev", "/proc", "/sys", "/run")
+# What verifier-side tools read from the tree by name (a task without `outputs`; setup's stay).
+TOOL_CONFIG = (
+    # pytest: every config file it looks for, whatever sections they hold, and its plugins
+    "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "pyproject.toml", "setup.cfg", "tox.ini",
+    "conftest.py", ".pytest_cache", ".hypothesis", ".coveragerc",
+    # Python's start-up hooks
+    "sitecustomize.py", "usercustomize.py", "*.pth",
+    # Node: packages resolved upwards from a hidden file, npm's config, JS test runners' configs
+    "node_modules", ".npmrc", "jest.config.*", "vitest.config.*", ".mocharc*", "babel.config.*", ".babelrc*",
+)  # fmt: skip
+# The git config keys a verify-side git keeps: none names a program or another file.
+GIT_CONFIG_KEYS = (
+    r"^(core\.(repositoryformatversion|filemode|symlinks|ignorecase|precomposeunicode|bare|logallrefupdates)"
+    r"|extensions\.(objectformat|refstorage)|remote\..*\.(url|fetch)|branch\..*\.(remote|merge)"
+    r"|user\.(name|email))$"
+)
+GIT_DIR_KEEP = ("HEAD", "objects", "refs", "packed-refs", "index", "logs", "shallow", "reftable", "description",
+                "ORIG_HEAD", "FETCH_HEAD", "MERGE_HEAD", "info")  # fmt: skip
+
+_ROOM = r"""set -u
+mode=$1 w=$2 aside=$3 home=$4 setup_list=$5 has_outputs=$6
+PATH=/usr/bin:/bin
+shopt -s nullglob dotglob
+names=() whole=() others=() config=() own=() verifier=()
+while IFS= read -r -d '' kind && IFS= read -r -d '' value; do
+    case $kind in
+        N) names+=("$value") ;;     # a stem at the work dir's top: stem and stem.* are the verifier's
+        W) whole+=("$value") ;;     # a path wholly the verifier's (a staging dir, an __init__.py)
+        O) others+=("$value") ;;    # a path that is not one of the task's outputs
+        C) config+=("$value") ;;    # a tool configuration name (find -name pattern)
+        F) own+=("$value") ;;       # a task file that is tool configuration: staged again as the task's
+        V) verifier+=("$value") ;;  # an absolute path of the verifier's (links may not reach it)
+    esac
+done
+[ -d "$w" ] && [ ! -L "$w" ] || { rm -rf -- "$w"; mkdir -p -- "$w" || exit 2; }
+cd -- "$w" || exit 2
+scratch=$aside/.lists
+if [ "$mode" = enter ]; then rm -rf -- "$aside"; fi
+mkdir -p -- "$scratch" || exit 2
+bad=() i=0
+# out CLASS PATH...: each path out of the room. Before the first command (enter) it is moved into
+# the aside dir (a rename: no byte or inode taken) and named on stdout for put_back, as
+# "<n> <class> <hex of its bytes>"; later (refresh) it is what verify's own commands left: deleted.
+out() {
+    local class=$1 path; shift
+    for path; do
+        [ -e "$path" ] || [ -L "$path" ] || continue
+        if [ "$mode" = enter ]; then
+            if mv -T -- "$path" "$aside/$i"; then
+                printf '%s %s %s\n' "$i" "$class" "$(printf '%s' "${path#"$w"/}" | od -An -v -tx1 | tr -d ' \n')"
+                i=$((i + 1))
+            else bad+=("$path"); fi
+        else rm -rf -- "$path" || bad+=("$path"); fi
+    done
+}
+# (fed by `each CLASS < <(find ...)`, never a pipe: a pipe's subshell would lose the count)
+each() { local class=$1; while IFS= read -r -d '' path; do out "$class" "$path"; done; }
+# every dir the owner's to move or delete in (no rule dodged by a dir pi-env cannot change)
+find "$w" -type d ! -perm -u=rwx -exec chmod u+rwx -- {} + 2>/dev/null
+# what is not an output (a task that declares outputs), and the verifier's names
+for path in "${others[@]}"; do out output "$w/$path"; done
+for path in "${whole[@]}"; do out name "$w/$path"; done
+for stem in "${names[@]}"; do out name "$w/$stem" "$w/$stem".*; done
+# kinds: files, dirs and links only; no set-id bits
+each kind < <(find "$w" -mindepth 1 ! -type f ! -type d ! -type l -print0)
+find "$w" -type f -perm /6000 -exec chmod ug-s -- {} + || bad+=("set-id bits")
+# compiled Python is never data
+each cache < <(find "$w" -mindepth 1 \( -name __pycache__ -o -name '*.py[co]' \) -prune -print0)
+# tool configuration (no outputs declared), but what setup made
+if [ "$has_outputs" = 0 ] && [ "${#config[@]}" -gt 0 ]; then
+    args=(); for name in "${config[@]}"; do args+=(-o -name "$name"); done
+    for path in "${own[@]}"; do out config "$w/$path"; done
+    [ -f "$setup_list" ] || setup_list=/dev/null
+    find "$w" -mindepth 1 \( "${args[@]:1}" \) -prune -print0 | sort -z | comm -z -23 - "$setup_list" > "$scratch/config"
+    each config < "$scratch/config"
+fi
+# git: objects and history stay, the config is rebuilt from keys that name no program
+each git < <(find "$w" -name .git ! -type d -print0)
+find "$w" -type d -name .git -prune -print0 > "$scratch/gits"
+while IFS= read -r -d '' git; do
+    rm -f -- "$scratch/config"
+    if [ -f "$git/config" ] && [ ! -L "$git/config" ]; then cp -- "$git/config" "$scratch/config"; fi
+    for entry in "$git"/*; do
+        case ${entry##*/} in __KEEP__) ;; *) out git "$entry" ;; esac
+    done
+    [ -d "$git/info" ] && each git < <(find "$git/info" -mindepth 1 -maxdepth 1 ! -name exclude -print0)
+    : > "$git/config" || bad+=("$git/config")
+    if [ -x /usr/bin/git ] && [ -f "$scratch/config" ]; then
+        /usr/bin/git config --file "$scratch/config" --null --get-regexp '__KEYS__' > "$scratch/keys" 2>/dev/null
+        while IFS= read -r -d '' pair; do
+            /usr/bin/git config --file "$git/config" --add "${pair%%$'\n'*}" "${pair#*$'\n'}" || bad+=("git config")
+        done < "$scratch/keys"
+    fi
+done < "$scratch/gits"
+# links: kept only into the room (not the verifier's part) or outside every writable place
+# (compared as resolved paths: the home itself may be reached through a link on unsafe-local)
+room=$(realpath -m -- "$w") home=$(realpath -m -- "$home")
+for n in "${!verifier[@]}"; do verifier[n]=$room${verifier[n]#"$w"}; done
+find "$w" -type l -print0 > "$scratch/links"
+while IFS= read -r -d '' link; do
+    real=$(realpath -m -- "$link" 2>/dev/null) || real=
+    keep=0
+    case $real in
+        "$room"/*) keep=1; for v in "${verifier[@]}"; do case $real in "$v"|"$v"/*) keep=0 ;; esac; done ;;
+        ""|"$room"|/|"$home"|"$home"/*|__WRITABLE__) keep=0 ;;
+        /*) keep=1 ;;
+    esac
+    [ "$keep" = 1 ] || out link "$link"
+done < "$scratch/links"
+rm -rf -- "$scratch"
+[ "${#bad[@]}" = 0 ] || { printf 'could not move or remove: %s\n' "${bad[*]}" | head -c 600 >&2; exit 3; }
+"""
+_ROOM = (
+    _ROOM.replace("__KEEP__", "|".join(GIT_DIR_KEEP))
+    .replace("__KEYS__", GIT_CONFIG_KEYS)
+    .replace("__WRITABLE__", "|".join(f"{place}|{place}/*" for place in WRITABLE))
+)
+
+# Put back what enter() moved, last moved first (a path moved out of a dir moved later goes back
+# into it), each replacing whatever verify left at its path.
+_PUT_BACK = r"""set -u
+w=$1 aside=$2; shift 2
+PATH=/usr/bin:/bin
+for entry in "$@"; do
+    n=${entry%% *} hex=${entry##* } escaped=
+    for ((k = 0; k < ${#hex}; k += 2)); do escaped+="\\x${hex:k:2}"; done
+    printf -v path '%b' "$escaped"
+    path=$w/$path
+    rm -rf -- "$path"; mkdir -p -- "${path%/*}"; mv -T -- "$aside/$n" "$path" || exit 1
+done
+"""
+
+
+class RoomError(OSError):
+    """pi-env's own step could not make the room. `agents` True: what stood in its way was
+    within the agent's reach (its files, its disk): a scored 0.0, never an unscored rollout."""
+
+    def __init__(self, message: str, *, agents: bool, moved: list[str] | None = None):
+        super().__init__(message)
+        self.agents = agents
+        self.moved = moved or []  # what enter() had moved aside when it failed (for leave)
+
+
+@dataclass(frozen=True)
+class Room:
+    """What one verify phase's room needs to know of the task (built once, used per command)."""
+
+    workdir: str  # as the sandbox's commands see it
+    stdin: bytes
+    has_outputs: bool
+
+
+@dataclass
+class Entered:
+    """What enter() moved out of the agent's work dir (for leave), and notes for the result."""
+
+    moved: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def room_for(sandbox: Sandbox, task: PiTask) -> Room:
+    """The rules' data for `task`: the verifier's names and paths, tool configuration, and (a
+    task with `outputs`) what of the work dir is not an output."""
+    workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/")
+    fields: list[str] = []
+    names, whole = verifier_names(task)
+    for name in sorted(names):
+        fields += ["N", name]
+    for path in sorted(whole):
+        fields += ["W", path]
+    for path in _not_outputs(sandbox, task, workdir):
+        fields += ["O", path]
+    for pattern in TOOL_CONFIG:
+        fields += ["C", pattern]
+    for path in task.files if task.outputs is None else ():
+        if any(_config_match(part) for part in path.split("/")):
+            fields += ["F", path]
+    for path in sorted({*task.verify_files, *whole}):
+        fields += ["V", f"{workdir}/{path}"]
+    stdin = b"".join(field.encode("utf-8", "surrogateescape") + b"\0" for field in fields)
+    return Room(workdir, stdin, task.outputs is not None)
+
+
+def verifier_names(task: PiTask) -> tuple[set[str], set[str]]:
+    """(the stem of every top-level hidden file and the top dir of every staged one: that name
+    and name.* are the verifier's at the work dir's top; paths wholly the verifier's: the top
+    dirs hidden files are staged into, an `__init__.py` beside a hidden file)."""
+    names: set[str] = set()
+    whole: set[str] = set()
+    for path in task.verify_files:
+        parts = path.split("/")
+        names.add(_stem(parts[0]) if len(parts) == 1 else parts[0])
+        if len(parts) > 1:
+            whole.add(parts[0])
+        whole.add("/".join([*parts[:-1], "__init__.py"]))
+    whole -= set(task.verify_files)  # a hidden __init__.py is the verifier's own, staged
+    return {name for name in names if name}, whole
+
+
+def enter(sandbox: Sandbox, task: PiTask, room: Room, setup_list: str) -> Entered:
+    """Before the first verify command: the rules applied to the agent's work dir, what they
+    exclude moved aside (for leave()). Notes name what of the agent's a verifier's tool would
+    have taken for its own."""
+    moved = _run(sandbox, "enter", room, setup_list)
+    ours = {*task.files, *task.verify_files}
+    names = [
+        bytes.fromhex(hexed).decode("utf-8", "replace")
+        for _, kind, hexed in (line.split() for line in moved)
+        if kind in ("name", "config")
+    ]
+    names = [name for name in names if name not in ours]
+    if not names:
+        return Entered(moved)
+    more = f" and {len(names) - MAX_NOTE_NAMES} more" if len(names) > MAX_NOTE_NAMES else ""
+    note = "left out of verify's room (the agent's, and a verifier's tool would take it for its own): "
+    return Entered(moved, [note + ", ".join(names[:MAX_NOTE_NAMES]) + more])
+
+
+def refresh(sandbox: Sandbox, task: PiTask, room: Room, setup_list: str) -> None:
+    """Before a later verify command: the rules again, over what the earlier commands left
+    (deleted: it is verify's, not the agent's)."""
+    _run(sandbox, "refresh", room, setup_list)
+
+
+def leave(sandbox: Sandbox, task: PiTask, entered: Entered) -> None:
+    """The hidden files gone, what enter() moved back where it was (call with nothing running):
+    the work dir is the agent's again (the collected files, a later step's agent)."""
+    for path in task.verify_files:
+        sandbox.remove(path)
+    workdir, aside = _in_sandbox(sandbox, SANDBOX_WORKDIR), _in_sandbox(sandbox, ASIDE)
+    moved = list(reversed(entered.moved))
+    for start in range(0, len(moved), 500):  # 500 a command, well within ARG_MAX
+        outcome = _own(sandbox, ["/bin/bash", "-c", _PUT_BACK, "pi-env", workdir, aside, *moved[start : start + 500]])
+        if outcome.exit_code != 0:
+            raise OSError(f"could not give the agent's files back after verify: {outcome.stderr[-300:]}")
+    sandbox.remove(ASIDE)
+
+
+def restage_task_files(sandbox: Sandbox, task: PiTask) -> None:
+    """The task's own files wherever the room's rules (or `outputs`) left them out: as the task
+    wrote them (its data, its own configuration)."""
+    names, whole = verifier_names(task)
+    keep = _outputs_pattern(task.outputs)
+    for path, text in task.files.items():
+        parts = path.split("/")
+        if (
+            (keep is not None and not keep.fullmatch(path))
+            or (task.outputs is None and any(_config_match(part) for part in parts))
+            or any("/".join(parts[: depth + 1]) in whole for depth in range(len(parts)))
+            or any(part == "__pycache__" or part.endswith((".pyc", ".pyo")) for part in parts)
+            or parts[0] in names
+            or _stem(parts[0]) in names
+        ):
+            sandbox.write_file(path, text)
+
+
+def _not_outputs(sandbox: Sandbox, task: PiTask, workdir: str) -> list[str]:
+    """For a task with `outputs`: the topmost work-dir paths that are neither an output, nor
+    below one, nor a dir holding one."""
+    keep = _outputs_pattern(task.outputs)
+    if keep is None:
+        return []
+    outcome = _own(sandbox, ["/usr/bin/find", workdir, "-mindepth", "1", "-printf", "%P\\0"])
+    if outcome.exit_code != 0:
+        raise OSError(f"could not list the work dir for the task's outputs: {outcome.stderr[-300:]}")
+    paths = [path for path in outcome.stdout.split("\0") if path]
+    kept = {path for path in paths if keep.fullmatch(path)}
+    holding = {"/".join(path.split("/")[:depth]) for path in kept for depth in range(1, path.count("/") + 1)}
+    top: list[str] = []
+    for path in sorted(path for path in paths if path not in kept and path not in holding):
+        if not (top and path.startswith(top[-1] + "/")):  # sorted: a dir comes before what is below it
+            top.append(path)
+    return top
+
+
+def _stem(name: str) -> str:
+    """`check.py` -> `check`; `.hidden` -> `.hidden` (what an import names the file by)."""
+    return name.rsplit(".", 1)[0] if "." in name[1:] else name
+
+
+def _config_match(name: str) -> bool:
+    return any(re.fullmatch(_glob_regex(pattern, path=False), name) for pattern in TOOL_CONFIG)
+
+
+def _outputs_pattern(outputs: list[str] | None) -> re.Pattern[str] | None:
+    """A path the outputs globs bring: matched by one, or below a dir one matches (bash globstar)."""
+    if outputs is None:
+        return None
+    alternatives = "|".join(f"(?:{_glob_regex(glob, path=True)})" for glob in outputs) or "(?!)"
+    return re.compile(rf"(?:{alternatives})(?:/.*)?")
+
+
+def _glob_regex(glob: str, *, path: bool) -> str:
+    out, i = "", 0
+    while i < len(glob):
+        if path and glob.startswith("**/", i):
+            out, i = out + "(?:[^/]*/)*", i + 3
+        elif path and glob.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif glob[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif glob[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(glob[i]), i + 1
+    return out
+
+
+def _run(sandbox: Sandbox, mode: str, room: Room, setup_list: str) -> list[str]:
+    outcome = sandbox.exec(
+        [
+            "/bin/bash",
+            "-c",
+            _ROOM,
+            "pi-env",
+            mode,
+            room.workdir,
+            _in_sandbox(sandbox, ASIDE),
+            _in_sandbox(sandbox, SANDBOX_HOME).rstrip("/"),
+            _in_sandbox(sandbox, setup_list),
+            "1" if room.has_outputs else "0",
+        ],
+        cwd=SANDBOX_HOME,
+        env=OWN_ENV,
+        timeout_s=120,
+        network="none",
+        stdin=room.stdin,
+    )
+    moved = [line for line in outcome.stdout.splitlines() if re.fullmatch(r"\d+ \w+ [0-9a-f]+", line)]
+    if outcome.exit_code == 3:
+        why = f"the agent's files could not all be cleaned for verify ({outcome.stderr[-300:]})"
+        raise RoomError(why, agents=True, moved=moved)
+    if outcome.exit_code != 0:
+        text = outcome.stderr or outcome.stdout
+        full = any(why in text for why in ("No space left", "Disk quota", "Too many links"))
+        why = f"could not make verify's room ({mode}): {text[-300:]}"
+        raise RoomError(why, agents=full or mode == "refresh", moved=moved)
+    return moved
+
+
+def _own(sandbox: Sandbox, argv: list[str]):
+    return sandbox.exec(argv, cwd=SANDBOX_HOME, env=OWN_ENV, timeout_s=120, network="none")
+
+
+def _in_sandbox(sandbox: Sandbox, path: str) -> str:
+    """A sandbox path as the sandbox's commands see it (unsafe-local runs on host paths)."""
+    return sandbox.host_path(path) if isinstance(sandbox, HostPaths) and path.startswith("/") else path
