@@ -85,13 +85,15 @@ def build_rollout(arguments: dict[str, Any], *, sandbox_backend: str | None = No
     }
     if given:
         raise BadArguments(f"unknown arguments {sorted(given)}")
-    caller_urls(fields)
     if endpoint == LOCAL:
         fields.update(local_engine(fields))
     try:
         config = PiConfig(**{key: value for key, value in fields.items() if value is not None})
     except ValidationError as error:
         raise BadArguments(describe(error, CONFIG_ARGUMENTS)) from None
+    if endpoint != LOCAL:  # the caller's URLs, once the rest is known good; `local` is the operator's
+        caller_urls(fields)
+        config = PiConfig(**{key: value for key, value in fields.items() if value is not None})
     try:
         if config.endpoint == ORACLE:
             from ..oracle import solution_turns
