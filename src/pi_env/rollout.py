@@ -40,7 +40,7 @@ from .proxy.gateway import GatewaySession, get_gateway
 from .read_budget import ReadBudget
 from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, RolloutTurn
 from .sandbox import Sandbox, SandboxBackend, SandboxError, SandboxProcess, SandboxSpec
-from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported
+from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported, Network
 from .specs import load_token_in, open_gateway_session, sandbox_spec, session_endpoint
 from .steps import StepOutcome, StepRunner
 from .task import PiTask
@@ -48,7 +48,8 @@ from .task_setup import capped, run_command, run_setup
 from .training import TrainingTrace, build_training_trace
 from .turns import proxy_trace, rollout_turn, turn_log
 from .verify import SETUP_PATHS, RewardReading, read_reward, stage
-from .verify.room import Entered, RoomError, enter, leave, refresh, restage_task_files, room_for
+from .verify.room import Entered, RoomError, enter, leave, restage_task_files, room_for
+from .verify.room import run as run_in_room
 from .verify.workdir import WorkdirEntry, WorkdirLimits, restore_workdir
 from .verify.world import VerifyWorld
 
@@ -440,16 +441,28 @@ class PiSession(GateAPI):
             self._fail("infra", f"could not give verify a clean world: {type(error).__name__}: {error}")
             return None
         refused, entered = None, Entered()
+        limit = capped(task.timeouts.verify_s, self.config.verify_timeout_s)
+        network: Network = "full" if task.verify_network else "none"
         for position, command in enumerate(task.verify):
             try:
                 if position == 0:
                     entered = enter(sandbox, task, room, SETUP_PATHS)
                     result.verify_notes += entered.notes
+                    restage_task_files(sandbox, task)
+                    stage(sandbox, task)
+                    outcome = self._run(command, limit, network, env=world.env_for(task))
                 else:  # nothing an earlier command's agent code left runs on, or shapes this one's room
                     sandbox.kill_all()
-                    refresh(sandbox, task, room, SETUP_PATHS)
-                restage_task_files(sandbox, task)
-                stage(sandbox, task)
+                    outcome = run_in_room(
+                        sandbox,
+                        task,
+                        room,
+                        SETUP_PATHS,
+                        command,
+                        timeout_s=limit,
+                        network=network,
+                        env=world.env_for(task),
+                    )
             except OSError as error:
                 if isinstance(error, RoomError) and error.moved:
                     entered = Entered(error.moved)
@@ -459,14 +472,7 @@ class PiSession(GateAPI):
                     return None
                 refused = f"reward 0.0: verify's room could not be made before command {position + 1} ({error})"
                 break
-            result.verify_results.append(
-                self._run(
-                    command,
-                    capped(task.timeouts.verify_s, self.config.verify_timeout_s),
-                    "full" if task.verify_network else "none",
-                    env=world.env_for(task),
-                )
-            )
+            result.verify_results.append(outcome)
         sandbox.kill_all()
         if refused is not None:  # within the agent's reach (its files, its disk, its code's leftovers)
             result.verify_notes.append(refused)

@@ -48,12 +48,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..results import CommandResult
 from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox
-from ..sandbox.base import HostPaths
+from ..sandbox.base import HostPaths, Network
 from ..task import PiTask
+from ..task_setup import run_command
 
 ASIDE = f"{SANDBOX_HOME}/.pi-env-verify/aside"  # what the rules moved out of the agent's work dir
 MAX_NOTE_NAMES = 20
+ROOM_FAILED = 213  # run(): the room could not be made before the command (stderr says why)
 OWN_ENV = {"PATH": "/usr/bin:/bin", "BASH_ENV": "", "ENV": "", "LC_ALL": "C"}
 # Places a command in the sandbox can write (besides the home): a link into one is not data.
 WRITABLE = ("/tmp", "/var/tmp", "/dev", "/proc", "/sys", "/run")
@@ -77,12 +80,16 @@ GIT_DIR_KEEP = ("HEAD", "objects", "refs", "packed-refs", "index", "logs", "shal
                 "ORIG_HEAD", "FETCH_HEAD", "MERGE_HEAD", "info")  # fmt: skip
 
 _ROOM = r"""set -u
-mode=$1 w=$2 aside=$3 home=$4 setup_list=$5 has_outputs=$6
-PATH=/usr/bin:/bin
+mode=$1 w=$2 aside=$3 home=$4 setup_list=$5 has_outputs=$6 verifier_dir=$7
+# run: the rules, the files staged, then the verify command in its own environment, restored
+verify_path=${PATH-} verify_lc=${LC_ALL-} had_lc=${LC_ALL+x}
+PATH=/usr/bin:/bin LC_ALL=C
 shopt -s nullglob dotglob
-names=() whole=() others=() config=() own=() verifier=()
+names=() whole=() others=() config=() own=() verifier=() stage=() command=
 while IFS= read -r -d '' kind && IFS= read -r -d '' value; do
     case $kind in
+        S) IFS= read -r -d '' text; stage+=("$value" "$text") ;;  # run: a file to stage (path, text)
+        X) command=$value ;;        # run: the verify command, run once the room is ready
         N) names+=("$value") ;;     # a stem at the work dir's top: stem and stem.* are the verifier's
         W) whole+=("$value") ;;     # a path wholly the verifier's (a staging dir, an __init__.py)
         O) others+=("$value") ;;    # a path that is not one of the task's outputs
@@ -93,81 +100,114 @@ while IFS= read -r -d '' kind && IFS= read -r -d '' value; do
 done
 [ -d "$w" ] && [ ! -L "$w" ] || { rm -rf -- "$w"; mkdir -p -- "$w" || exit 2; }
 cd -- "$w" || exit 2
-scratch=$aside/.lists
-if [ "$mode" = enter ]; then rm -rf -- "$aside"; fi
-mkdir -p -- "$scratch" || exit 2
+if [ "$mode" = enter ]; then rm -rf -- "$aside"; mkdir -p -- "$aside" || exit 2; fi
 bad=() i=0
 # out CLASS PATH...: each path out of the room. Before the first command (enter) it is moved into
 # the aside dir (a rename: no byte or inode taken) and named on stdout for put_back, as
-# "<n> <class> <hex of its bytes>"; later (refresh) it is what verify's own commands left: deleted.
+# "<n> <class> A <name>" (printable ASCII) or "<n> <class> X <hex of its bytes>"; later
+# (refresh) it is what verify's own commands left: deleted.
 out() {
-    local class=$1 path; shift
+    local class=$1 path rel; shift
     for path; do
         [ -e "$path" ] || [ -L "$path" ] || continue
         if [ "$mode" = enter ]; then
             if mv -T -- "$path" "$aside/$i"; then
-                printf '%s %s %s\n' "$i" "$class" "$(printf '%s' "${path#"$w"/}" | od -An -v -tx1 | tr -d ' \n')"
+                rel=${path#"$w"/}
+                if [[ $rel == *[![:print:]]* ]]; then
+                    printf '%s %s X %s\n' "$i" "$class" "$(printf '%s' "$rel" | od -An -v -tx1 | tr -d ' \n')"
+                else printf '%s %s A %s\n' "$i" "$class" "$rel"; fi
                 i=$((i + 1))
             else bad+=("$path"); fi
         else rm -rf -- "$path" || bad+=("$path"); fi
     done
 }
-# (fed by `each CLASS < <(find ...)`, never a pipe: a pipe's subshell would lose the count)
-each() { local class=$1; while IFS= read -r -d '' path; do out "$class" "$path"; done; }
-# every dir the owner's to move or delete in (no rule dodged by a dir pi-env cannot change)
-find "$w" -type d ! -perm -u=rwx -exec chmod u+rwx -- {} + 2>/dev/null
+# A failure of the room before a later command: named on stderr with this mark, status 213.
+failed() { printf 'pi-env room: %s\n' "$*" | head -c 600 >&2; exit 213; }
 # what is not an output (a task that declares outputs), and the verifier's names
 for path in "${others[@]}"; do out output "$w/$path"; done
 for path in "${whole[@]}"; do out name "$w/$path"; done
 for stem in "${names[@]}"; do out name "$w/$stem" "$w/$stem".*; done
-# kinds: files, dirs and links only; no set-id bits
-each kind < <(find "$w" -mindepth 1 ! -type f ! -type d ! -type l -print0)
-find "$w" -type f -perm /6000 -exec chmod ug-s -- {} + || bad+=("set-id bits")
-# compiled Python is never data
-each cache < <(find "$w" -mindepth 1 \( -name __pycache__ -o -name '*.py[co]' \) -prune -print0)
-# tool configuration (no outputs declared), but what setup made
+# One walk of the rest, each entry tagged by the rule it falls under (GNU find's `,` runs every
+# test on every entry): P a dir its owner cannot change, S set-id bits, K not a file, dir or link,
+# L a link, C compiled Python, F tool configuration, G a .git that is not a dir, D a .git dir.
+tests=( \( -type d ! -perm -u=rwx -printf 'P\0%p\0' \) , \( -type f -perm /6000 -printf 'S\0%p\0' \) ,
+        \( ! -type f ! -type d ! -type l -printf 'K\0%p\0' \) , \( -type l -printf 'L\0%p\0' \) ,
+        \( -name .git ! -type d -printf 'G\0%p\0' \) , \( -name .git -type d -printf 'D\0%p\0' \) ,
+        \( \( -name __pycache__ -o -name '*.py[co]' \) -printf 'C\0%p\0' -prune \) )
 if [ "$has_outputs" = 0 ] && [ "${#config[@]}" -gt 0 ]; then
     args=(); for name in "${config[@]}"; do args+=(-o -name "$name"); done
-    for path in "${own[@]}"; do out config "$w/$path"; done
-    [ -f "$setup_list" ] || setup_list=/dev/null
-    find "$w" -mindepth 1 \( "${args[@]:1}" \) -prune -print0 | sort -z | comm -z -23 - "$setup_list" > "$scratch/config"
-    each config < "$scratch/config"
+    tests+=( , \( \( "${args[@]:1}" \) -printf 'F\0%p\0' -prune \) )
+fi
+fixable=() setid=() kinds=() links=() caches=() configs=() gitfiles=() gits=()
+while IFS= read -r -d '' tag && IFS= read -r -d '' path; do
+    case $tag in
+        P) fixable+=("$path") ;; S) setid+=("$path") ;; K) kinds+=("$path") ;; L) links+=("$path") ;;
+        C) caches+=("$path") ;; F) configs+=("$path") ;; G) gitfiles+=("$path") ;; D) gits+=("$path") ;;
+    esac
+done < <(find "$w" -mindepth 1 "${tests[@]}")
+[ "${#fixable[@]}" = 0 ] || chmod u+rwx -- "${fixable[@]}" 2>/dev/null
+[ "${#setid[@]}" = 0 ] || chmod ug-s -- "${setid[@]}" || bad+=("set-id bits")
+out kind "${kinds[@]}"
+out cache "${caches[@]}"
+# tool configuration, but what setup made (the task's own files of those names: staged again)
+if [ "$has_outputs" = 0 ]; then
+    declare -A made=() ours=()
+    if [ -f "$setup_list" ]; then while IFS= read -r -d '' path; do made[$path]=1; done < "$setup_list"; fi
+    for path in "${own[@]}"; do ours[$w/$path]=1; done
+    for path in "${configs[@]}"; do [ -n "${made[$path]-}" ] && [ -z "${ours[$path]-}" ] || out config "$path"; done
 fi
 # git: objects and history stay, the config is rebuilt from keys that name no program
-each git < <(find "$w" -name .git ! -type d -print0)
-find "$w" -type d -name .git -prune -print0 > "$scratch/gits"
-while IFS= read -r -d '' git; do
-    rm -f -- "$scratch/config"
-    if [ -f "$git/config" ] && [ ! -L "$git/config" ]; then cp -- "$git/config" "$scratch/config"; fi
+out git "${gitfiles[@]}"
+for git in "${gits[@]}"; do
+    [ -d "$git" ] && [ ! -L "$git" ] || continue
+    pairs=()
+    if [ -f "$git/config" ] && [ ! -L "$git/config" ] && [ -x /usr/bin/git ]; then
+        while IFS= read -r -d '' pair; do pairs+=("$pair"); done \
+            < <(/usr/bin/git config --file "$git/config" --null --get-regexp '__KEYS__' 2>/dev/null)
+    fi
     for entry in "$git"/*; do
         case ${entry##*/} in __KEEP__) ;; *) out git "$entry" ;; esac
     done
-    [ -d "$git/info" ] && each git < <(find "$git/info" -mindepth 1 -maxdepth 1 ! -name exclude -print0)
+    [ -d "$git/info" ] && for entry in "$git"/info/*; do [ "${entry##*/}" = exclude ] || out git "$entry"; done
     : > "$git/config" || bad+=("$git/config")
-    if [ -x /usr/bin/git ] && [ -f "$scratch/config" ]; then
-        /usr/bin/git config --file "$scratch/config" --null --get-regexp '__KEYS__' > "$scratch/keys" 2>/dev/null
-        while IFS= read -r -d '' pair; do
-            /usr/bin/git config --file "$git/config" --add "${pair%%$'\n'*}" "${pair#*$'\n'}" || bad+=("git config")
-        done < "$scratch/keys"
-    fi
-done < "$scratch/gits"
+    for pair in "${pairs[@]}"; do
+        /usr/bin/git config --file "$git/config" --add "${pair%%$'\n'*}" "${pair#*$'\n'}" || bad+=("git config")
+    done
+done
 # links: kept only into the room (not the verifier's part) or outside every writable place
 # (compared as resolved paths: the home itself may be reached through a link on unsafe-local)
-room=$(realpath -m -- "$w") home=$(realpath -m -- "$home")
-for n in "${!verifier[@]}"; do verifier[n]=$room${verifier[n]#"$w"}; done
-find "$w" -type l -print0 > "$scratch/links"
-while IFS= read -r -d '' link; do
-    real=$(realpath -m -- "$link" 2>/dev/null) || real=
-    keep=0
-    case $real in
-        "$room"/*) keep=1; for v in "${verifier[@]}"; do case $real in "$v"|"$v"/*) keep=0 ;; esac; done ;;
-        ""|"$room"|/|"$home"|"$home"/*|__WRITABLE__) keep=0 ;;
-        /*) keep=1 ;;
-    esac
-    [ "$keep" = 1 ] || out link "$link"
-done < "$scratch/links"
-rm -rf -- "$scratch"
-[ "${#bad[@]}" = 0 ] || { printf 'could not move or remove: %s\n' "${bad[*]}" | head -c 600 >&2; exit 3; }
+if [ "${#links[@]}" -gt 0 ]; then
+    room=$(realpath -m -- "$w") home=$(realpath -m -- "$home")
+    for n in "${!verifier[@]}"; do verifier[n]=$room${verifier[n]#"$w"}; done
+    reals=()
+    while IFS= read -r -d '' real; do reals+=("$real"); done < <(realpath -m -z -- "${links[@]}" 2>/dev/null)
+    for n in "${!links[@]}"; do
+        link=${links[n]}
+        if [ "${#reals[@]}" = "${#links[@]}" ]; then real=${reals[n]}; else real=$(realpath -m -- "$link" 2>/dev/null) || real=; fi
+        keep=0
+        case $real in
+            "$room"/*) keep=1; for v in "${verifier[@]}"; do case $real in "$v"|"$v"/*) keep=0 ;; esac; done ;;
+            ""|"$room"|/|"$home"|"$home"/*|__WRITABLE__) keep=0 ;;
+            /*) keep=1 ;;
+        esac
+        [ "$keep" = 1 ] || out link "$link"
+    done
+fi
+if [ "$mode" != run ]; then
+    [ "${#bad[@]}" = 0 ] || { printf 'could not move or remove: %s\n' "${bad[*]}" | head -c 600 >&2; exit 3; }
+    exit 0
+fi
+[ "${#bad[@]}" = 0 ] || failed "could not remove: ${bad[*]}"
+# The task's own files the rules left out and the hidden files, as the task wrote them, over
+# whatever stands at their paths; an empty verifier dir.
+for ((n = 0; n < ${#stage[@]}; n += 2)); do
+    path=$w/${stage[n]}
+    rm -rf -- "$path" && mkdir -p -- "${path%/*}" && printf '%s' "${stage[n + 1]}" > "$path" || failed "could not stage ${stage[n]}"
+done
+rm -rf -- "$verifier_dir" && mkdir -p -- "$verifier_dir" && : > "$verifier_dir/.keep" || failed "could not empty $verifier_dir"
+PATH=$verify_path
+if [ -n "$had_lc" ]; then LC_ALL=$verify_lc; else unset LC_ALL; fi
+exec /bin/bash -c "$command" < /dev/null
 """
 _ROOM = (
     _ROOM.replace("__KEEP__", "|".join(GIT_DIR_KEEP))
@@ -181,9 +221,11 @@ _PUT_BACK = r"""set -u
 w=$1 aside=$2; shift 2
 PATH=/usr/bin:/bin
 for entry in "$@"; do
-    n=${entry%% *} hex=${entry##* } escaped=
-    for ((k = 0; k < ${#hex}; k += 2)); do escaped+="\\x${hex:k:2}"; done
-    printf -v path '%b' "$escaped"
+    n=${entry%% *} rest=${entry#* }; rest=${rest#* }; form=${rest%% *} path=${rest#* }
+    if [ "$form" = X ]; then
+        escaped=; for ((k = 0; k < ${#path}; k += 2)); do escaped+="\\x${path:k:2}"; done
+        printf -v path '%b' "$escaped"
+    fi
     path=$w/$path
     rm -rf -- "$path"; mkdir -p -- "${path%/*}"; mv -T -- "$aside/$n" "$path" || exit 1
 done
@@ -262,11 +304,7 @@ def enter(sandbox: Sandbox, task: PiTask, room: Room, setup_list: str) -> Entere
     have taken for its own."""
     moved = _run(sandbox, "enter", room, setup_list)
     ours = {*task.files, *task.verify_files}
-    names = [
-        bytes.fromhex(hexed).decode("utf-8", "replace")
-        for _, kind, hexed in (line.split() for line in moved)
-        if kind in ("name", "config")
-    ]
+    names = [_moved_name(line) for line in moved if line.split(" ", 2)[1] in ("name", "config")]
     names = [name for name in names if name not in ours]
     if not names:
         return Entered(moved)
@@ -298,8 +336,68 @@ def leave(sandbox: Sandbox, task: PiTask, entered: Entered) -> None:
 def restage_task_files(sandbox: Sandbox, task: PiTask) -> None:
     """The task's own files wherever the room's rules (or `outputs`) left them out: as the task
     wrote them (its data, its own configuration)."""
+    for path, text in _left_out(task).items():
+        sandbox.write_file(path, text)
+
+
+def run(
+    sandbox: Sandbox,
+    task: PiTask,
+    room: Room,
+    setup_list: str,
+    command: str,
+    *,
+    timeout_s: float,
+    network: Network,
+    env: dict[str, str],
+) -> CommandResult:
+    """A later verify command (call with every process killed): the rules over what the earlier
+    commands left, the task's and the hidden files staged afresh, an empty logs/verifier, then
+    the command, in one exec of the sandbox. RoomError (the agent's: scored 0.0) when the room
+    could not be made."""
+    from . import VERIFIER_DIR
+
+    files = {**_left_out(task), **task.verify_files}
+    if any("\0" in text for text in files.values()):  # bash cannot carry a NUL: the slower way
+        refresh(sandbox, task, room, setup_list)
+        restage_task_files(sandbox, task)
+        from . import stage
+
+        stage(sandbox, task)
+        return run_command(sandbox, command, timeout_s, network, env=env)
+    fields = [field for path, text in files.items() for field in ("S", path, text)] + ["X", command]
+    stdin = room.stdin + b"".join(field.encode("utf-8", "surrogateescape") + b"\0" for field in fields)
+    outcome = sandbox.exec(
+        [
+            "/bin/bash",
+            "-c",
+            _ROOM,
+            "pi-env",
+            *_arguments(sandbox, "run", room, setup_list),
+            _in_sandbox(sandbox, VERIFIER_DIR),
+        ],
+        timeout_s=timeout_s,
+        network=network,
+        env=env,
+        stdin=stdin,
+    )
+    if outcome.exit_code == ROOM_FAILED and outcome.stderr.startswith("pi-env room: "):
+        raise RoomError(outcome.stderr.strip()[:600], agents=True)
+    return CommandResult(
+        cmd=command,
+        exit_code=outcome.exit_code,
+        stdout=outcome.stdout,
+        stderr=outcome.stderr,
+        duration_s=round(outcome.duration_s, 4),
+        timed_out=outcome.timed_out,
+    )
+
+
+def _left_out(task: PiTask) -> dict[str, str]:
+    """The task's own files the room's rules (or `outputs`) leave out, to be staged as written."""
     names, whole = verifier_names(task)
     keep = _outputs_pattern(task.outputs)
+    out = {}
     for path, text in task.files.items():
         parts = path.split("/")
         if (
@@ -310,7 +408,8 @@ def restage_task_files(sandbox: Sandbox, task: PiTask) -> None:
             or parts[0] in names
             or _stem(parts[0]) in names
         ):
-            sandbox.write_file(path, text)
+            out[path] = text
+    return out
 
 
 def _not_outputs(sandbox: Sandbox, task: PiTask, workdir: str) -> list[str]:
@@ -330,6 +429,12 @@ def _not_outputs(sandbox: Sandbox, task: PiTask, workdir: str) -> list[str]:
         if not (top and path.startswith(top[-1] + "/")):  # sorted: a dir comes before what is below it
             top.append(path)
     return top
+
+
+def _moved_name(line: str) -> str:
+    """The work-dir path of one of enter()'s lines ("<n> <class> A <name>" or "... X <hex>")."""
+    _, _, form, name = line.split(" ", 3)
+    return bytes.fromhex(name).decode("utf-8", "replace") if form == "X" else name
 
 
 def _stem(name: str) -> str:
@@ -365,27 +470,29 @@ def _glob_regex(glob: str, *, path: bool) -> str:
     return out
 
 
+def _arguments(sandbox: Sandbox, mode: str, room: Room, setup_list: str) -> list[str]:
+    return [
+        mode,
+        room.workdir,
+        _in_sandbox(sandbox, ASIDE),
+        _in_sandbox(sandbox, SANDBOX_HOME).rstrip("/"),
+        _in_sandbox(sandbox, setup_list),
+        "1" if room.has_outputs else "0",
+    ]
+
+
 def _run(sandbox: Sandbox, mode: str, room: Room, setup_list: str) -> list[str]:
     outcome = sandbox.exec(
-        [
-            "/bin/bash",
-            "-c",
-            _ROOM,
-            "pi-env",
-            mode,
-            room.workdir,
-            _in_sandbox(sandbox, ASIDE),
-            _in_sandbox(sandbox, SANDBOX_HOME).rstrip("/"),
-            _in_sandbox(sandbox, setup_list),
-            "1" if room.has_outputs else "0",
-        ],
+        ["/bin/bash", "-c", _ROOM, "pi-env", *_arguments(sandbox, mode, room, setup_list), ""],
         cwd=SANDBOX_HOME,
         env=OWN_ENV,
         timeout_s=120,
         network="none",
         stdin=room.stdin,
     )
-    moved = [line for line in outcome.stdout.splitlines() if re.fullmatch(r"\d+ \w+ [0-9a-f]+", line)]
+    if outcome.stdout.startswith("[... "):  # more moved than exec() keeps of stdout: leave() could not put all back
+        raise RoomError("the agent's work dir holds too much that verify's room leaves out", agents=True)
+    moved = [line for line in outcome.stdout.split("\n") if re.fullmatch(r"\d+ \w+ (A .+|X [0-9a-f]+)", line)]
     if outcome.exit_code == 3:
         why = f"the agent's files could not all be cleaned for verify ({outcome.stderr[-300:]})"
         raise RoomError(why, agents=True, moved=moved)
