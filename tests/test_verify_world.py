@@ -326,6 +326,29 @@ FILL_HOME = ("head -c 256M /dev/zero > fill 2>/dev/null; python3 -c \"\n"
              "    try: open(f'many/{i}', 'w').close()\n    except OSError: break\n    i += 1\nprint('files', i)\"")
 
 
+def test_agent_code_that_fills_the_home_during_verify_is_a_zero_never_unscored():
+    """The agent's program, run by the first verify command, uses up the home's inodes: staging
+    the next command's room fails. What an earlier command's agent code did is the agent's: the
+    rollout scores 0.0 with the reason (it used to be an unscored `infra`, which collect retries)."""
+    from pi_env.sandbox.totals import host_totals
+
+    if not host_totals().disk:
+        pytest.skip("this host cannot cap a sandbox home (needs root for a tmpfs home)")
+    # (the hidden files' inodes freed first, so staging them again needs inodes the fill took)
+    fill = ("import os, shutil\nos.remove('check.py')\nshutil.rmtree('more')\nos.makedirs('many', exist_ok=True)\n"
+            "i = 0\nwhile True:\n"
+            "    try: open(f'many/{i}', 'w').close()\n    except OSError: break\n    i += 1\nprint('files', i)\n")
+    task = PiTask(task_id="fill-in-verify", instruction="x", limits={"storage_mb": 32},
+                  verify_files={"check.py": "import sys\nsys.exit(1)\n", "more/data.txt": "x" * 4096},
+                  verify=["python3 solution.py", "python3 check.py"],
+                  solution=[{"tool": "write", "path": "solution.py", "content": fill}])
+    result = run_rollout(task)
+    assert "files" in result.verify_results[0].stdout, "the home was not filled: the test proves nothing"
+    assert result.error_kind is None, (result.error, result.verify_notes)
+    assert result.reward == 0.0 and any("room could not be made before command 2" in note
+                                        for note in result.verify_notes), result.verify_notes
+
+
 @pytest.mark.parametrize("solved", [False, True])
 def test_an_agent_that_uses_up_its_homes_blocks_and_inodes_is_still_verified(solved):
     """A disk total below the memory total: the agent fills its home to the last byte and inode.

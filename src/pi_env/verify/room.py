@@ -202,9 +202,11 @@ fi
 # whatever stands at their paths; an empty verifier dir.
 for ((n = 0; n < ${#stage[@]}; n += 2)); do
     path=$w/${stage[n]}
-    rm -rf -- "$path" && mkdir -p -- "${path%/*}" && printf '%s' "${stage[n + 1]}" > "$path" || failed "could not stage ${stage[n]}"
+    { rm -rf -- "$path" && mkdir -p -- "${path%/*}" && printf '%s' "${stage[n + 1]}" > "$path"; } 2>/dev/null \
+        || failed "could not stage ${stage[n]} (the home's blocks or inodes used up?)"
 done
-rm -rf -- "$verifier_dir" && mkdir -p -- "$verifier_dir" && : > "$verifier_dir/.keep" || failed "could not empty $verifier_dir"
+{ rm -rf -- "$verifier_dir" && mkdir -p -- "$verifier_dir" && : > "$verifier_dir/.keep"; } 2>/dev/null \
+    || failed "could not empty $verifier_dir (the home's blocks or inodes used up?)"
 PATH=$verify_path
 if [ -n "$had_lc" ]; then LC_ALL=$verify_lc; else unset LC_ALL; fi
 exec /bin/bash -c "$command" < /dev/null
@@ -381,8 +383,10 @@ def run(
         env=env,
         stdin=stdin,
     )
-    if outcome.exit_code == ROOM_FAILED and outcome.stderr.startswith("pi-env room: "):
-        raise RoomError(outcome.stderr.strip()[:600], agents=True)
+    if outcome.exit_code == ROOM_FAILED and "pi-env room: " in outcome.stderr:
+        # (the command never ran: the script ended first; a command that prints this and exits
+        # 213 itself only turns its own result into a 0.0)
+        raise RoomError(outcome.stderr[outcome.stderr.index("pi-env room: ") :].strip()[:600], agents=True)
     return CommandResult(
         cmd=command,
         exit_code=outcome.exit_code,
