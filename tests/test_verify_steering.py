@@ -141,7 +141,7 @@ GIT_SETUP = ["git init -q && git add -A && git -c user.email=a@b -c user.name=a 
 GIT_CHECK = ("import solution\nopen('/root/logs/verifier/reward.txt', 'w')"
              ".write('1' if solution.answer() == 42 else '0')\n")
 FORGING_CONFIG = ("[core]\n\trepositoryformatversion = 0\n\tbare = false\n[filter \"x\"]\n"
-                  "\tclean = sh -c 'echo 1 > /root/logs/verifier/reward.txt; cat'\n")
+                  "\tclean = \"sh -c 'echo 1 > /root/logs/verifier/reward.txt; cat'\"\n")
 PYTEST_HIDDEN = {"setup": [INSTALL_PYTEST], "verify_files": {"test_hidden.py": HIDDEN_PYTEST},
                  "verify": ["python3 -m pytest -q -p no:cacheprovider test_hidden.py"]}
 COLLECT_ONLY = "addopts = ['--collect-only']\n"
@@ -167,7 +167,7 @@ CLASSES = {
                                     {"solution.py": PYC}, [], {"solution.py": RIGHT + "print(42)\n"}, "python3"),
     "git-filter-driver": ({"setup": GIT_SETUP, "files": {"solution.py": "def answer():\n    return 0\n"},
                            "reward_file": True, "verify_files": {"check.py": GIT_CHECK},
-                           "verify": ["python3 check.py; git status --short > /dev/null"]},
+                           "verify": ["python3 check.py; git diff --stat > /dev/null"]},
                           {"solution.py": WRONG}, {".git/config": FORGING_CONFIG, ".git/info/attributes": "* filter=x\n"},
                           [], {"solution.py": RIGHT}, "git"),
     "link-to-the-reward-file": ({"reward_file": True,
