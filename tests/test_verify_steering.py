@@ -206,16 +206,34 @@ def test_a_class_of_forgery_scores_what_the_wrong_answer_scores_alone(attack, ba
     assert honest.reward == 1.0, (_scores(honest), honest.verify_notes)
 
 
+def test_a_reward_file_written_by_agent_code_that_killed_its_check_does_not_count():
+    """The check runs the agent's program in a subprocess and writes the reward after it; the
+    program writes 1.0 itself and kills the check before it can write its 0 (the csv-total
+    forgery). The command was killed: its reward file does not count, 0.0 with the reason."""
+    check = ("import subprocess, sys\nout = subprocess.run([sys.executable, 'solution.py'], capture_output=True, "
+             "text=True).stdout\nopen('/root/logs/verifier/reward.txt', 'w').write('1' if out.strip() == '42' else '0')\n")
+    kill = ("import os, signal\nopen('/root/logs/verifier/reward.txt', 'w').write('1')\n"
+            "os.kill(os.getppid(), signal.SIGKILL)\nprint(41)\n")
+    fields = {"reward_file": True, "verify_files": {"check.py": check}, "verify": ["python3 check.py"]}
+    forged = run_rollout(_task("kills-its-check", fields, {"solution.py": kill}))
+    assert "planted" in json.dumps(forged.messages)
+    assert forged.reward == 0.0 and "killed" in forged.verify_notes[-1], (forged.verify_notes, _scores(forged))
+    assert run_rollout(_task("kills-its-check", fields, {"solution.py": "print(42)\n"})).reward == 1.0
+
+
 def test_a_runner_the_image_lacks_is_the_tasks_error_or_not_found_never_the_agents():
     """No pytest for the sandbox's python3: `python3 -m pytest` is the task's error, found after
     setup (unscored, `setup_failed`, saying what to install), and where pi-env cannot tell (the
     command sets PATH), the agent's pytest.py is not imported: the command fails as it would
     beside an empty work dir."""
+    from pi_env.sandbox import SandboxSpec
+
     config = _config("local", "python3")
+    with registered("local")().create(SandboxSpec()) as sandbox:
+        if sandbox.exec("cd && python3 -c 'import pytest'", timeout_s=60).exit_code == 0:
+            pytest.skip("the sandbox's python3 has pytest")
     plain = {"verify_files": {"test_hidden.py": HIDDEN_PYTEST}, "verify": ["python3 -m pytest -q test_hidden.py"]}
     result = run_rollout(_task("no-runner", plain, {"solution.py": WRONG, "pytest.py": EXIT_0}), config)
-    if result.error_kind is None:
-        pytest.skip("the sandbox's python3 has pytest")
     assert result.error_kind == "setup_failed" and "install it in setup" in result.error, result.error
     hidden = {**plain, "verify": ["PATH=$PATH python3 -m pytest -q test_hidden.py"]}
     result = run_rollout(_task("no-runner-unchecked", hidden, {"solution.py": RIGHT, "pytest.py": EXIT_0}), config)
