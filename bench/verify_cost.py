@@ -6,7 +6,7 @@ both see the same machine. Prints, per tree, the median of the verify phase (`ti
 and of the whole rollout over every rollout of the bundled examples, the difference of the
 medians, the load average before and after, and ends with ONE JSON line.
 
-    python bench/verify_cost.py --before /tmp/old-tree --after . -n 5 examples/*.json
+    python bench/verify_cost.py --before HEAD~3 -n 6 examples/*.json   (a ref, or a tree's dir)
 Target (issue 41): verify's added cost within +50 ms median per rollout.
 """
 
@@ -18,6 +18,11 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = r"""
 import json, sys
@@ -36,18 +41,38 @@ def worker(tree: str) -> subprocess.Popen:
                             text=True, env=env, cwd=os.path.abspath(tree))
 
 
+@contextmanager
+def tree(ref_or_dir: str):
+    """A source tree: the dir itself, or REF checked out in a temporary git worktree."""
+    if os.path.isdir(ref_or_dir):
+        yield ref_or_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="verify-cost-") as scratch:
+        path = os.path.join(scratch, "tree")
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", path, ref_or_dir], check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", path], check=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", required=True, help="the tree without the change")
-    parser.add_argument("--after", required=True, help="the tree with the change")
+    parser.add_argument("--before", required=True, help="the tree without the change: a git ref or a dir")
+    parser.add_argument("--after", default=str(ROOT), help="the tree with the change (default: this one)")
     parser.add_argument("-n", type=int, default=5, help="rounds (each runs every task once per tree)")
     parser.add_argument("tasks", nargs="+", help="task files (absolute, or relative to the cwd)")
     args = parser.parse_args()
     tasks = [os.path.abspath(path) for path in args.tasks]
+    with tree(args.before) as before, tree(args.after) as after:
+        measure(before, after, tasks, args.n)
+
+
+def measure(before: str, after: str, tasks: list[str], rounds: int) -> None:
     load_before = os.getloadavg()
-    workers = {"before": worker(args.before), "after": worker(args.after)}
+    workers = {"before": worker(before), "after": worker(after)}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
-    for round_ in range(args.n):
+    for round_ in range(rounds):
         order = ["before", "after"] if round_ % 2 == 0 else ["after", "before"]
         for name in order:
             for task in tasks:
@@ -80,7 +105,7 @@ def main() -> None:
     print(f"verify added: {added * 1000:+.1f} ms median per rollout (target <= +50 ms); "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print(json.dumps({"bench": "verify_cost", **summary, "verify_added_ms": round(added * 1000, 1),
-                      "load_before": load_before[0], "load_after": load_after[0]}))
+                      "loadavg": {"before": load_before, "after": load_after}}))
 
 
 if __name__ == "__main__":

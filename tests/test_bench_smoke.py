@@ -25,6 +25,7 @@ TINY = {
     "token_in_overhead.py": ["--tokens", "2000", "--turns", "3", "--sessions", "2"],
     "token_in_hostile.py": ["--sizes", "256", "--classes", "tool_call_loop", "nested_json"],
     "server_throughput.py": ["--rollouts", "1", "--concurrency", "1", "--rounds", "1", "--fixed-calls", "2"],
+    "verify_cost.py": ["--before", "HEAD", "-n", "1", "examples/fizzbuzz.json"],
     "workspace_steps.py": ["--calls", "5", "--runs", "2", "--episodes", "1"],
 }
 
