@@ -3,13 +3,16 @@ hidden tests staged through `verify_files`) and an oracle `solution`, generated
 deterministically from (split, seed, index) like the workspace families, with which they share
 the rng keying, the word generator and the split check.
 
+Every check that runs the agent's code is hidden (`verify_files`) and runs it through pi-env's
+`pi_env_check` (sealed check, confined child: docs/tasks.md, "Writing tasks safely").
+
 Families (each needs several tool calls; most rewards are a pass rate over several checks, so a
 half-right answer scores between 0 and 1):
 
 - `write_file`: create a file in a subdirectory holding two given lines.
 - `implement_function`: fill in a stub that hidden tests check on inputs the agent never sees.
 - `fix_bug`: a visible test fails; the bug is one line of the module it tests (hidden tests
-  check the fix on other inputs, so editing the test does not pass).
+  check the fix on the visible input and others, so editing the test does not pass).
 - `rename_symbol`: rename a function across a package module and the script that calls it.
 - `data_program`: a workspace data problem (`pi_env.workspace.tasks.FAMILIES`) answered by
   writing and running `solution.py` that prints the number.
@@ -116,13 +119,29 @@ def _spec_input(rng: random.Random, kind: str) -> int | list[int] | str:
 
 def _hidden_check(module: str, function: str, cases: list) -> str:
     """A hidden test: `python3 tests/check_M.py I` checks case I (one verify command per case,
-    so the reward is the fraction of cases passed)."""
+    so the reward is the fraction of cases passed). The agent's function runs in a sealed child
+    (pi_env_check, docs/tasks.md): its exit, prints and leftovers decide nothing."""
     return (
-        f"import sys\nsys.path.insert(0, '.')\nfrom {module} import {function}\n\n"
+        f"import sys\n\nimport pi_env_check as check\n\n"
         f"CASES = {json.dumps(cases)}\n"
         f"args, want = CASES[int(sys.argv[1])]\n"
-        f"got = {function}(args)\n"
+        f"check.seal(__file__)\n"
+        f"got = check.call({module!r}, {function!r}, args)\n"
         f"assert got == want, f'{function}({{args!r}}) returned {{got!r}}, expected {{want!r}}'\n"
+    )
+
+
+def _program_check(argv: list[str], want: str) -> str:
+    """A hidden test: the agent's program run in a sealed child (pi_env_check) must exit 0 and
+    print `want`. Its verify command comes last: whatever the program does to the files cannot
+    change an earlier command's verdict."""
+    return (
+        f"import sys\n\nimport pi_env_check as check\n\n"
+        f"WANT = {want!r}\n"
+        f"check.seal(__file__)\n"
+        f"ran = check.run({argv!r})\n"
+        f"print(f'expected {{WANT}}, got {{ran.stdout.strip()[-200:]!r}}')\n"
+        f"sys.exit(0 if ran.ok and ran.stdout.strip() == WANT else 1)\n"
     )
 
 
@@ -229,12 +248,13 @@ def _fix_bug(rng: random.Random, split: str) -> dict:
         f"print('ok')\n"
     )
     check = f"tests/check_{module}.py"
+    cases = [[case, run(case)] for case in [visible, *hidden]]  # the visible test's case too, run sealed
     return dict(
         instruction=f"`python3 {test_file}` fails. Find the bug in `{module}.py` and fix it so that the test "
         f"passes; do not change the test.",
         files={f"{module}.py": template.format(line=bad, **params), test_file: test},
-        verify_files={check: _hidden_check(module, function, [[h, run(h)] for h in hidden])},
-        verify=[f"python3 {test_file}", f"python3 {check} 0", f"python3 {check} 1"],
+        verify_files={check: _hidden_check(module, function, cases)},
+        verify=[f"python3 {check} {i}" for i in range(len(cases))],
         solution=[
             {"tool": "bash", "command": f"python3 {test_file}"},
             {"tool": "read", "path": f"{module}.py"},
@@ -259,10 +279,11 @@ def _rename_symbol(rng: random.Random, split: str) -> dict:
             "main.py": f"from {package}.helpers import {old}\n\nprint({old}({x}, {y}))\n",
         },
         verify=[
-            f'test "$(python3 main.py)" = {out}',
             f"! grep -rnw --include=*.py {old} .",
             f"grep -q 'def {new}(' {helpers}",
+            "python3 tests/check_main.py",
         ],
+        verify_files={"tests/check_main.py": _program_check(["python3", "main.py"], str(out))},
         solution=[
             {"tool": "edit", "path": helpers, "old": f"def {old}(", "new": f"def {new}("},
             {"tool": "edit", "path": "main.py", "old": f"import {old}", "new": f"import {new}"},
@@ -294,7 +315,8 @@ def _data_program(rng: random.Random, split: str) -> dict:
         instruction=f"{question} Write a Python program `solution.py` that computes it from the file and prints "
         f"only the number, then run it with `python3 solution.py`.",
         files=files,
-        verify=[f'test "$(python3 solution.py)" = {answer}'],
+        verify=["python3 tests/check_program.py"],
+        verify_files={"tests/check_program.py": _program_check(["python3", "solution.py"], str(answer))},
         solution=[
             {"tool": "write", "path": "solution.py", "content": reference_program(problem)},
             {"tool": "bash", "command": "python3 solution.py"},

@@ -1,8 +1,4 @@
 #!/bin/bash
-# Harbor verifier: reward.txt gets 1 when total.py prints the right total, else 0.
-mkdir -p /logs/verifier
-if python3 /tests/test_total.py; then
-  echo 1 > /logs/verifier/reward.txt
-else
-  echo 0 > /logs/verifier/reward.txt
-fi
+# Harbor verifier: test_total.py writes /logs/verifier/reward.txt, 1 when total.py prints the
+# right total, else 0 (it runs total.py as nobody through pi_env_check, then decides).
+python3 /tests/test_total.py

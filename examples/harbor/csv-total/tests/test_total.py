@@ -1,11 +1,8 @@
-import csv
-import subprocess
-import sys
-from decimal import Decimal
+import pi_env_check as check
 
-with open("/app/sales.csv") as handle:
-    want = sum(Decimal(row["amount"]) for row in csv.DictReader(handle))
-done = subprocess.run([sys.executable, "/app/total.py"], capture_output=True, text=True, timeout=30, cwd="/app")
-got = done.stdout.strip()
-print(f"expected {want:.2f}, got {got!r}")
-sys.exit(0 if got == f"{want:.2f}" else 1)
+WANT = "500.50"  # the amount column of sales.csv, summed: kept here, where the agent cannot edit it
+check.seal("/tests")
+ran = check.run(["python3", "/app/total.py"], user="nobody", timeout=30)
+got = ran.stdout.strip()
+print(f"expected {WANT}, got {got!r}")
+check.write_reward(1 if ran.ok and got == WANT else 0, directory="/logs/verifier")

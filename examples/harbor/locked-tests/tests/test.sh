@@ -1,6 +1,5 @@
 #!/bin/bash
 # As terminal-bench verifiers do: lock the tests away from the program under test, then run it
-# as nobody, so it can neither read the expected answers nor write the reward.
+# as nobody (pi_env_check), so it can neither read the expected answers nor write the reward.
 chmod -R go-rwx /tests
-mkdir -p /logs/verifier
 python3 /tests/check.py

@@ -1,9 +1,11 @@
 #!/bin/bash
-mkdir -p /logs/verifier
-cd /app && python3 - <<'PY'
-import json
-from textstat import count_lines
-ok = [count_lines("") == 0, count_lines("a\nb\n") == 2, count_lines("a\nb") == 2]
-json.dump({"reward": sum(ok) / len(ok)}, open("/logs/verifier/reward.json", "w"))
+python3 - <<'PY'
+import pi_env_check as check
+
+CASES = [("", 0), ("a\nb\n", 2), ("a\nb", 2)]
+check.seal("/tests")
+got = check.calls("textstat", "count_lines", [[text] for text, _ in CASES], user="nobody")
+ok = [result == want for result, (_, want) in zip(got, CASES)]
 print("lines:", ok)
+check.write_reward(sum(ok) / len(ok), directory="/logs/verifier", checks=ok)
 PY

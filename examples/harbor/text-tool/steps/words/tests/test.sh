@@ -1,9 +1,13 @@
 #!/bin/bash
-mkdir -p /logs/verifier
-cd /app && python3 - <<'PY'
-import json
-from textstat import count_lines, count_words
-ok = [count_words("") == 0, count_words(" a  b\tc\n") == 3, count_lines("x\ny\n") == 2]
-json.dump({"reward": sum(ok) / len(ok)}, open("/logs/verifier/reward.json", "w"))
+python3 - <<'PY'
+import pi_env_check as check
+
+WORDS = [("", 0), (" a  b\tc\n", 3)]
+LINES = [("x\ny\n", 2)]
+check.seal("/tests")
+got = check.calls("textstat", "count_words", [[text] for text, _ in WORDS], user="nobody")
+got += check.calls("textstat", "count_lines", [[text] for text, _ in LINES], user="nobody")
+ok = [result == want for result, (_, want) in zip(got, WORDS + LINES)]
 print("words:", ok)
+check.write_reward(sum(ok) / len(ok), directory="/logs/verifier", checks=ok)
 PY
