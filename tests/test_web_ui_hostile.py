@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from helpers import processes_of_uid, wait_for
-from test_server import ServerProcess, sandbox_processes, sleeping_task
+from test_server import ServerProcess, sandbox_processes, scripted_port, server, sleeping_task  # noqa: F401 - fixtures
 from test_web_ui import browser, phase_log, pick_preset  # noqa: F401 - browser: the shared chromium fixture
 from pi_env.scripted import ScriptedToolCall, ScriptedTurn
 
@@ -73,7 +73,7 @@ def remote():
 
 
 @pytest.fixture(scope="module")
-def hostile_server(tmp_path_factory, remote):
+def hostile_server(tmp_path_factory, remote, scripted_port):
     presets = tmp_path_factory.mktemp("presets")
     html = payload(remote.url)
     task = {"task_id": "hostile", "instruction": f"Do it.\n{html}", "verify": [f"printf %s {json.dumps(html)}",
@@ -88,7 +88,8 @@ def hostile_server(tmp_path_factory, remote):
                                                        "setup": [f"printf %s {json.dumps(html)} >&2; exit 3"],
                                                        "solution": [{"tool": "bash", "command": "true"}]}))
     served = ServerProcess(tmp_path_factory.mktemp("web"), web=True, MAX_CONCURRENT_ENVS="1", PI_ENV_MAX_QUEUE="0",
-                           PI_ENV_EXAMPLES=str(presets), PI_ENV_AUTH_TOKEN=TOKEN)
+                           PI_ENV_EXAMPLES=str(presets), PI_ENV_AUTH_TOKEN=TOKEN,
+                           PI_ENV_ALLOWED_BASE_URLS=f"http://127.0.0.1:{scripted_port}")  # the scripted server's
     yield served
     served.stop()
 
