@@ -136,3 +136,13 @@ def test_max_tokens_is_the_one_cap_and_the_old_second_knob_still_loads():
         assert "proxy_max_tokens_cap" not in config.model_dump()
     with pytest.raises(ValueError, match="greater than 0"), pytest.warns(DeprecationWarning):
         PiConfig(proxy_max_tokens_cap=0)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/#", "http://127.0.0.1:9/v1?x=", "ftp://127.0.0.1/v1", "http:///v1",
+                                 ["http://127.0.0.1:9/v1", "http://127.0.0.1:8/#"]])
+def test_a_base_url_the_api_path_cannot_be_joined_to_is_refused(url):
+    """`http://host/#` would swallow the gateway's /chat/completions: the call (and the key) would
+    go to http://host/. Refused with what to give instead."""
+    with pytest.raises(ValueError, match="no \\? or #"):
+        PiConfig(base_url=url)
+    assert PiConfig(base_url="http://user:pw@127.0.0.1:9/v1").base_url  # user:password stays the operator's choice

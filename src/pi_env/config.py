@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -279,6 +280,20 @@ class PiConfig(BaseModel):
             if any(ord(char) < 32 and char != "\t" or ord(char) == 127 for char in text):
                 raise ValueError(
                     f"{info.field_name}: holds a control character (a line break, NUL, ...); give it on one line"
+                )
+        return value
+
+    @field_validator("base_url")
+    @classmethod
+    def _joinable(cls, value: str | list[str] | None) -> str | list[str] | None:
+        # The gateway joins the API path to it: a query or fragment would swallow that path and
+        # send the call (and the key) elsewhere (`http://host/#` posts to http://host/).
+        for url in [value] if isinstance(value, str) else value or []:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment or "#" in url:
+                raise ValueError(
+                    f"base_url: {without_userinfo(url)!r} is not an http(s) base URL the API path can be "
+                    "joined to: give scheme, host and path only (e.g. http://127.0.0.1:8000/v1), no ? or #"
                 )
         return value
 
