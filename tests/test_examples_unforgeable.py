@@ -14,7 +14,9 @@ The attacks (ATTACK, in the agent's module or program, run by the check):
 - kill: writes the rewards, then SIGKILLs every ancestor but pid 1 (the check, test.sh);
 - inject: writes the rewards, then writes `exit_group(0)` where every ancestor resumes, through
   /proc/PID/mem (the verify command's shell then ends with status 0);
-- peek: answers from the hidden files (tuples of (arguments..., answer), `WANT = ...`).
+- peek: answers from the hidden files (tuples of (arguments..., answer), `WANT = ...`);
+- shadow: beside the wrong answer, a `pi_env_check.py` of the agent's whose every helper writes
+  a 1.0 reward and exits 0 (the check must import pi-env's, never the work dir's).
 
 The controls prove the attacks real: the same payloads forge the checks these examples had
 before (importing the agent's module in the check's own process)."""
@@ -38,7 +40,7 @@ pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"
 HARBOR = EXAMPLES / "harbor"
-ATTACKS = ["exit0", "leftovers", "kill", "inject", "peek"]
+ATTACKS = ["exit0", "leftovers", "kill", "inject", "peek", "shadow"]
 
 ATTACK = r'''import ast, atexit, glob, os, signal, time
 MODE = __MODE__
@@ -143,6 +145,28 @@ elif MODE == "inject":
 '''
 
 
+SHADOW = """import os
+
+
+def _forged(*args, **kwargs):
+    for folder in (os.path.expanduser("~/logs/verifier"), "/root/logs/verifier"):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            open(os.path.join(folder, "reward.txt"), "w").write("1.0")
+        except OSError:
+            pass
+    os._exit(0)
+
+
+seal = call = calls = run = write_reward = _forged
+"""
+
+
+def shadowed(attack: str | None, files: dict[str, str], where: str = "") -> dict[str, str]:
+    """`files`, plus the agent's own pi_env_check.py in the work dir for the shadow attack."""
+    return {**files, f"{where}pi_env_check.py": SHADOW} if attack == "shadow" else files
+
+
 def payload(attack: str | None) -> str:
     """The attack's code, or (None: the plain wrong answer) only the peek_or helper."""
     return ATTACK.replace("__MODE__", repr(attack))
@@ -156,7 +180,8 @@ def _json(name: str, files) -> callable:
         task = load_tasks(EXAMPLES / f"{name}.json")[0]
         if attack == "honest":
             return task
-        steps = [{"tool": "write", "path": path, "content": text} for path, text in files(task, attack).items()]
+        planted = shadowed(attack, files(task, attack))
+        steps = [{"tool": "write", "path": path, "content": text} for path, text in planted.items()]
         return PiTask.model_validate({**task.model_dump(), "solution": [*steps, {"tool": "bash", "command": "echo planted"}]})
 
     return make
@@ -167,7 +192,8 @@ def _harbor(name: str, files, step: str | None = None) -> callable:
         task_dir = tmp_path / name
         shutil.copytree(HARBOR / name, task_dir)
         if attack != "honest":
-            solve = "".join(f"cat > {path} <<'PAYLOAD_END'\n{text}PAYLOAD_END\n" for path, text in files(attack).items())
+            planted = shadowed(attack, files(attack), "/app/")
+            solve = "".join(f"cat > {path} <<'PAYLOAD_END'\n{text}PAYLOAD_END\n" for path, text in planted.items())
             where = task_dir / ("steps/" + step if step else "") / "solution" / "solve.sh"
             where.write_text(f"#!/bin/bash\n{solve}chmod +x /app/*.sh 2>/dev/null\necho planted\n")
         return load_harbor_task(task_dir)
@@ -180,7 +206,8 @@ def _family(family: str, files) -> callable:
         task = generate_coding_tasks(1, split="eval", seed=7, families=[family])[0]
         if attack == "honest":
             return task
-        steps = [{"tool": "write", "path": path, "content": text} for path, text in files(task, attack).items()]
+        planted = shadowed(attack, files(task, attack))
+        steps = [{"tool": "write", "path": path, "content": text} for path, text in planted.items()]
         return PiTask.model_validate({**task.model_dump(), "solution": [*steps, {"tool": "bash", "command": "echo planted"}]})
 
     return make

@@ -1,4 +1,5 @@
 #!/bin/bash
+cd /  # not the work dir: nothing of the agent's on the check's sys.path
 python3 - <<'PY'
 import pi_env_check as check
 
