@@ -221,6 +221,19 @@ def test_a_reward_file_written_by_agent_code_that_killed_its_check_does_not_coun
     assert run_rollout(_task("kills-its-check", fields, {"solution.py": "print(42)\n"})).reward == 1.0
 
 
+def test_a_verifier_dir_an_earlier_command_locked_is_the_verifiers_again():
+    """The agent's program, run by the first command, makes logs/ and logs/verifier read-only: the
+    next command's room makes them writable again (their owner can), so the answer is scored as
+    it is, here 1.0, never 0.0 for a room that could not be made."""
+    lock = ("import os\ndef answer():\n    return 42\nif __name__ == '__main__':\n"
+            "    home = os.path.expanduser('~')\n    os.chmod(home + '/logs/verifier', 0o555)\n"
+            "    os.chmod(home + '/logs', 0o555)\n")
+    fields = {"verify_files": {"check.py": HIDDEN_CHECK}, "verify": ["python3 solution.py", "python3 check.py"]}
+    result = run_rollout(_task("locked-verifier-dir", fields, {"solution.py": lock}))
+    assert "planted" in json.dumps(result.messages)
+    assert result.reward == 1.0, (result.verify_notes, _scores(result))
+
+
 def test_a_runner_the_image_lacks_is_the_tasks_error_or_not_found_never_the_agents():
     """No pytest for the sandbox's python3: `python3 -m pytest` is the task's error, found after
     setup (unscored, `setup_failed`, saying what to install), and where pi-env cannot tell (the

@@ -290,7 +290,13 @@ class PiConfig(BaseModel):
         # send the call (and the key) elsewhere (`http://host/#` posts to http://host/).
         for url in [value] if isinstance(value, str) else value or []:
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment or "#" in url:
+            if (
+                parts.scheme not in ("http", "https")
+                or not parts.hostname
+                or parts.query
+                or parts.fragment
+                or "#" in url
+            ):
                 raise ValueError(
                     f"base_url: {without_userinfo(url)!r} is not an http(s) base URL the API path can be "
                     "joined to: give scheme, host and path only (e.g. http://127.0.0.1:8000/v1), no ? or #"

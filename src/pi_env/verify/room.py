@@ -205,6 +205,8 @@ for ((n = 0; n < ${#stage[@]}; n += 2)); do
     { rm -rf -- "$path" && mkdir -p -- "${path%/*}" && printf '%s' "${stage[n + 1]}" > "$path"; } 2>/dev/null \
         || failed "could not stage ${stage[n]} (the home's blocks or inodes used up?)"
 done
+# (the agent's code may have made logs/ or logs/verifier unwritable: its owner can change that)
+chmod u+rwx -- "${verifier_dir%/*}" 2>/dev/null; chmod -R u+rwX -- "$verifier_dir" 2>/dev/null
 { rm -rf -- "$verifier_dir" && mkdir -p -- "$verifier_dir" && : > "$verifier_dir/.keep"; } 2>/dev/null \
     || failed "could not empty $verifier_dir (the home's blocks or inodes used up?)"
 PATH=$verify_path
