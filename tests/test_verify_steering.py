@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,18 @@ FORGING_CONFIG = ("[core]\n\trepositoryformatversion = 0\n\tbare = false\n[filte
 PYTEST_HIDDEN = {"setup": [INSTALL_PYTEST], "verify_files": {"test_hidden.py": HIDDEN_PYTEST},
                  "verify": ["python3 -m pytest -q -p no:cacheprovider test_hidden.py"]}
 COLLECT_ONLY = "addopts = ['--collect-only']\n"
+SUBPROCESS_CHECK = {"verify_files": {"check.py": "import subprocess, sys, solution\n"
+                                                 "sys.exit(0 if solution.answer() == 42 else 1)\n"},
+                    "verify": ["python3 check.py"]}
+COPY_CHECK = {"verify_files": {"check.py": "import copy, sys, solution\nsys.exit(0 if solution.answer() == 42 else 1)\n"},
+              "verify": ["python3 check.py"]}
+NODE_CHECKER = {"setup": ["mkdir -p $HOME/node_modules/checker && "
+                          "echo 'module.exports = x => x === 42' > $HOME/node_modules/checker/index.js"],
+                "verify_files": {"check.js": "process.exit(require('checker')(require('./solution.js').answer()) ? 0 : 1)\n"}}
+PTH_WRITER = ("if __name__ == '__main__':\n    import os, site\n    d = site.getusersitepackages()\n"
+              "    os.makedirs(d, exist_ok=True)\n    open(os.path.join(d, 'zz.pth'), 'w').write('import os; os._exit(0)\\n')\n")
+CHECKER_WRITER = ("if (require.main === module) require('fs').writeFileSync(require('os').homedir() + "
+                  "'/node_modules/checker/index.js', 'module.exports = () => true\\n')\n")
 CLASSES = {
     "pytest-toml": (PYTEST_HIDDEN, {"solution.py": WRONG}, {"pytest.toml": "[pytest]\n" + COLLECT_ONLY}, [],
                     {"solution.py": RIGHT}, "pytest"),
@@ -179,6 +192,36 @@ CLASSES = {
                                "verify": ["python3 solution.py > notes.txt; python3 check.py"]},
                               {"solution.py": WRONG + "print('import os; os._exit(0)')\n"}, {},
                               ["ln -s check.py notes.txt"], {"solution.py": RIGHT}, "python3"),
+    # Found by a red-team pass on the room itself:
+    # a name the standard library reserves, which this platform lacks (subprocess tries msvcrt)
+    "stdlib-name-the-platform-lacks": (SUBPROCESS_CHECK, {"solution.py": WRONG}, {"msvcrt.py": EXIT_0}, [],
+                                       {"solution.py": RIGHT}, "python3"),
+    # what a standard library module imports at its top (copy tries org.python.core)
+    "stdlib-optional-import": (COPY_CHECK, {"solution.py": WRONG},
+                               {"org/__init__.py": "", "org/python/__init__.py": "", "org/python/core.py": EXIT_0},
+                               [], {"solution.py": RIGHT}, "python3"),
+    # package metadata in the work dir: an entry point pytest autoloads as a plugin
+    "dist-info-pytest-plugin": (PYTEST_HIDDEN, {"solution.py": WRONG},
+                                {"evil-0.dist-info/METADATA": "Metadata-Version: 2.1\nName: evil\nVersion: 0\n",
+                                 "evil-0.dist-info/entry_points.txt": "[pytest11]\nevil = evilplug\n",
+                                 "evilplug.py": EXIT_0}, [], {"solution.py": RIGHT}, "pytest"),
+    # Node resolves a package's own name (package.json "exports") before node_modules
+    "node-package-self-reference": ({**NODE_CHECKER, "verify": ["node check.js"]}, NODE_FILES,
+                                    {"package.json": '{"name": "checker", "exports": "./evil.js"}',
+                                     "evil.js": "module.exports = () => true\n"}, [],
+                                    {"solution.js": "exports.answer = () => 42\n"}, "node"),
+    # the first command's agent code changes the home the second command's tools read
+    "user-site-between-commands": ({"setup": [INSTALL_PYTEST], "verify_files": {"test_hidden.py": HIDDEN_PYTEST},
+                                    "verify": ["python3 -c 'import solution, sys; sys.exit(solution.answer() != 42)'; "
+                                               "s=$?; python3 solution.py; exit $s",
+                                               "python3 -m pytest -q -p no:cacheprovider test_hidden.py"]},
+                                   {"solution.py": WRONG}, {"solution.py": WRONG + PTH_WRITER}, [],
+                                   {"solution.py": RIGHT}, "pytest"),
+    "node-modules-between-commands": ({**NODE_CHECKER, "verify": ["node -e \"process.exit(require('./solution.js')"
+                                                                  ".answer() === 42 ? 0 : 1)\"; s=$?; node solution.js; "
+                                                                  "exit $s", "node check.js"]},
+                                      NODE_FILES, {"solution.js": "exports.answer = () => 41\n" + CHECKER_WRITER}, [],
+                                      {"solution.js": "exports.answer = () => 42\n"}, "node"),
 }
 NEEDS.update({"gcc": "command -v gcc && python3 -c 'import sysconfig, os; "
                      "assert os.path.exists(sysconfig.get_paths()[\"include\"] + \"/Python.h\")'",
@@ -340,6 +383,8 @@ ln -s check.py alias.py                               # a link onto a hidden fil
 ln -s /root/.bashrc home.txt                          # anything of the home
 ln -s /usr/bin/python3 python                         # a venv's interpreter: kept
 ln -s keep.py also.py                                 # a link within the work: kept
+ln -s loop2 loop1; ln -s loop1 loop2; ln -s nowhere dangling  # resolved as far as they go: into the work
+ln -s into/x into                                     # a link into itself (realpath never ends): out
 mkdir -p check __pycache__ .git/hooks .git/info .git/objects .git/refs/heads pkg2
 printf 'import os; os._exit(0)\n' > check/__init__.py     # a package dir beats check.py
 printf 'x' > check.cpython-311-x86_64-linux-gnu.so   # an extension module beats check.py
@@ -353,6 +398,15 @@ printf '[diff "evil"]\n\ttextconv = /x\n[include]\n\tpath = /x\n[user]\n\tname =
 mkdir -p sub && printf 'gitdir: /root/x\n' > sub/.git
 mkdir -p $'a\nb' $'c\xff' 'd e'; for d in $'a\nb' $'c\xff' 'd e'; do echo odd > "$d/conftest.py"; done
 """
+
+
+@pytest.mark.parametrize("script", ["_ROOM", "_PUT_BACK"])
+def test_the_rooms_scripts_parse(script):
+    """bash reads a script a command at a time: a stray `fi` after an `exit` would never be seen."""
+    from pi_env.verify import room
+
+    checked = subprocess.run(["bash", "-n"], input=getattr(room, script), capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0, checked.stderr
 
 
 @pytest.mark.parametrize("backend", ["local", "podman", "unsafe-local"])
@@ -381,8 +435,8 @@ def test_the_room_holds_the_agents_work_as_data_and_leave_gives_it_back(backend)
                               else ROOM_PLANT], timeout_s=30)
         assert plant.exit_code == 0, plant.stderr
         before = sandbox.exec(["/bin/bash", "-c", "find . -printf '%p %y %l\\n' | sort | md5sum"], timeout_s=30).stdout
-        room = room_for(sandbox, task)
-        entered = enter(sandbox, task, room, SETUP_PATHS)
+        room = room_for(sandbox, task, SETUP_PATHS)
+        entered = enter(sandbox, task, room)
         restage_task_files(sandbox, task)
         stage(sandbox, task)
         assert "tests.py" in entered.notes[0] and "pkg/conftest.py" not in entered.notes[0], entered.notes
@@ -407,7 +461,7 @@ def test_the_room_holds_the_agents_work_as_data_and_leave_gives_it_back(backend)
                               " && ln -s ../logs/verifier/reward.txt r.txt && mkfifo f && echo 41 > out.txt"],
                              timeout_s=30)
         assert dirty.exit_code == 0, dirty.stderr
-        refresh(sandbox, task, room, SETUP_PATHS)
+        refresh(sandbox, task, room)
         assert not any(sandbox.exists(path) for path in ("__pycache__", "r.txt", "f"))
         assert sandbox.read_file("out.txt") == b"41\n"
         leave(sandbox, task, entered)
@@ -429,7 +483,7 @@ def test_a_task_with_outputs_gets_only_those_and_its_own_files(backend):
         for path, text in {"data/in.csv": "forged", "src/app.py": "agent's", "src/deep/er/x.py": "x",
                            "src/notes.txt": "n", "README.md": "r", "conftest.py": "c", "pytest.ini": "p"}.items():
             sandbox.write_file(path, text)
-        entered = enter(sandbox, task, room_for(sandbox, task), SETUP_PATHS)
+        entered = enter(sandbox, task, room_for(sandbox, task, SETUP_PATHS))
         restage_task_files(sandbox, task)
         files = sandbox.snapshot("/root/workdir")
         assert files == {"src/app.py": b"agent's", "src/deep/er/x.py": b"x", "README.md": b"r",

@@ -436,7 +436,7 @@ class PiSession(GateAPI):
             if sandbox is not self.sandbox:
                 self.sandbox, old = sandbox, self.sandbox
                 old.close()
-            room = room_for(sandbox, task)
+            room = room_for(sandbox, task, SETUP_PATHS)
         except (SandboxError, OSError) as error:
             self._fail("infra", f"could not give verify a clean world: {type(error).__name__}: {error}")
             return None
@@ -446,22 +446,14 @@ class PiSession(GateAPI):
         for position, command in enumerate(task.verify):
             try:
                 if position == 0:
-                    entered = enter(sandbox, task, room, SETUP_PATHS)
-                    result.verify_notes += entered.notes
+                    entered = enter(sandbox, task, room)
                     restage_task_files(sandbox, task)
                     stage(sandbox, task)
                     outcome = self._run(command, limit, network, env=world.env_for(task))
                 else:  # nothing an earlier command's agent code left runs on, or shapes this one's room
                     sandbox.kill_all()
                     outcome = run_in_room(
-                        sandbox,
-                        task,
-                        room,
-                        SETUP_PATHS,
-                        command,
-                        timeout_s=limit,
-                        network=network,
-                        env=world.env_for(task),
+                        sandbox, task, room, entered, command, timeout_s=limit, network=network, env=world.env_for(task)
                     )
             except OSError as error:
                 if isinstance(error, RoomError) and error.moved:
@@ -474,6 +466,7 @@ class PiSession(GateAPI):
                 break
             result.verify_results.append(outcome)
         sandbox.kill_all()
+        result.verify_notes += entered.notes
         if refused is not None:  # within the agent's reach (its files, its disk, its code's leftovers)
             result.verify_notes.append(refused)
             reading = RewardReading(0.0, valid=False)

@@ -191,6 +191,11 @@ class RestoresHome(Protocol):
         what could not be put back, as sentences."""
         ...
 
+    def reset_home(self, keep: tuple[str, ...] = ()) -> list[str]:
+        """Between verify commands: setup's home again, but the work dir, `keep` and what
+        restore_home set aside (an earlier command's agent code changed the rest)."""
+        ...
+
     def put_back_agent_home(self) -> None:
         """Undo a set-aside restore: a multi-step task's next agent continues in its home."""
         ...

@@ -100,6 +100,31 @@ class HomeCheckpoints(HomeFiles):
         self._put_in({temp: path for temp, path in kept.items() if temp != AGENT_HOME})
         return problems
 
+    def reset_home(self, keep: tuple[str, ...] = ()) -> list[str]:
+        """Between two verify commands: kill every command and put setup's home back again, but
+        for the work dir, `keep` and the agent's home restore_home() set aside (a multi-step
+        task's next agent still gets it). Returns what could not be put back, as sentences."""
+        self._check_open()
+        saved = os.path.join(self.host_dir, SETUP_HOME)
+        if not os.path.isdir(saved):
+            raise SandboxError(f"sandbox {self.id}: reset_home() without checkpoint_home()")
+        self.kill_all()
+        kept = self._take_out((WORKDIR_NAME, *keep))
+        try:
+            if stat.S_ISDIR(os.stat(AGENT_HOME, dir_fd=self._home_fd, follow_symlinks=False).st_mode):
+                kept[AGENT_HOME] = AGENT_HOME  # left where it is
+        except FileNotFoundError:
+            pass
+        self._clear_home(kept)
+        problems = []
+        try:
+            _copy_entries(saved, os.listdir(saved), self.host_home)
+        except SandboxError as error:
+            problems.append(f"setup's home was restored only in part ({error})")
+        os.fchmod(self._home_fd, self._setup_home_mode)
+        self._put_in({temp: path for temp, path in kept.items() if temp != AGENT_HOME})
+        return problems
+
     def put_back_agent_home(self) -> None:
         """Undo restore_home(set_aside=True): the agent's home in place of verify's, but for the
         work dir and `keep` as they are now. Nothing set aside: verify's stays."""

@@ -41,9 +41,10 @@ from ..results import CommandResult
 from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox
 from ..sandbox.base import HostPaths
 from ..task import PiTask
-from .room import TOOL_CONFIG
+from .room import TOOL_CONFIG, VERIFIER_DIR, stage
 
-VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"
+__all__ = ["VERIFIER_DIR", "stage"]  # (staging is the room's: pi_env.verify.room)
+
 REWARD_FILE = f"{VERIFIER_DIR}/reward.txt"
 REWARD_JSON = f"{VERIFIER_DIR}/reward.json"
 # pi-env's Python start-up (startup/sitecustomize.py), mounted read-only in every sandbox.
@@ -215,18 +216,6 @@ def startup_mount() -> dict[str, str]:
     file alone, which a backend can bind from a copy where pi-env is installed out of the
     sandbox uid's reach (a private dir, a package under /root)."""
     return {f"{STARTUP_DIR}/{name}": f"{STARTUP_HOST_DIR}/{name}" for name in STARTUP_FILES}
-
-
-# -- before each verify command --------------------------------------------------------
-
-
-def stage(sandbox: Sandbox, task: PiTask) -> None:
-    """Before each verify command: an empty logs/verifier and the hidden verify files as the
-    task wrote them."""
-    sandbox.remove(VERIFIER_DIR)  # whatever the agent (or an earlier command's agent code) wrote there
-    sandbox.write_file(f"{VERIFIER_DIR}/.keep", "")
-    for path, text in task.verify_files.items():
-        sandbox.write_file(path, text)
 
 
 # -- after verify ---------------------------------------------------------------------------

@@ -46,16 +46,22 @@ absolute program with PATH=/usr/bin:/bin, started from the home; none runs Pytho
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 
 from ..results import CommandResult
 from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox
-from ..sandbox.base import HostPaths, Network
+from ..sandbox.base import ExecResult, HostPaths, Network, RestoresHome
 from ..task import PiTask
-from ..task_setup import run_command
 
 ASIDE = f"{SANDBOX_HOME}/.pi-env-verify/aside"  # what the rules moved out of the agent's work dir
+VERIFIER_DIR = f"{SANDBOX_HOME}/logs/verifier"  # the reward's dir: emptied before every command
+# The agent's output is the work dir and these home dirs (Harbor's /logs/agent, where Pi's
+# session is too); the rest of the home is setup's (pi_env.verify.world).
+AGENT_OUTPUT_DIRS = ("logs/agent",)
 MAX_NOTE_NAMES = 20
+MAX_SETUP_LIST_BYTES = 4 << 20  # the tool configuration setup made (paths): far more than any setup
+HOME_CHANGED = 214  # run(): something outside the work dir changed since enter (stderr says what)
 ROOM_FAILED = 213  # run(): the room could not be made before the command (stderr says why)
 OWN_ENV = {"PATH": "/usr/bin:/bin", "BASH_ENV": "", "ENV": "", "LC_ALL": "C"}
 # Places a command in the sandbox can write (besides the home): a link into one is not data.
@@ -67,8 +73,10 @@ TOOL_CONFIG = (
     "conftest.py", ".pytest_cache", ".hypothesis", ".coveragerc",
     # Python's start-up hooks
     "sitecustomize.py", "usercustomize.py", "*.pth",
-    # Node: packages resolved upwards from a hidden file, npm's config, JS test runners' configs
-    "node_modules", ".npmrc", "jest.config.*", "vitest.config.*", ".mocharc*", "babel.config.*", ".babelrc*",
+    # Node: packages resolved upwards from a hidden file, a package.json (its name, "exports" and
+    # "imports" resolve a hidden file's require() before node_modules; "type" decides how it
+    # loads), npm's config, JS test runners' configs
+    "node_modules", "package.json", ".npmrc", "jest.config.*", "vitest.config.*", ".mocharc*", "babel.config.*", ".babelrc*",
 )  # fmt: skip
 # The git config keys a verify-side git keeps: none names a program or another file.
 GIT_CONFIG_KEYS = (
@@ -80,12 +88,13 @@ GIT_DIR_KEEP = ("HEAD", "objects", "refs", "packed-refs", "index", "logs", "shal
                 "ORIG_HEAD", "FETCH_HEAD", "MERGE_HEAD", "info")  # fmt: skip
 
 _ROOM = r"""set -u
-mode=$1 w=$2 aside=$3 home=$4 setup_list=$5 has_outputs=$6 verifier_dir=$7
+mode=$1 w=$2 aside=$3 home=$4 since=$5 has_outputs=$6 verifier_dir=$7
 # run: the rules, the files staged, then the verify command in its own environment, restored
 verify_path=${PATH-} verify_lc=${LC_ALL-} had_lc=${LC_ALL+x}
 PATH=/usr/bin:/bin LC_ALL=C
 shopt -s nullglob dotglob
 names=() whole=() others=() config=() own=() verifier=() stage=() command=
+declare -A made=()
 while IFS= read -r -d '' kind && IFS= read -r -d '' value; do
     case $kind in
         S) IFS= read -r -d '' text; stage+=("$value" "$text") ;;  # run: a file to stage (path, text)
@@ -95,12 +104,21 @@ while IFS= read -r -d '' kind && IFS= read -r -d '' value; do
         O) others+=("$value") ;;    # a path that is not one of the task's outputs
         C) config+=("$value") ;;    # a tool configuration name (find -name pattern)
         F) own+=("$value") ;;       # a task file that is tool configuration: staged again as the task's
+        M) made[$value]=1 ;;        # tool configuration setup made (as recorded before the agent)
         V) verifier+=("$value") ;;  # an absolute path of the verifier's (links may not reach it)
     esac
 done
 [ -d "$w" ] && [ ! -L "$w" ] || { rm -rf -- "$w"; mkdir -p -- "$w" || exit 2; }
 cd -- "$w" || exit 2
 if [ "$mode" = enter ]; then rm -rf -- "$aside"; mkdir -p -- "$aside" || exit 2; fi
+# run: anything outside the work dir that changed since the room was entered (an earlier
+# command's agent code: a .pth, ~/node_modules, ~/.gitconfig) is named, status 214: pi-env
+# puts setup's home back and runs this again. By ctime, which no command can set.
+if [ "$mode" = run ] && [ -n "$since" ]; then
+    changed=$(find "$home" -mindepth 1 \( -path "$w" -o -path "$aside" -o -path "$verifier_dir" \
+        -o -path "$home/logs/agent" \) -prune -o ! -path "${verifier_dir%/*}" -newerct "@$since" -print -quit 2>/dev/null)
+    [ -z "$changed" ] || { printf 'pi-env home changed: %s\n' "${changed#"$home"/}" | head -c 600 >&2; exit 214; }
+fi
 bad=() i=0
 # out CLASS PATH...: each path out of the room. Before the first command (enter) it is moved into
 # the aside dir (a rename: no byte or inode taken) and named on stdout for put_back, as
@@ -138,10 +156,11 @@ if [ "$has_outputs" = 0 ] && [ "${#config[@]}" -gt 0 ]; then
     args=(); for name in "${config[@]}"; do args+=(-o -name "$name"); done
     tests+=( , \( \( "${args[@]:1}" \) -printf 'F\0%p\0' -prune \) )
 fi
-fixable=() setid=() kinds=() links=() caches=() configs=() gitfiles=() gits=()
+fixable=() setid=() kinds=() links=() dead=() caches=() configs=() gitfiles=() gits=()
 while IFS= read -r -d '' tag && IFS= read -r -d '' path; do
     case $tag in
-        P) fixable+=("$path") ;; S) setid+=("$path") ;; K) kinds+=("$path") ;; L) links+=("$path") ;;
+        P) fixable+=("$path") ;; S) setid+=("$path") ;; K) kinds+=("$path") ;;
+        L) if [ -e "$path" ]; then links+=("$path"); else dead+=("$path"); fi ;;  # (a test, no fork)
         C) caches+=("$path") ;; F) configs+=("$path") ;; G) gitfiles+=("$path") ;; D) gits+=("$path") ;;
     esac
 done < <(find "$w" -mindepth 1 "${tests[@]}")
@@ -151,8 +170,7 @@ out kind "${kinds[@]}"
 out cache "${caches[@]}"
 # tool configuration, but what setup made (the task's own files of those names: staged again)
 if [ "$has_outputs" = 0 ]; then
-    declare -A made=() ours=()
-    if [ -f "$setup_list" ]; then while IFS= read -r -d '' path; do made[$path]=1; done < "$setup_list"; fi
+    declare -A ours=()
     for path in "${own[@]}"; do ours[$w/$path]=1; done
     for path in "${configs[@]}"; do [ -n "${made[$path]-}" ] && [ -z "${ours[$path]-}" ] || out config "$path"; done
 fi
@@ -176,15 +194,17 @@ for git in "${gits[@]}"; do
 done
 # links: kept only into the room (not the verifier's part) or outside every writable place
 # (compared as resolved paths: the home itself may be reached through a link on unsafe-local)
-if [ "${#links[@]}" -gt 0 ]; then
-    room=$(realpath -m -- "$w") home=$(realpath -m -- "$home")
-    for n in "${!verifier[@]}"; do verifier[n]=$room${verifier[n]#"$w"}; done
-    reals=()
-    while IFS= read -r -d '' real; do reals+=("$real"); done < <(realpath -m -z -- "${links[@]}" 2>/dev/null)
-    for n in "${!links[@]}"; do
-        link=${links[n]}
-        if [ "${#reals[@]}" = "${#links[@]}" ]; then real=${reals[n]}; else real=$(realpath -m -- "$link" 2>/dev/null) || real=; fi
-        keep=0
+# Each resolved in one realpath call per group: links that lead somewhere (realpath cannot fail
+# on them), then the others, dangling or looping (resolved as far as they go, within 10 s: a link
+# into itself, `a -> a/x`, never ends); a group whose answers do not line up is left out whole
+# (the agent's own making), never resolved a fork per link.
+resolve() {
+    local n real keep; reals=()
+    while IFS= read -r -d '' real; do reals+=("$real"); done < <(timeout 10 realpath -m -z -- "$@" 2>/dev/null)
+    [ "${#reals[@]}" = "$#" ] || { out link "$@"; return; }
+    n=0
+    for link; do
+        real=${reals[n]} keep=0 n=$((n + 1))
         case $real in
             "$room"/*) keep=1; for v in "${verifier[@]}"; do case $real in "$v"|"$v"/*) keep=0 ;; esac; done ;;
             ""|"$room"|/|"$home"|"$home"/*|__WRITABLE__) keep=0 ;;
@@ -192,6 +212,12 @@ if [ "${#links[@]}" -gt 0 ]; then
         esac
         [ "$keep" = 1 ] || out link "$link"
     done
+}
+if [ "${#links[@]}" -gt 0 ] || [ "${#dead[@]}" -gt 0 ]; then
+    room=$(realpath -m -- "$w") home=$(realpath -m -- "$home")
+    for n in "${!verifier[@]}"; do verifier[n]=$room${verifier[n]#"$w"}; done
+    [ "${#links[@]}" = 0 ] || resolve "${links[@]}"
+    [ "${#dead[@]}" = 0 ] || resolve "${dead[@]}"
 fi
 if [ "$mode" != run ]; then
     [ "${#bad[@]}" = 0 ] || { printf 'could not move or remove: %s\n' "${bad[*]}" | head -c 600 >&2; exit 3; }
@@ -261,13 +287,24 @@ class Entered:
 
     moved: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # When the room was entered (a sandbox that restores its home): what changed outside the work
+    # dir after it, an earlier command's agent code changed (run() puts setup's home back).
+    since: float | None = None
 
 
-def room_for(sandbox: Sandbox, task: PiTask) -> Room:
-    """The rules' data for `task`: the verifier's names and paths, tool configuration, and (a
-    task with `outputs`) what of the work dir is not an output."""
+def room_for(sandbox: Sandbox, task: PiTask, setup_list: str) -> Room:
+    """The rules' data for `task`: the verifier's names and paths, tool configuration setup made
+    (`setup_list`, read here, before any verify command: never a file agent code could rewrite
+    later), and (a task with `outputs`) what of the work dir is not an output."""
     workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR).rstrip("/")
     fields: list[str] = []
+    try:
+        made = sandbox.read_file(setup_list, max_bytes=MAX_SETUP_LIST_BYTES)
+    except FileNotFoundError:
+        made = b""
+    for entry in made.split(b"\0"):
+        if entry:
+            fields += ["M", entry.decode("utf-8", "surrogateescape")]
     names, whole = verifier_names(task)
     for name in sorted(names):
         fields += ["N", name]
@@ -302,25 +339,26 @@ def verifier_names(task: PiTask) -> tuple[set[str], set[str]]:
     return {name for name in names if name}, whole
 
 
-def enter(sandbox: Sandbox, task: PiTask, room: Room, setup_list: str) -> Entered:
+def enter(sandbox: Sandbox, task: PiTask, room: Room) -> Entered:
     """Before the first verify command: the rules applied to the agent's work dir, what they
     exclude moved aside (for leave()). Notes name what of the agent's a verifier's tool would
     have taken for its own."""
-    moved = _run(sandbox, "enter", room, setup_list)
+    moved = _run(sandbox, "enter", room)
+    since = time.time() if isinstance(sandbox, RestoresHome) else None  # (ctime: the same kernel's clock)
     ours = {*task.files, *task.verify_files}
     names = [_moved_name(line) for line in moved if line.split(" ", 2)[1] in ("name", "config")]
     names = [name for name in names if name not in ours]
     if not names:
-        return Entered(moved)
+        return Entered(moved, since=since)
     more = f" and {len(names) - MAX_NOTE_NAMES} more" if len(names) > MAX_NOTE_NAMES else ""
     note = "left out of verify's room (the agent's, and a verifier's tool would take it for its own): "
-    return Entered(moved, [note + ", ".join(names[:MAX_NOTE_NAMES]) + more])
+    return Entered(moved, [note + ", ".join(names[:MAX_NOTE_NAMES]) + more], since=since)
 
 
-def refresh(sandbox: Sandbox, task: PiTask, room: Room, setup_list: str) -> None:
+def refresh(sandbox: Sandbox, task: PiTask, room: Room) -> None:
     """Before a later verify command: the rules again, over what the earlier commands left
     (deleted: it is verify's, not the agent's)."""
-    _run(sandbox, "refresh", room, setup_list)
+    _run(sandbox, "refresh", room)
 
 
 def leave(sandbox: Sandbox, task: PiTask, entered: Entered) -> None:
@@ -337,6 +375,15 @@ def leave(sandbox: Sandbox, task: PiTask, entered: Entered) -> None:
     sandbox.remove(ASIDE)
 
 
+def stage(sandbox: Sandbox, task: PiTask) -> None:
+    """Before the first verify command: an empty logs/verifier and the hidden verify files as
+    the task wrote them (later commands: run() does the same in the command's own exec)."""
+    sandbox.remove(VERIFIER_DIR)  # whatever the agent wrote there
+    sandbox.write_file(f"{VERIFIER_DIR}/.keep", "")
+    for path, text in task.verify_files.items():
+        sandbox.write_file(path, text)
+
+
 def restage_task_files(sandbox: Sandbox, task: PiTask) -> None:
     """The task's own files wherever the room's rules (or `outputs`) left them out: as the task
     wrote them (its data, its own configuration)."""
@@ -348,47 +395,48 @@ def run(
     sandbox: Sandbox,
     task: PiTask,
     room: Room,
-    setup_list: str,
+    entered: Entered,
     command: str,
     *,
     timeout_s: float,
     network: Network,
     env: dict[str, str],
 ) -> CommandResult:
-    """A later verify command (call with every process killed): the rules over what the earlier
+    """A later verify command (call with every process killed): setup's home again if anything
+    outside the work dir changed since the room was entered, the rules over what the earlier
     commands left, the task's and the hidden files staged afresh, an empty logs/verifier, then
     the command, in one exec of the sandbox. RoomError (the agent's: scored 0.0) when the room
-    could not be made."""
-    from . import VERIFIER_DIR
-
+    could not be made. What was put back is added to `entered.notes`."""
     files = {**_left_out(task), **task.verify_files}
     if any("\0" in text for text in files.values()):  # bash cannot carry a NUL: the slower way
-        refresh(sandbox, task, room, setup_list)
+        if entered.since is not None:
+            _reset_home(sandbox, entered, "(checked in one exec only where no staged file holds a NUL)")
+        refresh(sandbox, task, room)
         restage_task_files(sandbox, task)
-        from . import stage
-
         stage(sandbox, task)
-        return run_command(sandbox, command, timeout_s, network, env=env)
+        return _result(command, sandbox.exec(command, timeout_s=timeout_s, network=network, env=env))
     fields = [field for path, text in files.items() for field in ("S", path, text)] + ["X", command]
     stdin = room.stdin + b"".join(field.encode("utf-8", "surrogateescape") + b"\0" for field in fields)
-    outcome = sandbox.exec(
-        [
-            "/bin/bash",
-            "-c",
-            _ROOM,
-            "pi-env",
-            *_arguments(sandbox, "run", room, setup_list),
-            _in_sandbox(sandbox, VERIFIER_DIR),
-        ],
-        timeout_s=timeout_s,
-        network=network,
-        env=env,
-        stdin=stdin,
-    )
-    if outcome.exit_code == ROOM_FAILED and "pi-env room: " in outcome.stderr:
-        # (the command never ran: the script ended first; a command that prints this and exits
-        # 213 itself only turns its own result into a 0.0)
-        raise RoomError(outcome.stderr[outcome.stderr.index("pi-env room: ") :].strip()[:600], agents=True)
+
+    def once() -> ExecResult:
+        since = f"{entered.since:.6f}" if entered.since is not None else ""
+        arguments = [*_arguments(sandbox, "run", room, since), _in_sandbox(sandbox, VERIFIER_DIR)]
+        return sandbox.exec(
+            ["/bin/bash", "-c", _ROOM, "pi-env", *arguments], timeout_s=timeout_s, network=network, env=env, stdin=stdin
+        )
+
+    # (the command never ran when the script ended first with its mark; a command that prints the
+    # mark and exits so itself only turns its own result into a 0.0, or has setup's home put back)
+    outcome = once()
+    if outcome.exit_code == HOME_CHANGED and "pi-env home changed: " in outcome.stderr and entered.since is not None:
+        _reset_home(sandbox, entered, outcome.stderr[outcome.stderr.index("pi-env home changed: ") + 21 :][:200])
+        outcome = once()
+    if outcome.exit_code in (ROOM_FAILED, HOME_CHANGED) and "pi-env " in outcome.stderr:
+        raise RoomError(outcome.stderr[outcome.stderr.index("pi-env ") :].strip()[:600], agents=True)
+    return _result(command, outcome)
+
+
+def _result(command: str, outcome: ExecResult) -> CommandResult:
     return CommandResult(
         cmd=command,
         exit_code=outcome.exit_code,
@@ -397,6 +445,19 @@ def run(
         duration_s=round(outcome.duration_s, 4),
         timed_out=outcome.timed_out,
     )
+
+
+def _reset_home(sandbox: Sandbox, entered: Entered, what: str) -> None:
+    """Setup's home back for the next verify command (an earlier one's agent code changed it)."""
+    if not isinstance(sandbox, RestoresHome):
+        return
+    aside = ASIDE.removeprefix(f"{SANDBOX_HOME}/")
+    problems = sandbox.reset_home((*AGENT_OUTPUT_DIRS, aside))
+    entered.since = time.time()
+    entered.notes.append(
+        f"setup's home put back before a later verify command: changed since verify began: {what.strip()}"
+    )
+    entered.notes += problems
 
 
 def _left_out(task: PiTask) -> dict[str, str]:
@@ -476,20 +537,20 @@ def _glob_regex(glob: str, *, path: bool) -> str:
     return out
 
 
-def _arguments(sandbox: Sandbox, mode: str, room: Room, setup_list: str) -> list[str]:
+def _arguments(sandbox: Sandbox, mode: str, room: Room, since: str = "") -> list[str]:
     return [
         mode,
         room.workdir,
         _in_sandbox(sandbox, ASIDE),
         _in_sandbox(sandbox, SANDBOX_HOME).rstrip("/"),
-        _in_sandbox(sandbox, setup_list),
+        since,
         "1" if room.has_outputs else "0",
     ]
 
 
-def _run(sandbox: Sandbox, mode: str, room: Room, setup_list: str) -> list[str]:
+def _run(sandbox: Sandbox, mode: str, room: Room) -> list[str]:
     outcome = sandbox.exec(
-        ["/bin/bash", "-c", _ROOM, "pi-env", *_arguments(sandbox, mode, room, setup_list), ""],
+        ["/bin/bash", "-c", _ROOM, "pi-env", *_arguments(sandbox, mode, room), ""],
         cwd=SANDBOX_HOME,
         env=OWN_ENV,
         timeout_s=120,
@@ -503,10 +564,11 @@ def _run(sandbox: Sandbox, mode: str, room: Room, setup_list: str) -> list[str]:
         why = f"the agent's files could not all be cleaned for verify ({outcome.stderr[-300:]})"
         raise RoomError(why, agents=True, moved=moved)
     if outcome.exit_code != 0:
+        # The room's one input is the agent's tree, run after the agent: a failure or a time-out
+        # here is the agent's doing (a sandbox that broke raises SandboxError instead: unscored).
         text = outcome.stderr or outcome.stdout
-        full = any(why in text for why in ("No space left", "Disk quota", "Too many links"))
-        why = f"could not make verify's room ({mode}): {text[-300:]}"
-        raise RoomError(why, agents=full or mode == "refresh", moved=moved)
+        why = "timed out" if outcome.timed_out else f"failed: {text[-300:]}"
+        raise RoomError(f"verify's room could not be made ({mode}): {why}", agents=True, moved=moved)
     return moved
 
 

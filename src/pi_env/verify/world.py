@@ -22,10 +22,7 @@ from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox, SandboxBackend, Sa
 from ..sandbox.base import ExportsTrees, RestoresHome
 from ..task import PiTask
 from . import RESERVE_DIR, VERIFY_ENV, missing_runner, record_setup, reserve, verifier_modules_env, verify_env
-
-# The agent's output is the work dir and these home dirs (Harbor's /logs/agent, where Pi's
-# session is too); the rest of the home is setup's.
-AGENT_OUTPUT_DIRS = ("logs/agent",)
+from .room import AGENT_OUTPUT_DIRS
 
 
 class VerifyWorld:

@@ -63,8 +63,25 @@ def _pi_env_verify_startup(runner):
             seen[key] = real == workdir or real.startswith(workdir.rstrip(os.sep) + os.sep)
         return seen[key]
 
+    stdlib, me = os.path.dirname(os.__file__) + os.sep, sys._getframe().f_code.co_filename
+    reserved = getattr(sys, "stdlib_module_names", frozenset())  # type: frozenset  # every platform's (3.10+)
+
+    def stdlib_optional():
+        """Is the import being made by a standard library module's own top-level code? (Its
+        optional imports: `msvcrt` in subprocess, `org.python.core` in copy and pickle.)"""
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename.startswith("<frozen") or frame.f_code.co_filename == me):
+            frame = frame.f_back  # type: ignore[assignment]  # the import system and this finder
+        if frame is None or frame.f_code.co_name != "<module>":
+            return False
+        filename = frame.f_code.co_filename
+        return filename.startswith(stdlib) and not any(part in filename for part in ("site-packages", "dist-packages"))
+
     class VerifierFirst:
-        """A top-level module from the verifier's part of sys.path when it has one."""
+        """A top-level module from the verifier's part of sys.path when it has one. Where it has
+        none, the agent's is still never taken for: the module `-m` runs, a name the standard
+        library reserves on any platform, or what a standard library module imports at its top
+        (its optional imports): those are not found, as beside an empty work dir."""
 
         @staticmethod
         def find_spec(name, path=None, target=None):
@@ -74,15 +91,30 @@ def _pi_env_verify_startup(runner):
             if len(entries) == len(sys.path):
                 return None  # nothing of the agent's on sys.path: the usual search
             spec = importlib.machinery.PathFinder.find_spec(name, entries)
-            if spec is None and name == runner:
+            if spec is None and (name == runner or name in reserved or stdlib_optional()):
                 raise ModuleNotFoundError(
-                    f"No module named {name!r} (pi-env: a -m runner is never the agent's)", name=name
+                    f"No module named {name!r} (pi-env: a runner, a standard library name or a standard "
+                    "library module's own import is never the agent's)",
+                    name=name,
                 )
             return spec
 
         @staticmethod
         def invalidate_caches():
             seen.clear()
+
+    # Package metadata (entry points: pytest's plugins, versions) is the verifier's: distributions
+    # are never looked for in the agent's part of sys.path.
+    plain = getattr(importlib.machinery.PathFinder, "find_distributions", None)
+    if plain is not None:
+
+        def find_distributions(context=None, *args, **kwargs):
+            if context is not None and isinstance(vars(context), dict):
+                vars(context)["path"] = [entry for entry in context.path if not agents(entry)]
+                return plain(context, *args, **kwargs)
+            return plain(*args, **kwargs)
+
+        importlib.machinery.PathFinder.find_distributions = staticmethod(find_distributions)  # type: ignore[method-assign]
 
     # After the builtin and frozen importers, before the path search.
     finders = sys.meta_path
