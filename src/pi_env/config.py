@@ -290,16 +290,21 @@ class PiConfig(BaseModel):
         # send the call (and the key) elsewhere (`http://host/#` posts to http://host/).
         for url in [value] if isinstance(value, str) else value or []:
             parts = urlsplit(url)
-            if (
-                parts.scheme not in ("http", "https")
-                or not parts.hostname
-                or parts.query
-                or parts.fragment
-                or "#" in url
-            ):
+            why = (
+                "is not an http(s) URL"
+                if parts.scheme not in ("http", "https")
+                else "has no host"
+                if not parts.hostname
+                else "has a query string"
+                if parts.query or "?" in url
+                else "has a fragment"
+                if parts.fragment or "#" in url
+                else None
+            )
+            if why:
                 raise ValueError(
-                    f"base_url: {without_userinfo(url)!r} is not an http(s) base URL the API path can be "
-                    "joined to: give scheme, host and path only (e.g. http://127.0.0.1:8000/v1), no ? or #"
+                    f"base_url: {without_userinfo(url)!r} {why}, so the API path cannot be joined to it: give "
+                    "scheme, host and path only (e.g. http://127.0.0.1:8000/v1), no ? or #"
                 )
         return value
 

@@ -47,7 +47,7 @@ from pydantic import Field, ValidationError
 
 from .auth import ServerGuard, allowed_origins_from_env
 from .bodies import BoundedJsonBodies
-from .limiter import ServerBusy
+from .limiter import ServerBusy, idle_timeout_s
 from .rollouts import (
     CALLER_META,
     BadArguments,
@@ -66,7 +66,6 @@ log = logging.getLogger("pi_env.server")
 logging.getLogger("fastmcp.server.server").addFilter(
     lambda record: not record.getMessage().startswith("Invalid arguments")
 )
-DEFAULT_IDLE_TIMEOUT_S = 300.0
 ROLLOUT_TOOL_TIMEOUT_S = 24 * 3600  # OpenEnv's default tool timeout is 30 s; a rollout takes minutes
 
 INSTRUCTIONS = """pi-env runs the Pi coding agent on a task in an isolated sandbox against an
@@ -454,17 +453,6 @@ class DisconnectWatch:
             client_gone.reset(token)
             reader.cancel()
             reaper.cancel()
-
-
-def idle_timeout_s() -> float:
-    """PI_ENV_IDLE_TIMEOUT_S (default 300): how long a session may sit idle before it is closed."""
-    try:
-        value = float(os.environ.get("PI_ENV_IDLE_TIMEOUT_S") or DEFAULT_IDLE_TIMEOUT_S)
-    except ValueError:
-        raise ValueError("PI_ENV_IDLE_TIMEOUT_S must be a number of seconds") from None
-    if not value > 0:
-        raise ValueError("PI_ENV_IDLE_TIMEOUT_S must be more than 0 seconds")
-    return value
 
 
 def __getattr__(name: str):

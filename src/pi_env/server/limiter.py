@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 from collections import deque
 from contextlib import asynccontextmanager
@@ -92,3 +93,17 @@ class RolloutLimiter:
                 if ticket in self._queue:
                     self._queue.remove(ticket)
             raise
+
+
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+
+
+def idle_timeout_s() -> float:
+    """PI_ENV_IDLE_TIMEOUT_S (default 300): how long a session may sit idle before it is closed."""
+    try:
+        value = float(os.environ.get("PI_ENV_IDLE_TIMEOUT_S") or DEFAULT_IDLE_TIMEOUT_S)
+    except ValueError:
+        raise ValueError("PI_ENV_IDLE_TIMEOUT_S must be a number of seconds") from None
+    if not value > 0:
+        raise ValueError("PI_ENV_IDLE_TIMEOUT_S must be more than 0 seconds")
+    return value

@@ -24,8 +24,7 @@ import gradio as gr
 
 from ..results import RolloutEvent, RolloutResult
 from ..task import PiTask, TaskError, load_tasks
-from .app import idle_timeout_s
-from .limiter import ServerBusy
+from .limiter import ServerBusy, idle_timeout_s
 from .rollouts import MODES, BadArguments, RolloutService, catalog_summary, scrub, scrub_result
 
 log = logging.getLogger("pi_env.server.web")
