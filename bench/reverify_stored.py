@@ -2,7 +2,7 @@
 
 Collects N rollouts (oracle endpoint, black_box, --keep-workdir) over N distinct tasks whose
 rewards differ (pass, fail, half by pass rate, a reward file's fraction, a setup-made file the
-agent edits, a planted conftest.py), then reverifies the dataset with the same tasks. Reports
+agent edits, a planted unittest.py), then reverifies the dataset with the same tasks. Reports
 the rewards that differ (target: 0 and 0 unscored), seconds per rollout for collect and for
 reverify, and the load average. A dataset dir from an earlier run (--dataset) is reused.
 
@@ -43,9 +43,11 @@ def task(i: int) -> PiTask:
                 "command": "echo agent >> base.txt; echo : > run.sh; chmod +x run.sh; ln -s /etc/hostname l",
                 "setup": ["echo setup > base.txt"]}
     else:
-        spec = {"verify": ["python3 -m pytest -q -p no:cacheprovider test_it.py"],
-                "command": "printf 'def pytest_collection_modifyitems(items):\\n    items.clear()\\n' > conftest.py",
-                "verify_files": {"test_it.py": "def test_it():\n    assert False\n"}}
+        # (the runner is the sandbox's own unittest: a `python3 -m pytest` the image lacks is the task's error)
+        spec = {"verify": ["python3 -m unittest -q test_it"],
+                "command": "printf 'import os\\nos._exit(0)\\n' > unittest.py",
+                "verify_files": {"test_it.py": "import unittest\n\nclass T(unittest.TestCase):\n"
+                                               "    def test_it(self):\n        self.fail()\n"}}
     command = spec.pop("command")
     return PiTask(**common, **spec, solution=[{"tool": "bash", "command": command}])
 
