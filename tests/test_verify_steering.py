@@ -217,6 +217,18 @@ CLASSES = {
                                                "python3 -m pytest -q -p no:cacheprovider test_hidden.py"]},
                                    {"solution.py": WRONG}, {"solution.py": WRONG + PTH_WRITER}, [],
                                    {"solution.py": RIGHT}, "pytest"),
+    # the first command's agent code removes what setup made in the home (the verifier's helper):
+    # only the home's own ctime changes
+    "home-entry-removed-between-commands": (
+        {"setup": ["d=$(python3 -c 'import site; print(site.getusersitepackages())') && mkdir -p $d && "
+                   "printf 'def ok(x):\\n    return x == 42\\n' > $d/checklib.py"],
+         "verify_files": {"check.py": LIB_CHECK},
+         "verify": ["python3 -c 'import solution, sys; sys.exit(solution.answer() != 42)'; s=$?; "
+                    "python3 solution.py; exit $s", "python3 check.py"]},
+        {"solution.py": WRONG, "checklib.py": "def ok(x):\n    return True\n"},
+        {"solution.py": WRONG + "if __name__ == '__main__':\n    import os, shutil\n"
+                                "    shutil.rmtree(os.path.expanduser('~/.local'))\n"}, [],
+        {"solution.py": RIGHT}, "python3"),
     "node-modules-between-commands": ({**NODE_CHECKER, "verify": ["node -e \"process.exit(require('./solution.js')"
                                                                   ".answer() === 42 ? 0 : 1)\"; s=$?; node solution.js; "
                                                                   "exit $s", "node check.js"]},

@@ -448,7 +448,7 @@ class PiSession(GateAPI):
                 if position == 0:
                     entered = enter(sandbox, task, room)
                     restage_task_files(sandbox, task)
-                    stage(sandbox, task)
+                    stage(sandbox, task, entered)
                     outcome = self._run(command, limit, network, env=world.env_for(task))
                 else:  # nothing an earlier command's agent code left runs on, or shapes this one's room
                     sandbox.kill_all()

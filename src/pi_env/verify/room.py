@@ -115,8 +115,10 @@ if [ "$mode" = enter ]; then rm -rf -- "$aside"; mkdir -p -- "$aside" || exit 2;
 # command's agent code: a .pth, ~/node_modules, ~/.gitconfig) is named, status 214: pi-env
 # puts setup's home back and runs this again. By ctime, which no command can set.
 if [ "$mode" = run ] && [ -n "$since" ]; then
-    changed=$(find "$home" -mindepth 1 \( -path "$w" -o -path "$aside" -o -path "$verifier_dir" \
-        -o -path "$home/logs/agent" \) -prune -o ! -path "${verifier_dir%/*}" -newerct "@$since" -print -quit 2>/dev/null)
+    # (the home itself and every dir on the way count: removing or renaming an entry changes only
+    # its dir's ctime; so logs/verifier is emptied in place below, never made anew)
+    changed=$(find "$home" \( -path "$w" -o -path "$aside" -o -path "$verifier_dir" -o -path "$home/logs/agent" \) \
+        -prune -o -newerct "@$since" -print -quit 2>/dev/null)
     [ -z "$changed" ] || { printf 'pi-env home changed: %s\n' "${changed#"$home"/}" | head -c 600 >&2; exit 214; }
 fi
 bad=() i=0
@@ -233,8 +235,12 @@ for ((n = 0; n < ${#stage[@]}; n += 2)); do
 done
 # (the agent's code may have made logs/ or logs/verifier unwritable: its owner can change that)
 chmod u+rwx -- "${verifier_dir%/*}" 2>/dev/null; chmod -R u+rwX -- "$verifier_dir" 2>/dev/null
-{ rm -rf -- "$verifier_dir" && mkdir -p -- "$verifier_dir" && : > "$verifier_dir/.keep"; } 2>/dev/null \
-    || failed "could not empty $verifier_dir (the home's blocks or inodes used up?)"
+if [ -d "$verifier_dir" ] && [ ! -L "$verifier_dir" ]; then
+    find "$verifier_dir" -mindepth 1 -delete 2>/dev/null || failed "could not empty $verifier_dir"
+else
+    { rm -rf -- "$verifier_dir" && mkdir -p -- "$verifier_dir"; } 2>/dev/null || failed "could not make $verifier_dir"
+fi
+: > "$verifier_dir/.keep" 2>/dev/null || failed "could not stage $verifier_dir/.keep (the home's blocks or inodes used up?)"
 PATH=$verify_path
 if [ -n "$had_lc" ]; then LC_ALL=$verify_lc; else unset LC_ALL; fi
 exec /bin/bash -c "$command" < /dev/null
@@ -344,15 +350,14 @@ def enter(sandbox: Sandbox, task: PiTask, room: Room) -> Entered:
     exclude moved aside (for leave()). Notes name what of the agent's a verifier's tool would
     have taken for its own."""
     moved = _run(sandbox, "enter", room)
-    since = time.time() if isinstance(sandbox, RestoresHome) else None  # (ctime: the same kernel's clock)
     ours = {*task.files, *task.verify_files}
     names = [_moved_name(line) for line in moved if line.split(" ", 2)[1] in ("name", "config")]
     names = [name for name in names if name not in ours]
     if not names:
-        return Entered(moved, since=since)
+        return Entered(moved)
     more = f" and {len(names) - MAX_NOTE_NAMES} more" if len(names) > MAX_NOTE_NAMES else ""
     note = "left out of verify's room (the agent's, and a verifier's tool would take it for its own): "
-    return Entered(moved, [note + ", ".join(names[:MAX_NOTE_NAMES]) + more], since=since)
+    return Entered(moved, [note + ", ".join(names[:MAX_NOTE_NAMES]) + more])
 
 
 def refresh(sandbox: Sandbox, task: PiTask, room: Room) -> None:
@@ -375,13 +380,16 @@ def leave(sandbox: Sandbox, task: PiTask, entered: Entered) -> None:
     sandbox.remove(ASIDE)
 
 
-def stage(sandbox: Sandbox, task: PiTask) -> None:
+def stage(sandbox: Sandbox, task: PiTask, entered: Entered | None = None) -> None:
     """Before the first verify command: an empty logs/verifier and the hidden verify files as
-    the task wrote them (later commands: run() does the same in the command's own exec)."""
+    the task wrote them (later commands: run() does the same in the command's own exec). Then
+    `entered` is marked: what changes outside the work dir from now on, the agent's code did."""
     sandbox.remove(VERIFIER_DIR)  # whatever the agent wrote there
     sandbox.write_file(f"{VERIFIER_DIR}/.keep", "")
     for path, text in task.verify_files.items():
         sandbox.write_file(path, text)
+    if entered is not None and isinstance(sandbox, RestoresHome):
+        entered.since = time.time()  # (ctime: the same kernel's clock; the command starts after it)
 
 
 def restage_task_files(sandbox: Sandbox, task: PiTask) -> None:
@@ -413,7 +421,7 @@ def run(
             _reset_home(sandbox, entered, "(checked in one exec only where no staged file holds a NUL)")
         refresh(sandbox, task, room)
         restage_task_files(sandbox, task)
-        stage(sandbox, task)
+        stage(sandbox, task, entered)
         return _result(command, sandbox.exec(command, timeout_s=timeout_s, network=network, env=env))
     fields = [field for path, text in files.items() for field in ("S", path, text)] + ["X", command]
     stdin = room.stdin + b"".join(field.encode("utf-8", "surrogateescape") + b"\0" for field in fields)
@@ -453,6 +461,7 @@ def _reset_home(sandbox: Sandbox, entered: Entered, what: str) -> None:
         return
     aside = ASIDE.removeprefix(f"{SANDBOX_HOME}/")
     problems = sandbox.reset_home((*AGENT_OUTPUT_DIRS, aside))
+    sandbox.write_file(f"{VERIFIER_DIR}/.keep", "")  # (made now, not by the command's exec after `since`)
     entered.since = time.time()
     entered.notes.append(
         f"setup's home put back before a later verify command: changed since verify began: {what.strip()}"
