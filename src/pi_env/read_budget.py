@@ -2,8 +2,8 @@
 
 Every byte a rollout reads of what the agent left in its sandbox comes out of one budget,
 `PiConfig.max_read_bytes`, so an agent cannot make the host read more than that however it
-spreads its output: Pi's session file after each agent (`session_text`, kept only as the
-untrusted `pi_session_messages`), a task's artifacts after each step (`artifacts`), the work dir
+spreads its output: the agent's own transcript after each agent (`transcript`, kept only as the
+untrusted `agent_transcript`), a task's artifacts after each step (`artifacts`), the work dir
 kept for reverify (`keep_workdir`) and the work dir's files on the result (`files`, when the
 rollout is collected). Each read takes what it read off what is left; a later one gets the rest.
 `PiSession` (rollout.py) holds one per rollout and decides when to read; this module decides
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 
-from .agent.pi import SESSION_DIR
+from .agent.base import Agent
 from .harbor.rules import collect_artifacts
 from .results import RolloutResult
 from .sandbox import SANDBOX_WORKDIR, Sandbox, SandboxError
@@ -44,13 +44,12 @@ class ReadBudget:
         snapshot = self.tree(sandbox, SANDBOX_WORKDIR, max_files, max_file_bytes)
         return {path: _as_text(data) for path, data in snapshot.items()}
 
-    def session_text(self, sandbox: Sandbox) -> str:
-        """Pi's session file(s), as Pi left them (the agent may have rewritten them); "" when unreadable."""
+    def transcript(self, agent: Agent, sandbox: Sandbox) -> list[dict]:
+        """The agent's own record of its run, as it left it (it may have rewritten it); [] when unreadable."""
         try:
-            files = self.tree(sandbox, SESSION_DIR, 4, 256 << 20)
-        except (SandboxError, OSError):
-            return ""
-        return "\n".join(data.decode("utf-8", "replace") for _, data in sorted(files.items()) if _.endswith(".jsonl"))
+            return agent.transcript(lambda path, max_files, max_bytes: self.tree(sandbox, path, max_files, max_bytes))
+        except (SandboxError, OSError, ValueError):
+            return []
 
     def artifacts(self, task: PiTask, sandbox: Sandbox | None, result: RolloutResult, step: int | None = None) -> None:
         """`task`'s artifacts (a Harbor task's; `step`: that step's own) into `result.artifacts`."""

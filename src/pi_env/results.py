@@ -78,6 +78,10 @@ class RolloutTurn(BaseModel):
     timestamp: float | None = None
     upstream_status: int | None = None
     upstream_error: str | None = None
+    # Why this call is not part of the task's conversation (an agent's own extra call, e.g.
+    # OpenCode's "title" call without tools): left out of `messages` and of the training view, so
+    # a trainer can leave it out of the loss. None: the conversation's own.
+    extra_call: str | None = None
 
 
 EventKind = Literal["phase_start", "phase_end", "turn", "done"]
@@ -128,7 +132,9 @@ class RolloutResult(BaseModel):
     mode: str = "black_box"
     endpoint: str = ""
     model: str = ""
-    pi_version: str = ""
+    agent: str = "pi"  # the coding agent that ran (PiConfig.agent.name)
+    agent_version: str = ""
+    pi_version: str = ""  # when the agent is Pi
     synthetic: bool = False  # produced by the oracle / scripted test double, not a model
     # Sampling forced on every model call at the gateway (proxy_sampling). Empty: none was;
     # Pi sends no temperature or top_p, so the engine's defaults applied (vLLM: temperature 1.0).
@@ -149,6 +155,8 @@ class RolloutResult(BaseModel):
     # UNTRUSTED: Pi's own session file as the agent left it (the agent can rewrite it). For
     # debugging only; never the record, never training data.
     pi_session_messages: list[dict[str, Any]] = Field(default_factory=list)
+    # UNTRUSTED too: the agent's own transcript (any agent's; Pi's is the same as above).
+    agent_transcript: list[dict[str, Any]] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)  # the work dir after the agent (bounded)
     # PiConfig.keep_workdir: the work dir as verify first saw it, whole (pi_env.verify.workdir),
     # a base64 tar.gz, or why it was not kept. `pi-env collect` stores it beside the dataset.

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from .agent.pi import parse_session, start_pi, write_run_files
-from .agent.runtime import PiRuntime, RuntimeInstallError
+from .agent.base import AgentRun, Installed
+from .agent.runtime import RuntimeInstallError
 from .config import PiConfig
 from .endpoints import Endpoint
 from .factory_state import FactoryState
@@ -203,7 +203,10 @@ class PiSession(GateAPI):
         try:
             with self._clock.phase("runtime"):
                 runtime = self.factory.runtime
-            self._result.pi_version = runtime.pi_version
+            agent = self.factory.agent
+            self._result.agent, self._result.agent_version = agent.name, runtime.version
+            if agent.name == "pi":
+                self._result.pi_version = runtime.version
             if self._replay is None:
                 self._open_gateway(token_in)
             self._check_open()
@@ -259,9 +262,11 @@ class PiSession(GateAPI):
         if self._clock.on_event is not None:
             self.gateway_session.on_record = lambda record: self._clock.emit("turn", turn=rollout_turn(record))
 
-    def _create_sandbox(self, runtime: PiRuntime) -> None:
+    def _create_sandbox(self, runtime: Installed) -> None:
         config = self.config
-        self._spec = sandbox_spec(config, self.task, self.factory.backend.name, runtime, get_gateway().socket_path)
+        self._spec = sandbox_spec(
+            config, self.task, self.factory.backend.name, self.factory.agent, runtime, get_gateway().socket_path
+        )
         self._world = VerifyWorld(
             self.factory.backend,
             self._spec,
@@ -289,14 +294,18 @@ class PiSession(GateAPI):
         results: list[CommandResult] = []
         return results[-1] if run_setup(sandbox, self.config, task, results, check_open=self._check_open) else None
 
-    def _start_agent(self, runtime: PiRuntime, task: PiTask) -> None:
-        """Pi on `task`'s instruction (the task's, or a later step's: pi_env.steps)."""
-        sandbox, endpoint = _made(self.sandbox, "sandbox"), _made(self.endpoint, "endpoint")
-        write_run_files(
-            sandbox, self.config, endpoint, _made(self.gateway_session, "gateway session").token, task.instruction
+    def _start_agent(self, runtime: Installed, task: PiTask) -> None:
+        """The agent on `task`'s instruction (the task's, or a later step's: pi_env.steps)."""
+        sandbox, agent = _made(self.sandbox, "sandbox"), self.factory.agent
+        run = AgentRun(
+            self.config,
+            _made(self.endpoint, "endpoint"),
+            _made(self.gateway_session, "gateway session").token,
+            task.instruction,
         )
+        agent.prepare(sandbox, runtime, run)
         self._agent_deadline = time.monotonic() + self._agent_limit(task)
-        self._agent = start_pi(sandbox, runtime, self.config, endpoint)
+        self._agent = agent.start(sandbox, runtime, run)
 
     def wait_for_completion(self, timeout_s: float | None = None) -> RolloutResult:
         """Wait for the agent, then verify and collect. Raises TimeoutError if `timeout_s` passes
@@ -389,13 +398,16 @@ class PiSession(GateAPI):
         result.agent_exit_code = outcome.exit_code
         result.agent_log_tail = tail(outcome.stderr + outcome.stdout, LOG_TAIL_CHARS)
         gateway = _made(self.gateway_session, "gateway session")
-        gateway.wait_idle()  # a turn is recorded just after Pi has its answer
-        # The record is what the gateway saw; Pi's session file is the agent's to rewrite.
-        result.pi_session_messages = parse_session(self._reads.session_text(_made(self.sandbox, "sandbox"))).messages
-        conversation = gateway_conversation(gateway.turns)
+        gateway.wait_idle()  # a turn is recorded just after the agent has its answer
+        # The record is what the gateway saw; the agent's own transcript is the agent's to rewrite.
+        result.agent_transcript = self._reads.transcript(self.factory.agent, _made(self.sandbox, "sandbox"))
+        if self.factory.agent.name == "pi":
+            result.pi_session_messages = result.agent_transcript
+        calls = [record for record in gateway.turns if self._extra_call(record) is None]
+        conversation = gateway_conversation(calls)
         result.messages, result.tools = conversation.messages, conversation.tools
         result.rewritten_turns, result.stop_reason = conversation.rewritten_turns, conversation.stop_reason
-        last = gateway.turns[-1] if gateway.turns else None
+        last = calls[-1] if calls else None
         gate_stop = gateway.stopped()  # interception_gate: the trainer never answered
         verdict = judge_agent(
             AgentEnd(
@@ -494,6 +506,9 @@ class PiSession(GateAPI):
         result, config = self._result, self.config
         if self.gateway_session is not None:
             result.proxy_turns = self.fetch_proxy_trace()
+            extra = {record.turn: why for record in self.gateway_session.turns if (why := self._extra_call(record))}
+            for turn in result.proxy_turns:
+                turn.extra_call = extra.get(turn.turn)
             result.replicas = self.gateway_session.replica_health()
             result.proxy_log_tail = turn_log(result.proxy_log_tail, result.proxy_turns)
             if config.mode in ("transparent_proxy", "interception_gate"):
@@ -510,6 +525,13 @@ class PiSession(GateAPI):
     def fetch_proxy_trace(self) -> list[RolloutTurn]:
         """Every model call so far, with the engine's ids and logprobs in transparent_proxy."""
         return proxy_trace(self.gateway_session)
+
+    def _extra_call(self, record) -> str | None:
+        """Why the agent's call `record` is not part of the task's conversation (the agent says:
+        OpenCode's title call), or None."""
+        capture = record.capture
+        request = capture.request if capture is not None and isinstance(capture.request, dict) else None
+        return self.factory.agent.extra_call(request) if request is not None else None
 
     def fetch_training_trace(self) -> TrainingTrace:
         """The token-level training view of the calls so far (see pi_env.training)."""

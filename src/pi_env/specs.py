@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 
-from .agent.pi import FORWARDER_PATH
-from .agent.runtime import SANDBOX_RUNTIME_DIR, PiRuntime
+from .agent.base import FORWARDER_PATH, LAUNCHER_PATH, Agent, Installed
 from .config import PiConfig
 from .endpoints import OPEN_SERVER_COMPAT, ORACLE, Endpoint, resolve_endpoint, supports_return_token_ids
 from .harbor.facts import is_harbor
@@ -36,7 +35,7 @@ from .proxy.policy import SessionLimits
 from .proxy.records import PolicyVersion, Routing, TokenInSpec
 from .proxy.rewrite import CaptureOptions
 from .results import RolloutResult
-from .sandbox import SANDBOX_WORKDIR, SandboxLimits, SandboxSpec
+from .sandbox import SandboxLimits, SandboxSpec
 from .task import PiTask
 from .task_setup import capped
 from .verify import RESERVE_DIR, startup_mount
@@ -150,10 +149,17 @@ def open_gateway_session(
     )
 
 
-def sandbox_spec(config: PiConfig, task: PiTask, backend: str, runtime: PiRuntime, gateway_socket: str) -> SandboxSpec:
-    forwarder = resources.files("pi_env.proxy").joinpath("forward.mjs")
+def sandbox_spec(
+    config: PiConfig, task: PiTask, backend: str, agent: Agent, installed: Installed, gateway_socket: str
+) -> SandboxSpec:
+    proxy = resources.files("pi_env.proxy")
     return SandboxSpec(
-        ro_mounts={SANDBOX_RUNTIME_DIR: runtime.root, FORWARDER_PATH: str(forwarder), **startup_mount()},
+        ro_mounts={
+            **agent.mounts(installed),
+            FORWARDER_PATH: str(proxy.joinpath("forward.mjs")),
+            LAUNCHER_PATH: str(proxy.joinpath("launch.mjs")),
+            **startup_mount(),
+        },
         gateway_socket=gateway_socket,
         limits=SandboxLimits(
             max_processes=config.max_processes,
@@ -163,9 +169,8 @@ def sandbox_spec(config: PiConfig, task: PiTask, backend: str, runtime: PiRuntim
             max_disk_bytes=capped(_mb(task.limits.storage_mb), config.max_disk_bytes),
         ),
         env=dict(config.extra_env),
-        # Old Pi has no -na: hide the task's .pi/ so it cannot change Pi's settings.
-        agent_masked_paths=(RESERVE_DIR,) if runtime.supports("-na") else (RESERVE_DIR, f"{SANDBOX_WORKDIR}/.pi"),
-        archive_dir=runtime.archive_dir,
+        agent_masked_paths=(RESERVE_DIR, *agent.masked_paths(installed)),
+        archive_dir=installed.archive_dir,
         environment=environment_spec(task, backend),
         # Harbor's setup and verifier expect root of a container; the agent never gets it.
         container_root=is_harbor(task),

@@ -70,6 +70,13 @@ def build_training_trace(turns: Iterable[TurnIds]) -> TrainingTrace:
     trace = TrainingTrace()
     current: TrainingSegment | None = None
     for turn in sorted(turns, key=lambda t: t.turn):  # the order the agent made its calls
+        if extra := getattr(turn, "extra_call", None):  # not the task's conversation (OpenCode's title)
+            trace.turns.append(
+                TurnAlignment(
+                    turn=turn.turn, segment=None, extends_previous=False, note=f"extra call ({extra}): left out"
+                )
+            )
+            continue
         prompt, completion = list(turn.prompt_token_ids), list(turn.completion_token_ids)
         if not prompt or not completion:
             what = "prompt" if not prompt else "completion"

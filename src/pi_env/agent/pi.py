@@ -5,19 +5,20 @@ from the exit code."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
-from ..config import PiConfig
+from ..config import DEFAULT_PI_PACKAGE, DEFAULT_PI_VERSION, PiConfig
 from ..endpoints import Endpoint
 from ..sandbox import SANDBOX_WORKDIR, Sandbox, SandboxProcess
-from .runtime import PiRuntime
+from .base import FORWARDER_PATH, GATEWAY_PORT, LOG_DIR, PROMPT_PATH, Agent, AgentRun, Installed, ReadTree
+from .runtime import PiRuntime, ensure_runtime
 
 # Sandbox paths of one run (home is /root; the reference layout).
 AGENT_DIR = "/root/.pi/agent"
-SESSION_DIR = "/root/logs/agent/session"
-PROMPT_PATH = "/root/logs/agent/prompt.md"
-FORWARDER_PATH = "/opt/pi-env/forward.mjs"
-FORWARDER_PORT = 11434  # inside the sandbox's own network namespace, so never contended
+SESSION_DIR = f"{LOG_DIR}/session"
+FORWARDER_PORT = GATEWAY_PORT
 
 # Retries and auto-compaction belong to the harness: with Pi's defaults one HTTP 500 became 12
 # requests over 21 s, and compaction sends extra summary requests. Project trust "never" keeps a
@@ -158,3 +159,41 @@ def parse_session(jsonl: str) -> PiOutcome:
             outcome.stop_reason = message.get("stopReason")
             outcome.error_message = message.get("errorMessage")
     return outcome
+
+
+class PiAgent(Agent):
+    """Pi, the default agent: its runtime (pi_env.agent.runtime), files and command above."""
+
+    name = "pi"
+    package = DEFAULT_PI_PACKAGE
+    default_version = DEFAULT_PI_VERSION
+
+    @property
+    def version(self) -> str:
+        return self.settings.version or self.config.pi_version
+
+    def install(self, cache_dir: str | None, progress: Callable[[str], None] | None = None) -> PiRuntime:
+        config = self.config
+        return ensure_runtime(config.pi_package, self.version, config.node_version, cache_dir, progress)
+
+    def masked_paths(self, installed: Installed) -> tuple[str, ...]:
+        # Old Pi has no -na: hide the task's .pi/ so it cannot change Pi's settings.
+        return () if _runtime(installed).supports("-na") else (f"{SANDBOX_WORKDIR}/.pi",)
+
+    def prepare(self, sandbox: Sandbox, installed: Installed, run: AgentRun) -> None:
+        write_run_files(sandbox, run.config, run.endpoint, run.token, run.instruction)
+
+    def command(self, installed: Installed, run: AgentRun) -> tuple[list[str], dict[str, str], str | None]:
+        runtime = _runtime(installed)
+        return pi_command(runtime, run.config, run.endpoint), pi_env(runtime), PROMPT_PATH
+
+    def transcript(self, read: ReadTree) -> list[dict]:
+        files = read(SESSION_DIR, 4, 256 << 20)
+        text = "\n".join(
+            data.decode("utf-8", "replace") for name, data in sorted(files.items()) if name.endswith(".jsonl")
+        )
+        return parse_session(text).messages
+
+
+def _runtime(installed: Installed) -> PiRuntime:
+    return cast(PiRuntime, installed)  # PiAgent.install made it

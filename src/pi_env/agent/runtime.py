@@ -1,5 +1,7 @@
-"""The Pi runtime: the pinned Pi CLI plus a Node that satisfies it, installed once per machine
-into a cache directory and mounted read-only into every sandbox (no per-rollout install).
+"""An agent's runtime, installed once per machine into a cache directory and mounted read-only
+into every sandbox (no per-rollout install): `cached_install` (the lock, the staging dir, the
+record written last) for any agent, and `ensure_runtime` for an npm agent package (Pi's by
+default) plus a Node that satisfies it.
 
 Layout of one runtime (cache/runtimes/<key>/):
     pi/     npm prefix holding the Pi package
@@ -67,6 +69,10 @@ class PiRuntime:
     def sandbox_cli(self) -> str:
         return f"{SANDBOX_RUNTIME_DIR}/{self.pi_cli_relpath}"
 
+    @property
+    def version(self) -> str:
+        return self.pi_version
+
     def supports(self, flag: str) -> bool:
         return flag in self.flags
 
@@ -85,87 +91,124 @@ def ensure_runtime(
     node_version: str,
     cache_dir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
+    *,
+    bin_name: str = "pi",
+    probe: Callable[[str, str, Path], tuple[str, ...]] | None = None,
 ) -> PiRuntime:
-    """Return the installed runtime, installing it first if needed. Safe when many processes
-    call it at once: one installs under a lock, the others wait and reuse its result."""
+    """Return the installed runtime of an npm agent package (Pi by default), installing it first if
+    needed. Safe when many processes call it at once: one installs under a lock, the others wait
+    and reuse its result. `bin_name` is the package's CLI; `probe(node, cli, scratch_home)` lists
+    the CLI's flags (Pi's `--help`; other agents: None, no flags)."""
     _check_version(pi_version)
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
     key = f"{pi_package.replace('/', '+').lstrip('@')}-{pi_version}"
+    if probe is None and bin_name == "pi":
+        probe = _help_flags
+
+    def build(staging: Path, target: Path) -> dict:
+        return asdict(
+            _install(pi_package, pi_version, node_version, staging, target, progress or _stderr, bin_name, probe)
+        )
+
+    record = cached_install(key, build, cache_dir, progress or _stderr, what=f"{pi_package}@{pi_version}")
+    record["flags"] = tuple(record["flags"])
+    return PiRuntime(**record)
+
+
+def cached_install(
+    key: str,
+    build: Callable[[Path, Path], dict],
+    cache_dir: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    *,
+    what: str = "",
+) -> dict:
+    """The record of the install called `key` (cache/runtimes/<key>/runtime.json), made first by
+    `build(staging, target)` when missing: once per machine, under a lock, into a staging dir
+    renamed into place only when complete (the record is written last, so its presence means
+    "complete"). `build` fills `staging` and returns the record, whose "root" is `target`."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
     target = cache / "runtimes" / key
-    runtime = _load(target)
-    if runtime:
-        return runtime
+    record = _load(target)
+    if record is not None:
+        return record
     _mkdir(cache / "locks")
     with open(cache / "locks" / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be installing: wait for it
-        runtime = _load(target)
-        if runtime:
-            return runtime
-        return _install(pi_package, pi_version, node_version, cache, target, progress or _stderr)
+        record = _load(target)
+        if record is not None:
+            return record
+        started = time.monotonic()
+        staging = Path(tempfile.mkdtemp(prefix=".installing-", dir=_mkdir(cache / "runtimes")))
+        try:
+            record = build(staging, target)
+            record["install_s"] = round(time.monotonic() - started, 2)
+            (staging / "runtime.json").write_text(json.dumps(record, indent=2))
+            os.chmod(staging, 0o755)  # sandboxes run as other uids and must read it
+            if target.exists():
+                shutil.rmtree(target)  # a broken leftover (no runtime.json)
+            os.rename(staging, target)
+            if progress is not None:
+                progress(f"{what or key} ready in {record['install_s']:.0f} s.")
+            return record
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
-def _load(target: Path) -> PiRuntime | None:
+def _load(target: Path) -> dict | None:
     try:
-        data = json.loads((target / "runtime.json").read_text())
-        data["flags"] = tuple(data["flags"])
-        runtime = PiRuntime(**data)
-    except (FileNotFoundError, json.JSONDecodeError, TypeError, KeyError):
+        record = json.loads((target / "runtime.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
         return None
-    return runtime if runtime.root == str(target) else None
+    return record if isinstance(record, dict) and record.get("root") == str(target) else None
 
 
 def _install(
-    package: str, version: str, node_version: str, cache: Path, target: Path, progress: Callable[[str], None]
+    package: str,
+    version: str,
+    node_version: str,
+    staging: Path,
+    target: Path,
+    progress: Callable[[str], None],
+    bin_name: str,
+    probe: Callable[[str, str, Path], tuple[str, ...]] | None,
 ) -> PiRuntime:
     npm = shutil.which("npm")
     if not npm:
         raise RuntimeInstallError("npm is not installed; install Node.js and npm (Debian: apt-get install nodejs npm)")
-    started = time.monotonic()
-    staging = Path(tempfile.mkdtemp(prefix=".installing-", dir=_mkdir(cache / "runtimes")))
-    try:
-        progress(f"Installing {package}@{version} into {target} (once per machine; about 20 s)...")
-        _npm_install(npm, staging / "pi", f"{package}@{version}")
-        package_dir = staging / "pi" / "node_modules" / package
-        manifest = json.loads((package_dir / "package.json").read_text())
-        required = manifest.get("engines", {}).get("node", "")
-        system_node = _system_node_version()
-        node_in_runtime = not (system_node and _satisfies(system_node, required))
-        node_used = system_node or ""
-        if node_in_runtime:
-            progress(
-                f"System node {system_node or '(none)'} does not satisfy {required!r}; "
-                f"installing node-linux-{_node_arch()}@{node_version}..."
-            )
-            _npm_install(npm, staging / "node", f"node-linux-{_node_arch()}@{node_version}")
-            node_used = node_version
-            if not _satisfies(node_version, required):
-                raise RuntimeInstallError(
-                    f"node {node_version} does not satisfy {package}@{version}'s "
-                    f"engines.node {required!r}; set PiConfig.node_version"
-                )
-        bin_entry = manifest["bin"]["pi"] if isinstance(manifest.get("bin"), dict) else manifest["bin"]
-        cli_relpath = str(Path("pi/node_modules") / package / bin_entry)
-        node = (staging / f"node/node_modules/node-linux-{_node_arch()}/bin/node") if node_in_runtime else "node"
-        flags = _help_flags(str(node), str(staging / cli_relpath), staging)
-        runtime = PiRuntime(
-            root=str(target),
-            pi_package=package,
-            pi_version=version,
-            node_version=node_used,
-            node_in_runtime=node_in_runtime,
-            pi_cli_relpath=cli_relpath,
-            flags=flags,
-            install_s=round(time.monotonic() - started, 2),
+    progress(f"Installing {package}@{version} into {target} (once per machine)...")
+    npm_install(npm, staging / "pi", f"{package}@{version}")
+    package_dir = staging / "pi" / "node_modules" / package
+    manifest = json.loads((package_dir / "package.json").read_text())
+    required = manifest.get("engines", {}).get("node", "")
+    system_node = _system_node_version()
+    node_in_runtime = not (system_node and _satisfies(system_node, required))
+    node_used = system_node or ""
+    if node_in_runtime:
+        progress(
+            f"System node {system_node or '(none)'} does not satisfy {required!r}; "
+            f"installing node-linux-{_node_arch()}@{node_version}..."
         )
-        (staging / "runtime.json").write_text(json.dumps(asdict(runtime), indent=2))
-        os.chmod(staging, 0o755)  # sandboxes run as other uids and must read it
-        if target.exists():
-            shutil.rmtree(target)  # a broken leftover (no runtime.json)
-        os.rename(staging, target)
-        progress(f"Pi runtime ready in {runtime.install_s:.0f} s.")
-        return runtime
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        npm_install(npm, staging / "node", f"node-linux-{_node_arch()}@{node_version}")
+        node_used = node_version
+        if not _satisfies(node_version, required):
+            raise RuntimeInstallError(
+                f"node {node_version} does not satisfy {package}@{version}'s "
+                f"engines.node {required!r}; set PiConfig.node_version"
+            )
+    bins = manifest.get("bin")
+    bin_entry = bins.get(bin_name) or next(iter(bins.values())) if isinstance(bins, dict) else bins
+    cli_relpath = str(Path("pi/node_modules") / package / bin_entry)
+    node = (staging / f"node/node_modules/node-linux-{_node_arch()}/bin/node") if node_in_runtime else "node"
+    flags = probe(str(node), str(staging / cli_relpath), staging) if probe else ()
+    return PiRuntime(
+        root=str(target),
+        pi_package=package,
+        pi_version=version,
+        node_version=node_used,
+        node_in_runtime=node_in_runtime,
+        pi_cli_relpath=cli_relpath,
+        flags=flags,
+    )
 
 
 def _mkdir(path: Path) -> Path:
@@ -177,7 +220,8 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def _npm_install(npm: str, prefix: Path, spec: str) -> None:
+def npm_install(npm: str, prefix: Path, spec: str) -> None:
+    """`npm install spec` into `prefix`, pinned, its install scripts not run."""
     command = [
         npm,
         "install",
