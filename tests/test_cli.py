@@ -65,7 +65,7 @@ def test_dead_endpoint_exits_3(tmp_path):
 def test_doctor_reports_each_check():
     done = pi_env("doctor")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "[ok]   sandbox" in done.stdout and "[ok]   runtime" in done.stdout and "[ok]   endpoint" in done.stdout
+    assert "[ok]   sandbox" in done.stdout and "[ok]   agent pi" in done.stdout and "[ok]   endpoint" in done.stdout
     failing = pi_env("doctor", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m")
     assert failing.returncode == 3 and "[FAIL] endpoint" in failing.stdout
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from .agent import agent_names
 from .config import PiConfig
 from .sandbox import backend_names
 
@@ -44,8 +45,24 @@ def backend_argument(parser: argparse.ArgumentParser, default: str | None = "loc
     )
 
 
+def agent_argument(parser: argparse.ArgumentParser, default: str | None = "pi") -> None:
+    """`--agent`, naming every agent in the registry, and `--agent-version`."""
+    shown = "" if default is None else f"; default {default}"
+    parser.add_argument(
+        "--agent",
+        default=default,
+        choices=agent_names(),
+        metavar="AGENT",
+        help=f"the coding agent: {', '.join(agent_names())}{shown} (docs/agents.md)",
+    )
+    parser.add_argument(
+        "--agent-version", default=None, metavar="VERSION", help="the agent's version (default: pi-env's pin)"
+    )
+
+
 def generation_arguments(parser: argparse.ArgumentParser) -> None:
-    """--max-tokens and --sampling, for every command that runs rollouts."""
+    """--agent, --max-tokens and --sampling, for every command that runs rollouts."""
+    agent_argument(parser)
     parser.add_argument(
         "--max-tokens",
         type=_positive_int,
@@ -84,6 +101,8 @@ def config_from_args(args, **extra) -> PiConfig:
         sandbox_backend=args.backend,
         **extra,
     )
+    if getattr(args, "agent", None) is not None:
+        fields["agent"] = {"name": args.agent, "version": getattr(args, "agent_version", None)}
     if getattr(args, "max_tokens", None) is not None:
         fields["max_tokens"] = args.max_tokens
     if getattr(args, "sampling", None) is not None:
@@ -105,6 +124,8 @@ def describe_sampling(config: PiConfig) -> str:
     if config.mode != "black_box" and config.proxy_sampling:
         forced = ", ".join(f"{k}={v}" for k, v in config.proxy_sampling.items())
         return f"sampling forced at the gateway: {forced}; max_tokens {config.max_tokens}"
+    if config.agent.name != "pi":
+        return f"no sampling forced: {config.agent.name}'s own sampling goes as sent; max_tokens {config.max_tokens}"
     return (
         f"no sampling forced: Pi sends no temperature, so the engine's default applies (vLLM: 1.0); "
         f"max_tokens {config.max_tokens}"

@@ -13,6 +13,7 @@ from pathlib import Path
 from .arguments import (
     EXIT_BAD_INPUT,
     EXIT_INFRA,
+    agent_argument,
     backend_argument,
     config_from_args,
     describe_sampling,
@@ -35,7 +36,9 @@ ROOM_COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pi-env", description="Run the Pi coding agent on tasks in a sandbox.")
+    parser = argparse.ArgumentParser(
+        prog="pi-env", description="Run a coding agent (Pi by default) on tasks in a sandbox."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run rollouts of a task file, a JSONL task set or a directory of tasks")
@@ -77,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--json", action="store_true", help="print each RolloutResult as JSON on stdout")
     run.add_argument("--out", type=Path, help="write the results as JSON lines to this file")
 
-    doctor = commands.add_parser("doctor", help="check bubblewrap, the Pi runtime and the endpoint")
+    doctor = commands.add_parser("doctor", help="check the sandbox, the agent (installed once) and the endpoint")
     endpoint_arguments(doctor)
     backend_argument(doctor)
+    agent_argument(doctor)
 
     for name, (module_name, help_text) in ROOM_COMMANDS.items():
         module = importlib.import_module(module_name)
@@ -229,7 +233,8 @@ def _bad_input(error: Exception | str) -> int:
 
 
 def _doctor(args) -> int:
-    from .agent.runtime import ensure_runtime
+    from .agent import get_agent
+    from .agent.runtime import default_cache_dir
     from .endpoints import ORACLE, resolve_endpoint
     from .sandbox import SandboxError, get_backend
     from .sandbox.base import SandboxSpec
@@ -258,8 +263,14 @@ def _doctor(args) -> int:
         return f"backend {config.sandbox_backend!r} runs commands"
 
     def runtime_check() -> str:
-        runtime = ensure_runtime(config.pi_package, config.pi_version, config.node_version, config.runtime_cache_dir)
-        return f"{runtime.pi_package}@{runtime.pi_version} on node {runtime.node_version} at {runtime.root}"
+        agent = get_agent(config)
+        installed = agent.install(config.runtime_cache_dir)
+        return f"{agent.name} {installed.version} ({agent.package}) at {installed.root}"
+
+    def installed_agents() -> str:
+        cache = Path(config.runtime_cache_dir) if config.runtime_cache_dir else default_cache_dir()
+        found = sorted(record.parent.name for record in (cache / "runtimes").glob("*/runtime.json"))
+        return ", ".join(found) or f"none yet in {cache} (each installs on its first rollout)"
 
     def endpoint_check() -> str:
         if config.endpoint == ORACLE:
@@ -273,7 +284,8 @@ def _doctor(args) -> int:
 
         totals = host_totals()
         print(f"{'[warn] ' if totals.why_not else '[ok]   '}sandbox totals: {totals.describe()}")
-    check("runtime", runtime_check)
+    check(f"agent {config.agent.name}", runtime_check)
+    check("installed agents", installed_agents)
     check("endpoint", endpoint_check)
     return 0 if ok else EXIT_INFRA
 

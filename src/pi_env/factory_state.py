@@ -33,8 +33,12 @@ class FactoryState:
         mode: Mode | None = None,
         *,
         sampling: Mapping[str, float | int] | None = None,
+        agent: str | None = None,
     ):
         config = config or PiConfig()
+        if agent is not None:  # one argument switches the agent (validated like PiConfig.agent)
+            config = config.model_copy()
+            config.agent = {"name": agent}  # type: ignore[assignment]
         if mode is not None:
             config = config.model_copy()
             config.mode = mode  # validate_assignment: the mode checked against the other fields

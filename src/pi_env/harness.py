@@ -83,7 +83,8 @@ class HarnessSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["Ha
     `config`, `sandbox_backend` and `mode` are the core factory's; the mode defaults to
     transparent_proxy here (a trainable session needs token capture) unless the config or
     `mode=` chose one. `tasks` (PiTasks, task dicts, or a task-set path for `load_tasks`) is
-    what `create` chooses from; `sampling` is forced on every model call."""
+    what `create` chooses from; `sampling` is forced on every model call; `agent` names the
+    coding agent (`pi`, `opencode`, `qwen-code`, `mini-swe-agent`; default: the config's)."""
 
     def __init__(
         self,
@@ -93,11 +94,12 @@ class HarnessSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["Ha
         *,
         tasks: str | Path | Iterable[PiTask | dict] | None = None,
         sampling: Mapping[str, float | int] | None = None,
+        agent: str | None = None,
     ):
         config = config or PiConfig()
         if mode is None and "mode" not in config.model_fields_set:
             mode = "transparent_proxy"
-        super().__init__(config, sandbox_backend, mode, sampling=sampling)
+        super().__init__(config, sandbox_backend, mode, sampling=sampling, agent=agent)
         if isinstance(tasks, (str, Path)):
             tasks = load_tasks(tasks)
         self.tasks: list[PiTask] = [PiTask.coerce(task) for task in tasks or ()]
@@ -210,12 +212,17 @@ class HarnessSession(ResourceSession):
         """openenv's `TrainingTrace`: per model call, the engine's prompt ids, completion ids,
         logprobs and a loss mask (0 over the prompt, 1 over the completion), validated by
         openenv. Calls that generated nothing are left out: an upstream error, a call the agent
-        hung up on before the answer ended, an answer the gateway made itself. Any other call
+        hung up on before the answer ended, an answer the gateway made itself; so are an agent's
+        extra calls outside the task's conversation (`RolloutTurn.extra_call`). Any other call
         without complete ids and logprobs raises ValueError (with the engine's reason): a
         trainer must not mistake a broken capture for an empty one."""
         if self.pi_session.config.mode == "black_box":
             raise ValueError("black_box mode captures no tokens: a training trace needs mode='transparent_proxy'")
-        turns = [_training_turn(record, self._node_id(record)) for record in self._records() if _generated(record)]
+        turns = [
+            _training_turn(record, self._node_id(record))
+            for record in self._records()
+            if _generated(record) and self.pi_session._extra_call(record) is None  # OpenCode's title: not the task's
+        ]
         _link_sequences(turns)
         return TrainingTrace(turns=turns)
 

@@ -63,11 +63,9 @@ class AgentRun:
     endpoint: Endpoint  # the upstream model (the agent only ever reaches the gateway)
     token: str  # the gateway session's token: the agent's API key, never the upstream's
     instruction: str
-
-    @property
-    def base_url(self) -> str:
-        """The gateway's OpenAI base URL as the agent reaches it."""
-        return f"http://127.0.0.1:{GATEWAY_PORT}/v1"
+    # The gateway's OpenAI base URL as the agent reaches it (the forwarder in the sandbox); a
+    # bench's bare run points the agent straight at a server instead.
+    base_url: str = f"http://127.0.0.1:{GATEWAY_PORT}/v1"
 
     @property
     def model(self) -> str:

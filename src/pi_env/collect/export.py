@@ -164,8 +164,8 @@ def atif_trajectory(record: dict) -> dict:
         "session_id": record["id"],
         "trajectory_id": record["id"],
         "agent": {
-            "name": "pi",
-            "version": record.get("pi_version") or "unknown",
+            "name": record.get("agent") or "pi",
+            "version": record.get("agent_version") or record.get("pi_version") or "unknown",
             "model_name": record["model"],
             "extra": {"harness": "pi-env", "mode": record["mode"], "endpoint": record["endpoint"]},
         },

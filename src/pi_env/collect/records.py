@@ -70,6 +70,8 @@ def to_record(
         "model": result.model,
         "mode": result.mode,
         "sampling": json.dumps(result.sampling),  # forced at the gateway; "{}": the engine's defaults
+        "agent": result.agent,  # the coding agent that ran, and its version
+        "agent_version": result.agent_version,
         "pi_version": result.pi_version,
         "synthetic": result.synthetic,
         "sandbox_id": result.sandbox_id,
@@ -85,6 +87,7 @@ def _turn(turn) -> dict[str, Any]:
     # holds each sequence once, so a turn keeps only what it generated.
     return {
         "turn": turn.turn,
+        "extra_call": turn.extra_call,  # an agent's own call outside the task's conversation (left out of training)
         "finish_reason": turn.finish_reason,
         "completion_tokens": turn.completion_tokens,
         "prompt_length": len(turn.prompt_token_ids),

@@ -110,6 +110,10 @@ def build_mcp_server(service: RolloutService) -> FastMCP:
         api_key: Annotated[str | None, Field(description="upstream key; never logged or returned")] = None,
         model: str | None = None,
         mode: Literal["black_box", "transparent_proxy"] = "black_box",
+        agent: Annotated[
+            str | None,
+            Field(description="the coding agent: pi, opencode, qwen-code, mini-swe-agent (default: the server's)"),
+        ] = None,
         disable_thinking: bool | None = None,
         max_tokens_cap: int = 4096,
         top_logprobs: int = 5,
@@ -118,7 +122,7 @@ def build_mcp_server(service: RolloutService) -> FastMCP:
         # injected by FastMCP (it must be annotated exactly Context, so not Context | None)
         ctx: Context = None,  # type: ignore[assignment]
     ) -> dict[str, Any]:
-        """Run the Pi coding agent on one task in a fresh sandbox and return the scored
+        """Run a coding agent (Pi unless `agent` names another) on one task in a fresh sandbox and return the scored
         RolloutResult (reward, verify results, files, conversation, per-turn records; with
         mode=transparent_proxy each turn's token ids and logprobs). At most MAX_CONCURRENT_ENVS
         rollouts run at once; a few more wait; beyond that the call fails with a "busy:" error."""

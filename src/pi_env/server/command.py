@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..arguments import backend_argument
+from ..arguments import agent_argument, backend_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or 4 x max-concurrent)",
     )
     backend_argument(parser, default=None)  # None: $PI_ENV_SANDBOX_BACKEND or local
+    agent_argument(parser, default=None)  # None: $PI_ENV_AGENT or pi; a call's `agent` argument wins
     parser.add_argument("--no-web", action="store_true", help="no web UI at /web")
     parser.add_argument(
         "--allow-base-url",
@@ -48,6 +49,8 @@ def run(args) -> int:
         ("MAX_CONCURRENT_ENVS", args.max_concurrent),
         ("PI_ENV_MAX_QUEUE", args.max_queue),
         ("PI_ENV_SANDBOX_BACKEND", args.backend),
+        ("PI_ENV_AGENT", args.agent),
+        ("PI_ENV_AGENT_VERSION", args.agent_version),
     ):
         if value is not None:
             os.environ[name] = str(value)

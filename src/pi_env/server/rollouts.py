@@ -21,6 +21,7 @@ from urllib.parse import quote, quote_plus, urlparse, urlunparse
 
 from pydantic import ValidationError
 
+from ..agent import agent_names
 from ..config import PiConfig
 from ..endpoints import CATALOG, ORACLE, EndpointError, resolve_endpoint
 from ..results import RolloutEvent, RolloutResult
@@ -46,8 +47,15 @@ class BadArguments(ValueError):
     """A run_rollout call the server cannot run; the message names the argument and the fix."""
 
 
-def build_rollout(arguments: dict[str, Any], *, sandbox_backend: str | None = None) -> tuple[PiTask, PiConfig]:
-    """The task and config for one `run_rollout` call. None means "not given"."""
+def build_rollout(
+    arguments: dict[str, Any],
+    *,
+    sandbox_backend: str | None = None,
+    agent: str | None = None,
+    agent_version: str | None = None,
+) -> tuple[PiTask, PiConfig]:
+    """The task and config for one `run_rollout` call (`agent`, `agent_version`: the server's
+    default agent and its version). None means "not given"."""
     given = {key: value for key, value in arguments.items() if value is not None}
     task_value = given.pop("task", None)
     task_fields = {key: given.pop(key) for key in TASK_FIELDS if key in given}
@@ -82,7 +90,12 @@ def build_rollout(arguments: dict[str, Any], *, sandbox_backend: str | None = No
         "agent_timeout_s": given.pop("agent_timeout_s", None),
         "max_turns": given.pop("max_turns", None),
         "sandbox_backend": sandbox_backend,
+        "agent": given.pop("agent", None) or agent,
     }
+    if fields["agent"] is not None and fields["agent"] not in agent_names():
+        raise BadArguments(f"agent: {fields['agent']!r} is not one of {agent_names()}")
+    if fields["agent"] is not None and fields["agent"] == agent and agent_version:
+        fields["agent"] = {"name": agent, "version": agent_version}
     if given:
         raise BadArguments(f"unknown arguments {sorted(given)}")
     if endpoint == LOCAL:
@@ -330,9 +343,13 @@ def caller_gone(key: Any) -> threading.Event | None:
 class RolloutService:
     """Runs rollouts in worker threads (never on the event loop) under one shared limit."""
 
-    def __init__(self, max_running: int, max_waiting: int, sandbox_backend: str | None = None):
+    def __init__(
+        self, max_running: int, max_waiting: int, sandbox_backend: str | None = None, agent: str | None = None
+    ):
         self.limiter = RolloutLimiter(max_running, max_waiting)
         self.sandbox_backend = sandbox_backend
+        self.agent = agent  # the default agent (`pi-env serve --agent`); a call's `agent` wins
+        self.agent_version = os.environ.get("PI_ENV_AGENT_VERSION") or None
         self._executor = ThreadPoolExecutor(max_running, thread_name_prefix="pi-env-rollout")
         self._active: set[_Rollout] = set()
 
@@ -343,10 +360,13 @@ class RolloutService:
             max_waiting = int(os.environ.get("PI_ENV_MAX_QUEUE", str(4 * max_running)))
         except ValueError as error:
             raise ValueError(f"MAX_CONCURRENT_ENVS / PI_ENV_MAX_QUEUE must be integers: {error}") from None
-        return cls(max_running, max_waiting, os.environ.get("PI_ENV_SANDBOX_BACKEND") or None)
+        environ = os.environ
+        return cls(max_running, max_waiting, environ.get("PI_ENV_SANDBOX_BACKEND") or None, environ.get("PI_ENV_AGENT"))
 
     def build(self, arguments: dict[str, Any]) -> tuple[PiTask, PiConfig]:
-        return build_rollout(arguments, sandbox_backend=self.sandbox_backend)
+        return build_rollout(
+            arguments, sandbox_backend=self.sandbox_backend, agent=self.agent, agent_version=self.agent_version
+        )
 
     async def run(
         self,

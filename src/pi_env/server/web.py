@@ -22,6 +22,7 @@ from typing import Any
 
 import gradio as gr
 
+from ..agent import agent_names
 from ..results import RolloutEvent, RolloutResult
 from ..task import PiTask, TaskError, load_tasks
 from .limiter import ServerBusy, idle_timeout_s
@@ -82,6 +83,9 @@ def gradio_builder(
                 placeholder="kept on the server for this browser session",
             )
             mode = gr.Radio(list(MODES), value="transparent_proxy", label="Mode", elem_id="mode")
+            agent = gr.Dropdown(
+                agent_names(), value=service.agent or "pi", label="Agent", elem_id="agent", allow_custom_value=False
+            )
             max_turns = gr.Number(value=50, precision=0, label="Max model calls", minimum=1)
         preset = gr.Dropdown(list(presets), value=None, label="Preset (bundled examples)", elem_id="preset")
         instruction = gr.Textbox(lines=3, label="Instruction", elem_id="instruction")
@@ -128,6 +132,7 @@ def gradio_builder(
             key_,
             kept_key,
             mode_,
+            agent_,
             max_turns_,
             instruction_,
             setup_,
@@ -162,6 +167,7 @@ def gradio_builder(
                     "model": model_ or None,
                     "api_key": key,
                     "mode": mode_,
+                    "agent": agent_ or None,
                     "max_turns": int(max_turns_) if max_turns_ else None,
                     "instruction": instruction_ or None,
                     "setup": _lines(setup_),
@@ -213,7 +219,7 @@ def gradio_builder(
 
         run_event = run_button.click(
             run,
-            [endpoint, model, api_key, stored_key, mode, max_turns, instruction, setup, verify, extras],
+            [endpoint, model, api_key, stored_key, mode, agent, max_turns, instruction, setup, verify, extras],
             views,
             concurrency_limit=None,
         )
