@@ -32,7 +32,8 @@ HERMETIC_SETTINGS: dict = {
     "security": {"auth": {"selectedType": "openai"}, "folderTrust": {"enabled": False}},
     "privacy": {"usageStatisticsEnabled": False},
     "telemetry": {"enabled": False, "logPrompts": False},
-    "general": {"enableAutoUpdate": False},
+    # No systemd-inhibit child per model call and tool (it fails without D-Bus anyway).
+    "general": {"enableAutoUpdate": False, "preventSystemSleep": False},
     "ide": {"enabled": False},
     "model": {"skipNextSpeakerCheck": True},
 }
@@ -51,6 +52,8 @@ def qwen_env(runtime: PiRuntime, run: AgentRun) -> dict[str, str]:
         "QWEN_TELEMETRY_ENABLED": "false",
         "QWEN_USAGE_STATISTICS_ENABLED": "false",
         "QWEN_CODE_DISABLE_PRECONNECT": "1",
+        # Else it re-executes itself in a child Node (a larger heap): a second start-up's CPU.
+        "QWEN_CODE_NO_RELAUNCH": "true",
         "NO_PROXY": "127.0.0.1,localhost",
         "no_proxy": "127.0.0.1,localhost",
         "NO_COLOR": "1",
