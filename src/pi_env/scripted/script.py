@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -76,6 +77,11 @@ class ScriptedTurn(BaseModel):
 
 
 Script = list[ScriptedTurn]
+# A script chosen per request: given the request body, the script that answers it (its turn is
+# still picked by the request's count of assistant messages). It runs on every request, so it
+# should be fast, and return the same ScriptedTurn objects for the same request shape (the
+# server caches renderings by turn).
+ScriptAdapter = Callable[[dict[str, Any]], Script]
 FINISHED_TURN = ScriptedTurn(text=SCRIPT_FINISHED_TEXT)
 
 

@@ -47,6 +47,7 @@ from pi_env.scripted.script import (
     SYNTHETIC_FINGERPRINT,
     Fault,
     Script,
+    ScriptAdapter,
     ScriptedToolCall,
     ScriptedTurn,
     coerce_script,
@@ -423,7 +424,7 @@ class ScriptedServer:
         # With a real tokenizer (pi_env.scripted.token_engine): real prompt ids, non-canonical
         # answer ids, and a token-in /v1/completions.
         self.token_engine = token_engine
-        self._scripts: dict[str, Script] = {}
+        self._scripts: dict[str, Script | ScriptAdapter] = {}
         self._default: Script | None = coerce_script(default) if default is not None else None
         self._received: deque[tuple[ReceivedRequest, int]] = deque()
         self.version_probes = 0  # GET /version requests, counted apart: `requests` holds the model calls
@@ -432,10 +433,11 @@ class ScriptedServer:
 
     # -- scripts
 
-    def add_script(self, turns: list[ScriptedTurn | dict], *, api_key: str | None = None) -> str:
-        """Serve `turns` to requests bearing `api_key` (generated when None); returns the key."""
+    def add_script(self, turns: list[ScriptedTurn | dict] | ScriptAdapter, *, api_key: str | None = None) -> str:
+        """Serve `turns` to requests bearing `api_key` (generated when None); returns the key.
+        `turns` may be a `ScriptAdapter`: a callable mapping each request body to its script."""
         key = api_key or f"sk-scripted-{secrets.token_hex(12)}"
-        self._scripts[key] = coerce_script(turns)
+        self._scripts[key] = turns if callable(turns) else coerce_script(turns)
         return key
 
     def remove_script(self, api_key: str) -> None:
@@ -514,10 +516,9 @@ class ScriptedServer:
             return openai_error(400, "request body is not a JSON object", "invalid_request_error")
 
         key = bearer_token(request.headers.get("Authorization"))
-        script = self._scripts.get(key or "", self._default)
-        if script is None:
-            return openai_error(401, "Incorrect API key provided", "invalid_request_error",
-                                "invalid_api_key")  # fmt: skip
+        script = self._script_for(key, body)
+        if not isinstance(script, list):
+            return script
 
         rejection = self.quirks.rejection(body)
         if rejection is not None:
@@ -567,9 +568,9 @@ class ScriptedServer:
             or not all(isinstance(i, int) for i in body["prompt"])
         ):
             return openai_error(400, "prompt must be a list of token ids", "invalid_request_error")
-        script = self._scripts.get(bearer_token(request.headers.get("Authorization")) or "", self._default)
-        if script is None:
-            return openai_error(401, "Incorrect API key provided", "invalid_request_error", "invalid_api_key")
+        script = self._script_for(bearer_token(request.headers.get("Authorization")), body)
+        if not isinstance(script, list):
+            return script
         from pi_env.scripted.token_engine import completion_events
 
         engine = self.token_engine
@@ -582,6 +583,13 @@ class ScriptedServer:
             return web.json_response(events, headers=self._answer_headers())
         assert isinstance(events, list)  # a stream was asked for: SSE events, not a body
         return await self._stream(request, events, fault)
+
+    def _script_for(self, key: str | None, body: dict[str, Any]) -> Script | web.Response:
+        """The script answering `body` under `key` (an adapter's for this request), or the error."""
+        script = self._scripts.get(key or "", self._default)
+        if script is None:
+            return openai_error(401, "Incorrect API key provided", "invalid_request_error", "invalid_api_key")
+        return script if isinstance(script, list) else script(body)
 
     async def _stream(self, request: web.Request, events: list[bytes], fault: Fault):
         if fault.malformed_chunk:
