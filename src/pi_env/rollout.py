@@ -235,7 +235,7 @@ class PiSession(GateAPI):
 
     def _resolve_endpoint(self) -> None:
         config, result = self.config, self._result
-        self.endpoint = session_endpoint(config, self.task)
+        self.endpoint = session_endpoint(config, self.task, self.factory.agent.submit_command)
         result.endpoint, result.model, result.synthetic = (
             self.endpoint.name,
             self.endpoint.model,

@@ -41,8 +41,9 @@ from .task_setup import capped
 from .verify import RESERVE_DIR, startup_mount
 
 
-def session_endpoint(config: PiConfig, task: PiTask) -> Endpoint:
-    """The endpoint Pi's calls go to (through the gateway). Raises EndpointError with what to set."""
+def session_endpoint(config: PiConfig, task: PiTask, submit_command: str | None = None) -> Endpoint:
+    """The endpoint the agent's calls go to (through the gateway). Raises EndpointError with what
+    to set. `submit_command`: the agent's (`Agent.submit_command`), for the oracle's last call."""
     if config.mode == "interception_gate":  # the trainer is the model: no upstream at all
         return Endpoint(
             name="interception_gate",
@@ -51,7 +52,9 @@ def session_endpoint(config: PiConfig, task: PiTask) -> Endpoint:
             compat=OPEN_SERVER_COMPAT,
             return_token_ids=False,
         )
-    return oracle_endpoint(task) if config.endpoint == ORACLE else resolve_endpoint(config)
+    if config.endpoint == ORACLE:
+        return oracle_endpoint(task, submit_command=submit_command)
+    return resolve_endpoint(config)
 
 
 def upstream(config: PiConfig, endpoint: Endpoint) -> Upstream:

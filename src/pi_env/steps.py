@@ -147,7 +147,7 @@ class StepRunner:
         session = self.session
         if not (session.endpoint and session.endpoint.synthetic and session.config.endpoint == ORACLE):
             return
-        endpoint = oracle_endpoint(step)
+        endpoint = oracle_endpoint(step, submit_command=session.factory.agent.submit_command)
         self.endpoints.append(endpoint)
         gateway = session.gateway_session
         assert gateway is not None  # the oracle's endpoint: the session's gateway is open

@@ -32,13 +32,14 @@ HERMETIC_SETTINGS = {
 }
 
 
-def models_json(config: PiConfig, endpoint: Endpoint, session_token: str) -> dict:
-    """Pi's provider config. The key is the gateway's per-session token, never the real one."""
+def models_json(config: PiConfig, endpoint: Endpoint, session_token: str, base_url: str = "") -> dict:
+    """Pi's provider config. The key is the gateway's per-session token, never the real one;
+    the base URL the forwarder's (a bench's bare run gives its server's)."""
     compat = dict(endpoint.compat)
     return {
         "providers": {
             config.provider_name: {
-                "baseUrl": f"http://127.0.0.1:{FORWARDER_PORT}/v1",
+                "baseUrl": base_url or f"http://127.0.0.1:{FORWARDER_PORT}/v1",
                 "api": "openai-completions",
                 "apiKey": session_token,
                 "compat": compat,
@@ -103,9 +104,12 @@ def pi_command(runtime: PiRuntime, config: PiConfig, endpoint: Endpoint) -> list
     return command
 
 
-def write_run_files(sandbox: Sandbox, config: PiConfig, endpoint: Endpoint, session_token: str, prompt: str) -> None:
+def write_run_files(
+    sandbox: Sandbox, config: PiConfig, endpoint: Endpoint, session_token: str, prompt: str, base_url: str = ""
+) -> None:
     """One run's files in the sandbox: Pi's provider config and hermetic settings, the prompt."""
-    sandbox.write_file(f"{AGENT_DIR}/models.json", json.dumps(models_json(config, endpoint, session_token)))
+    models = models_json(config, endpoint, session_token, base_url)
+    sandbox.write_file(f"{AGENT_DIR}/models.json", json.dumps(models))
     sandbox.write_file(f"{AGENT_DIR}/settings.json", json.dumps(HERMETIC_SETTINGS))
     sandbox.write_file(PROMPT_PATH, prompt)
 
@@ -181,7 +185,7 @@ class PiAgent(Agent):
         return () if _runtime(installed).supports("-na") else (f"{SANDBOX_WORKDIR}/.pi",)
 
     def prepare(self, sandbox: Sandbox, installed: Installed, run: AgentRun) -> None:
-        write_run_files(sandbox, run.config, run.endpoint, run.token, run.instruction)
+        write_run_files(sandbox, run.config, run.endpoint, run.token, run.instruction, run.base_url)
 
     def command(self, installed: Installed, run: AgentRun) -> tuple[list[str], dict[str, str], str | None]:
         runtime = _runtime(installed)
