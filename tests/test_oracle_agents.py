@@ -454,6 +454,8 @@ def test_a_call_without_tools_gets_text_and_the_conversation_goes_on_where_it_wa
         for seen in (0, 3):
             assert message(direct_answer(server, key, body(tools, seen))) == \
                 {"role": "assistant", "content": TITLE_MESSAGE}
+    no_calls = {**body(OPENCODE_TOOLS, 1), "tool_choice": "none"}  # tools listed, none allowed
+    assert message(direct_answer(server, key, no_calls))["content"] == TITLE_MESSAGE
     second = message(direct_answer(server, key, body(OPENCODE_TOOLS, 1)))
     assert json.loads(second["tool_calls"][0]["function"]["arguments"])["filePath"] == f"{WORKDIR}/app.py"
     third = message(direct_answer(server, key, body(OPENCODE_TOOLS, 2)))

@@ -447,7 +447,8 @@ class OracleScript:
 
     def __call__(self, body: dict[str, Any]) -> list[ScriptedTurn]:
         tools = body.get("tools")
-        if not tools or not isinstance(tools, list):  # a side call (a title): text, nothing advances
+        if not tools or not isinstance(tools, list) or body.get("tool_choice") == "none":
+            # a side call (a title): text, and nothing advances (the turn index is its own count)
             messages = body.get("messages") or []
             count = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
             return [TITLE_TURN] * (count + 1)
