@@ -51,9 +51,9 @@ SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 DEFAULT_STEP_LIMIT = 50
 DEFAULT_COMMAND_TIMEOUT_S = 120  # one bash command (mini's own default is 30 s)
 
-# What PyYAML 1.1 refuses in a stream (its reader's printable set): escaped as \uXXXX, which a
-# double-quoted scalar reads back as the same character.
-_NOT_YAML_PRINTABLE = re.compile("[^\x09\x0a\x0d\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+# What PyYAML 1.1 refuses in a stream (outside its reader's printable set) or folds in a
+# double-quoted scalar (the line breaks NEL, LS, PS): escaped as \uXXXX, read back as itself.
+_NOT_YAML_VERBATIM = re.compile("[^\x09\x0a\x0d\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
 @dataclass(frozen=True)
@@ -150,9 +150,9 @@ def mini_config(run: AgentRun, step_limit: int, command_timeout_s: int) -> dict[
 
 def config_text(config: dict[str, Any]) -> str:
     """`config` as YAML PyYAML reads back exactly: JSON (a subset of YAML), with the characters
-    PyYAML refuses in a stream escaped."""
+    PyYAML refuses or folds escaped."""
     text = json.dumps(config, ensure_ascii=False, indent=1)
-    return _NOT_YAML_PRINTABLE.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
+    return _NOT_YAML_VERBATIM.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
 
 
 class MiniSweAgent(Agent):
