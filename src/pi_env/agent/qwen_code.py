@@ -5,7 +5,11 @@ stdin (no argv size limit), its settings in ~/.qwen/settings.json (docs/agents/q
 
 Its bin entry (cli-entry.js) is bypassed on purpose: it re-executes the CLI in a child Node (which
 would not carry the forwarder) and may switch to a "managed update" under ~/.qwen/updates; cli.js
-is the CLI itself, and --expose-gc is what the entry would have added."""
+is the CLI itself, and --expose-gc is what the entry would have added.
+
+No NODE_COMPILE_CACHE: a cache per sandbox is cold on every rollout (measured 2.2-2.3 CPU s, no
+better than none: 2.0-2.6), and a warm one shared by sandboxes (1.7-1.9) would be written by one
+rollout's agent and read by the next's."""
 
 from __future__ import annotations
 
@@ -90,6 +94,10 @@ class QwenCodeAgent(Agent):
             FORWARDER_PATH,
             cli,
             "--yolo",
+            # No context files, hooks, extensions, skills or MCP servers (Pi's -nc -ns -ne --no-mcp):
+            # else a task's .mcp.json server is started before the first call and its .agents/skills
+            # join the prompt. Chat recording and the settings above still apply.
+            "--safe-mode",
             "--output-format",
             "json",
             "--auth-type",
