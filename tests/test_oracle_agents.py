@@ -251,8 +251,7 @@ def test_pi_mixed_steps():
 def test_opencode_absolute_paths_read_first_and_the_required_description():
     neutral = neutral_value({"type": "string"}, "run")
     assert calls(adapted_turns(TASK, OPENCODE_TOOLS)) == [
-        ("read", {"filePath": f"{WORKDIR}/app.py"}),
-        ("read", {"filePath": f"{WORKDIR}/app.py"}),  # the edit tool asks for a read first
+        ("read", {"filePath": f"{WORKDIR}/app.py"}),  # the edit tool asks for a read first: this one
         ("edit", {"filePath": f"{WORKDIR}/app.py", "oldString": "x = 1", "newString": "x = 2"}),
         # pkg/new.py cannot exist yet (not staged, no setup, no command before): no read before the write
         ("write", {"filePath": f"{WORKDIR}/pkg/new.py", "content": "print('hi')\n"}),
@@ -274,9 +273,17 @@ def test_a_write_that_may_replace_a_file_reads_it_first():
     ]
 
 
+def test_an_edit_after_a_command_reads_the_file_again():
+    task = PiTask(instruction="x", files={"a.txt": "1"},
+                  solution=[{"tool": "edit", "path": "a.txt", "old": "1", "new": "2"},
+                            {"tool": "bash", "command": "true"},
+                            {"tool": "edit", "path": "a.txt", "old": "2", "new": "3"}])
+    names = [call[0] for call in calls(adapted_turns(task, QWEN_TOOLS))[:-1]]
+    assert names == ["read_file", "edit", "run_shell_command", "read_file", "edit"]
+
+
 def test_qwen_code_tools():
     assert calls(adapted_turns(TASK, QWEN_TOOLS)) == [
-        ("read_file", {"file_path": f"{WORKDIR}/app.py"}),
         ("read_file", {"file_path": f"{WORKDIR}/app.py"}),
         ("edit", {"file_path": f"{WORKDIR}/app.py", "old_string": "x = 1", "new_string": "x = 2"}),
         ("write_file", {"file_path": f"{WORKDIR}/pkg/new.py", "content": "print('hi')\n"}),
@@ -290,7 +297,6 @@ def test_claude_code_tools_in_anthropic_shape():
     assert (box.write.tool.name, box.edit.tool.name, box.read.tool.name, box.shell.tool.name) == \
         ("Write", "Edit", "Read", "Bash")  # not MultiEdit, NotebookEdit, TodoWrite, BashOutput, KillShell
     assert calls(adapted_turns(TASK, CLAUDE_TOOLS)) == [
-        ("Read", {"file_path": f"{WORKDIR}/app.py"}),
         ("Read", {"file_path": f"{WORKDIR}/app.py"}),
         ("Edit", {"file_path": f"{WORKDIR}/app.py", "old_string": "x = 1", "new_string": "x = 2"}),
         ("Write", {"file_path": f"{WORKDIR}/pkg/new.py", "content": "print('hi')\n"}),
@@ -456,10 +462,10 @@ def test_a_call_without_tools_gets_text_and_the_conversation_goes_on_where_it_wa
                 {"role": "assistant", "content": TITLE_MESSAGE}
     no_calls = {**body(OPENCODE_TOOLS, 1), "tool_choice": "none"}  # tools listed, none allowed
     assert message(direct_answer(server, key, no_calls))["content"] == TITLE_MESSAGE
-    second = message(direct_answer(server, key, body(OPENCODE_TOOLS, 1)))
-    assert json.loads(second["tool_calls"][0]["function"]["arguments"])["filePath"] == f"{WORKDIR}/app.py"
+    second = message(direct_answer(server, key, body(OPENCODE_TOOLS, 1)))["tool_calls"][0]["function"]
+    assert second["name"] == "edit" and json.loads(second["arguments"])["filePath"] == f"{WORKDIR}/app.py"
     third = message(direct_answer(server, key, body(OPENCODE_TOOLS, 2)))
-    assert third["tool_calls"][0]["function"]["name"] == "edit"
+    assert third["tool_calls"][0]["function"]["name"] == "write"
 
 
 def test_the_last_call_is_the_submit_command_through_the_agents_shell(oracle):
@@ -494,7 +500,7 @@ def test_the_scripted_server_takes_a_script_adapter():
 
     with ScriptedServer() as server:
         key = server.add_script(adapter)
-        answer = direct_answer(server, key, body(CLAUDE_TOOLS, 2, stream=True))
+        answer = direct_answer(server, key, body(CLAUDE_TOOLS, 1, stream=True))
         call = answer["choices"][0]["message"]["tool_calls"][0]
-        assert call["function"]["name"] == "Edit" and call["id"] == "call_2_0"
+        assert call["function"]["name"] == "Edit" and call["id"] == "call_1_0"
         assert len(seen) == 1 and seen[0]["tools"] == CLAUDE_TOOLS

@@ -393,6 +393,12 @@ def adapted_turns(task: PiTask, raw_tools: list[Any], submit_command: str | None
     may_exist = set(task.files)
     anything_may_exist = bool(task.setup)
 
+    def read_first(path: str) -> None:  # unless the call just before read that very file
+        assert box.read is not None
+        read = box.read.read(path)
+        if not calls or calls[-1] != read:
+            calls.append(read)
+
     def shell(command: str, what: str) -> ScriptedToolCall | str:
         if box.shell is None:
             return f"The oracle cannot {what}: this agent has no shell tool and no tool for it."
@@ -402,7 +408,7 @@ def adapted_turns(task: PiTask, raw_tools: list[Any], submit_command: str | None
         if isinstance(step, WriteStep):
             if box.write is not None:
                 if box.write.read_first and box.read and (anything_may_exist or step.path in may_exist):
-                    calls.append(box.read.read(step.path))
+                    read_first(step.path)
                 calls.append(box.write.write(step.path, step.content))
             else:
                 calls += [shell(c, f"write {step.path}") for c in shell_writes(step.path, step.content)]
@@ -410,7 +416,7 @@ def adapted_turns(task: PiTask, raw_tools: list[Any], submit_command: str | None
         elif isinstance(step, EditStep):
             if box.edit is not None:
                 if box.edit.read_first and box.read:
-                    calls.append(box.read.read(step.path))
+                    read_first(step.path)
                 calls.append(box.edit.edit(step.path, step.old, step.new))
             else:
                 calls.append(shell(shell_edit(step.path, step.old, step.new), f"edit {step.path}"))
