@@ -60,6 +60,7 @@ def qwen_env(runtime: PiRuntime, run: AgentRun) -> dict[str, str]:
         "QWEN_CODE_NO_RELAUNCH": "true",
         "NO_PROXY": "127.0.0.1,localhost",
         "no_proxy": "127.0.0.1,localhost",
+        "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",  # the sandbox is pi-env's, not its own
         "NO_COLOR": "1",
         "CI": "1",
     }
