@@ -1,12 +1,12 @@
-"""What pi-env costs on top of Pi itself.
+"""What pi-env costs on top of the agent itself (Pi by default; `--agent NAME` for any agent).
 
 Side by side in one run, interleaved, N times each:
-  bare    - the same Pi runtime with the same hermetic flags and settings, run as a plain process
-            against the same scripted server (no sandbox, no gateway, no verify);
-  pi-env  - a full rollout of the same 2-turn task (oracle: one write, then the final text;
-            1 verify command) through the sandbox and the gateway.
-Prints medians, the ratio and the per-phase split, and ends with ONE JSON line.
-Target: ratio <= 1.15.
+  bare    - the same agent install with the same configuration and command line, run as a plain
+            process against the same oracle server (no sandbox, no gateway, no forwarder, no verify);
+  pi-env  - a full rollout of the same task (oracle: one write through the agent's own tool, then
+            its end; 1 verify command) through the sandbox and the gateway.
+Prints medians (wall, and CPU of the agent's processes), the ratio and the per-phase split, and ends
+with ONE JSON line. Target: ratio <= 1.15.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -21,46 +22,77 @@ import tempfile
 import time
 
 from pi_env import PiConfig, PiSessionFactory, PiTask
-from pi_env.agent.pi import HERMETIC_SETTINGS
-from pi_env.agent.runtime import ensure_runtime
-from pi_env.endpoints import OPEN_SERVER_COMPAT
-from pi_env.oracle import solution_turns
-from pi_env.scripted import ScriptedServer
+from pi_env.agent.base import AGENT_ROOT, FORWARDER_PATH, LAUNCHER_PATH, AgentRun
+from pi_env.oracle import oracle_endpoint
+from pi_env.sandbox import SANDBOX_HOME, SANDBOX_WORKDIR
 
 TASK = PiTask(task_id="bench-hello", instruction="Create hello.txt containing hello.",
               verify=["test -f hello.txt"], solution=[{"tool": "write", "path": "hello.txt", "content": "hello\n"}])
 
 
-def bare_pi_run(runtime, server: ScriptedServer, key: str, config: PiConfig) -> float:
-    """One run of Pi exactly as pi-env configures it, minus the sandbox and gateway."""
-    root = tempfile.mkdtemp(prefix="pi-bare-")
+class HostFiles:
+    """The one Sandbox method an agent's `prepare` uses, on a host dir that the bare run binds at
+    the sandbox's home (so absolute paths an agent's tools ask for are the same in both runs)."""
+
+    def __init__(self, home: str):
+        self.home = home
+
+    def path(self, sandbox_path: str) -> str:
+        return self.home + sandbox_path[len(SANDBOX_HOME):] if sandbox_path.startswith(SANDBOX_HOME) else sandbox_path
+
+    def write_file(self, path: str, content, mode: int | None = None) -> None:
+        host = self.path(path)
+        os.makedirs(os.path.dirname(host), exist_ok=True)
+        with open(host, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
+
+
+def cpu_now() -> float:
+    """CPU s of this process and every child it has waited for (a sandbox's processes included)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def bare(argv: list[str]) -> list[str]:
+    """The agent's own command: without the forwarder preload or the launcher in front of it."""
+    if len(argv) > 1 and argv[1] == LAUNCHER_PATH:
+        argv = argv[2:]
+    if "--import" in argv and argv[argv.index("--import") + 1] == FORWARDER_PATH:
+        at = argv.index("--import")
+        argv = argv[:at] + argv[at + 2:]
+    return argv
+
+
+def bare_run(agent, installed, endpoint, config: PiConfig) -> tuple[float, float]:
+    """One run of the agent exactly as pi-env configures it, minus the sandbox and gateway:
+    (wall s, CPU s of its processes)."""
+    root = tempfile.mkdtemp(prefix="agent-bare-")
     try:
-        home, work, agent = f"{root}/home", f"{root}/work", f"{root}/home/.pi/agent"
-        os.makedirs(agent)
+        files = HostFiles(f"{root}/home")
+        work = files.path(SANDBOX_WORKDIR)
         os.makedirs(work)
-        models = {"providers": {config.provider_name: {
-            "baseUrl": server.base_url, "api": "openai-completions", "apiKey": key, "compat": OPEN_SERVER_COMPAT,
-            "models": [{"id": "pi-env-oracle", "reasoning": False, "input": ["text"], "contextWindow": config.context_window,
-                        "maxTokens": config.max_tokens, "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}]}}}
-        with open(f"{agent}/models.json", "w") as f:
-            json.dump(models, f)
-        with open(f"{agent}/settings.json", "w") as f:
-            json.dump(HERMETIC_SETTINGS, f)
-        with open(f"{root}/prompt.md", "w") as f:
-            f.write(TASK.instruction)
-        command = [runtime.host_node, runtime.host_cli, "-p", "--model", f"{config.provider_name}/pi-env-oracle",
-                   "--session-dir", f"{root}/session", "--tools", "read,bash,edit,write",
-                   "-ne", "-nc", "-ns", "-np", "--no-themes"]
-        command += [flag for flag in ("-na", "--no-mcp") if runtime.supports(flag)]
-        env = {"HOME": home, "TMPDIR": root, "PATH": "/usr/local/bin:/usr/bin:/bin", "PI_CODING_AGENT_DIR": agent,
-               "PI_OFFLINE": "1", "PI_TELEMETRY": "0", "PI_SKIP_VERSION_CHECK": "1", "NO_COLOR": "1", "LANG": "C.UTF-8"}
+        run = AgentRun(config, endpoint, endpoint.api_key, TASK.instruction, base_url=endpoint.base_url)
+        agent.prepare(files, installed, run)
+        argv, env, stdin_path = agent.command(installed, run)
+
+        def host(text: str) -> str:
+            return text.replace(AGENT_ROOT, installed.root)
+
+        # No sandbox, gateway or forwarder: the host's whole filesystem and network, as this
+        # process; only the run's home bound at the sandbox's home path (a mount namespace, a
+        # few ms), as the agent's tools may ask for absolute paths in it.
+        command = ["bwrap", "--dev-bind", "/", "/", "--bind", files.home, SANDBOX_HOME, "--chdir", SANDBOX_WORKDIR,
+                   "--", *[host(part) for part in bare(argv)]]
+        env = {"TMPDIR": "/tmp", "LANG": "C.UTF-8", **{k: host(v) for k, v in env.items()}, "HOME": SANDBOX_HOME}
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
-        with open(f"{root}/prompt.md") as prompt:
-            done = subprocess.run(command, stdin=prompt, capture_output=True, cwd=work, env=env, timeout=120)
+        with open(files.path(stdin_path) if stdin_path else os.devnull) as stdin:
+            done = subprocess.run(command, stdin=stdin, capture_output=True, env=env, timeout=300)
         wall = time.perf_counter() - started
-        if done.returncode != 0 or not os.path.exists(f"{work}/hello.txt"):
-            raise SystemExit(f"bare Pi run failed: {done.stderr.decode()[-2000:]}")
-        return wall
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if not os.path.exists(f"{work}/hello.txt"):
+            raise SystemExit(f"bare {agent.name} run failed ({done.returncode}): {command} {(done.stdout + done.stderr).decode()[-2000:]}")
+        return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -68,30 +100,33 @@ def bare_pi_run(runtime, server: ScriptedServer, key: str, config: PiConfig) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("-n", type=int, default=12)
+    parser.add_argument("--agent", default="pi", help="the agent to measure (pi_env.agent.agent_names())")
     args = parser.parse_args()
 
     load_before = os.getloadavg()
-    config = PiConfig()
-    runtime = ensure_runtime(config.pi_package, config.pi_version, config.node_version, config.runtime_cache_dir)
+    config = PiConfig(agent=args.agent)
     factory = PiSessionFactory(config)
-    server = ScriptedServer().start()
-    key = server.add_script(solution_turns(TASK))
+    agent, runtime = factory.agent, factory.runtime
+    endpoint = oracle_endpoint(TASK, submit_command=agent.submit_command)
 
-    bare_pi_run(runtime, server, key, config)  # warm page cache and both paths once
+    bare_run(agent, runtime, endpoint, config)  # warm page cache and both paths once
     with factory.create(TASK) as session:
         session.wait_for_completion()
 
-    bare, full, phases = [], [], []
+    bare_runs, full, full_cpu, phases = [], [], [], []
     for _ in range(args.n):
-        bare.append(bare_pi_run(runtime, server, key, config))
+        bare_runs.append(bare_run(agent, runtime, endpoint, config))
+        before = cpu_now()
         started = time.perf_counter()
         with factory.create(TASK) as session:
             result = session.wait_for_completion()
         full.append(time.perf_counter() - started)  # includes close(): sandbox teardown
+        full_cpu.append(cpu_now() - before)  # the sandbox's processes and this process (the gateway, verify)
         if result.reward != 1.0:
             raise SystemExit(f"rollout failed: {result.error_kind} {result.error}")
         phases.append(result.timings)
-    server.stop()
+    bare = [wall for wall, _ in bare_runs]
+    bare_cpu = statistics.median(cpu for _, cpu in bare_runs)
 
     bare_median, full_median = statistics.median(bare), statistics.median(full)
     phase_medians = {name: round(statistics.median(p.get(name, 0.0) for p in phases) * 1000, 1)
@@ -100,9 +135,11 @@ def main() -> None:
     for name, values in (("bare", bare), ("pi-env", full)):
         print(f"{name:<8} {statistics.median(values):>9.3f} {min(values):>7.3f} {max(values):>7.3f}")
     print("pi-env phase medians (ms):", phase_medians)
+    print(f"CPU s per run (median): bare {agent.name} {bare_cpu:.3f}, pi-env rollout {statistics.median(full_cpu):.3f}")
     print(f"ratio pi-env / bare: {full_median / bare_median:.3f} (target <= 1.15)")
-    print(json.dumps({"bench": "rollout_overhead", "n": args.n, "pi_version": runtime.pi_version,
-                      "node_version": runtime.node_version, "bare_median_s": round(bare_median, 4),
+    print(json.dumps({"bench": "rollout_overhead", "n": args.n, "agent": agent.name, "agent_version": runtime.version,
+                      "bare_cpu_median_s": round(bare_cpu, 3),
+                      "rollout_cpu_median_s": round(statistics.median(full_cpu), 3), "bare_median_s": round(bare_median, 4),
                       "rollout_median_s": round(full_median, 4), "ratio": round(full_median / bare_median, 4),
                       "overhead_ms": round((full_median - bare_median) * 1000, 1), "phase_medians_ms": phase_medians,
                       "runtime_first_install_s": runtime.install_s, "target_ratio": 1.15,
