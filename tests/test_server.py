@@ -170,7 +170,7 @@ def test_mcp_sdk_lists_the_tool_and_runs_an_oracle_rollout(served):
     properties = tool.inputSchema["properties"]
     for name in ("endpoint", "base_url", "api_key", "model", "instruction", "setup", "verify", "task_id", "mode",
                  "disable_thinking", "max_tokens_cap", "top_logprobs", "agent_timeout_s", "files", "verify_files",
-                 "solution", "max_turns", "task"):
+                 "solution", "max_turns", "task", "agent"):
         assert name in properties, name
     assert not answer.isError, answer.content
     result = RolloutResult.model_validate(answer.structuredContent)
@@ -195,6 +195,15 @@ def test_piEnv_sync_context_manager_and_await(served):
     result = asyncio.run(run_async())
     assert result.reward == 1.0 and result.mode == "transparent_proxy"
     assert all(len(turn.per_token_logps) == len(turn.completion_token_ids) > 0 for turn in result.proxy_turns)
+
+
+def test_run_rollout_switches_the_agent_with_one_argument(served):
+    with PiEnv(served.url) as env:
+        result = env.run_rollout(FIZZBUZZ, agent="qwen-code")
+    assert (result.agent, result.reward, result.error_kind) == ("qwen-code", 1.0, None)
+    assert result.messages and len(result.proxy_turns) >= 2  # the gateway recorded every call
+    with pytest.raises(Exception, match="agent: 'nope' is not one of"), PiEnv(served.url) as env:
+        env.run_rollout(FIZZBUZZ, agent="nope")
 
 
 def test_openenv_mcp_tool_client_reaches_the_same_tool(served):

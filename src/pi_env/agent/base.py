@@ -82,10 +82,16 @@ class Agent(ABC):
     # The oracle's last call for an agent that ends only when told so by a command's output
     # (mini-swe-agent's sentinel); None: a final text message ends the agent.
     submit_command: ClassVar[str | None] = None
+    # The `PiConfig.agent.options` this agent takes: name -> what it does (its docs page too).
+    options: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: PiConfig):
         self.config = config
         self.settings: AgentSettings = config.agent
+        unknown = sorted(set(self.settings.options) - set(self.options))
+        if unknown:
+            known = ", ".join(self.options) or "none"
+            raise ValueError(f"agent {self.name!r} has no options {unknown}; its options: {known}")
 
     @property
     def version(self) -> str:

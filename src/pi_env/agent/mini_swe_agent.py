@@ -161,6 +161,10 @@ class MiniSweAgent(Agent):
     name = "mini-swe-agent"
     package = "mini-swe-agent"
     default_version = "2.4.6"
+    options = {
+        "step_limit": "model calls before the run ends (default: max_turns, else 50)",
+        "command_timeout_s": "seconds one bash command may run",
+    }
     submit_command = f"echo {SUBMIT_SENTINEL}"
 
     @property

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import cast
 
 from ..sandbox import SANDBOX_WORKDIR, Sandbox
-from .base import FORWARDER_PATH, PROMPT_PATH, SYSTEM_PATH, Agent, AgentRun, Installed, ReadTree, gateway_env
+from .base import FORWARDER_PATH, LOG_DIR, PROMPT_PATH, SYSTEM_PATH, Agent, AgentRun, Installed, ReadTree, gateway_env
 from .runtime import PiRuntime, ensure_runtime
 
 HOME = "/root"
@@ -27,6 +27,7 @@ SETTINGS_PATH = f"{QWEN_DIR}/settings.json"
 # Where it keeps its chat record: projects/<work dir as a name>/chats/<session id>.jsonl.
 PROJECTS_DIR = f"{QWEN_DIR}/projects"
 TRANSCRIPT_FILES, TRANSCRIPT_FILE_BYTES = 8, 64 << 20
+SYSTEM_PROMPT_PATH = f"{LOG_DIR}/system.md"  # the `system_prompt` option's file
 
 # User-level settings (the task's own .qwen/ is masked). Usage statistics are on by default and go
 # to a remote host; telemetry, update checks and the IDE bridge are off; the run's key and base URL
@@ -71,6 +72,10 @@ class QwenCodeAgent(Agent):
     name = "qwen-code"
     package = "@qwen-code/qwen-code"
     default_version = "0.24.4"
+    options = {
+        "exclude_tools": 'tools left out of its requests (--exclude-tools), e.g. ["agent", "skill"]',
+        "system_prompt": "its system prompt, replacing its own (QWEN_SYSTEM_MD)",
+    }
 
     def install(self, cache_dir: str | None, progress: Callable[[str], None] | None = None) -> PiRuntime:
         return ensure_runtime(
@@ -85,6 +90,8 @@ class QwenCodeAgent(Agent):
     def prepare(self, sandbox: Sandbox, installed: Installed, run: AgentRun) -> None:
         sandbox.write_file(SETTINGS_PATH, json.dumps(HERMETIC_SETTINGS))
         sandbox.write_file(PROMPT_PATH, run.instruction)
+        if (prompt := self.settings.options.get("system_prompt")) is not None:
+            sandbox.write_file(SYSTEM_PROMPT_PATH, str(prompt))
 
     def command(self, installed: Installed, run: AgentRun) -> tuple[list[str], dict[str, str], str | None]:
         runtime = _runtime(installed)
@@ -107,7 +114,14 @@ class QwenCodeAgent(Agent):
             "--model",
             run.model,
         ]
-        return argv, qwen_env(runtime, run), PROMPT_PATH
+        # Honoured in safe mode, unlike settings' tools.core (a smaller request, e.g. for a small
+        # model's context).
+        for tool in self.settings.options.get("exclude_tools") or ():
+            argv += ["--exclude-tools", str(tool)]
+        env = qwen_env(runtime, run)
+        if self.settings.options.get("system_prompt") is not None:
+            env["QWEN_SYSTEM_MD"] = SYSTEM_PROMPT_PATH
+        return argv, env, PROMPT_PATH
 
     def transcript(self, read: ReadTree) -> list[dict]:
         files = read(PROJECTS_DIR, TRANSCRIPT_FILES, TRANSCRIPT_FILE_BYTES)
