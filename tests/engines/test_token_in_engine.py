@@ -51,6 +51,7 @@ class Relay:
 
     upstream: str  # http://127.0.0.1:PORT/v1
     assistant_ids: list[int]  # "<|im_start|>assistant": counts a token prompt's past turns
+    regex: str = TOOL_CALL_REGEX  # the forced answer (an agent's own shell tool: test_agents_engine.py)
     seen: dict[tuple, dict] = field(default_factory=dict)  # (path, prompt ids) -> what the engine streamed
     runner: web.AppRunner | None = None
     port: int = 0
@@ -68,7 +69,7 @@ class Relay:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if body.get("stream") and self.past_turns(body) < FORCED_CALLS:
-            body["structured_outputs"] = {"regex": TOOL_CALL_REGEX}
+            body["structured_outputs"] = {"regex": self.regex}
         elif body.get("stream"):
             body["max_tokens"] = min(body.get("max_tokens") or UNFORCED_MAX_TOKENS, UNFORCED_MAX_TOKENS)
         # No total timeout: on a shared CPU a forced answer can take minutes (aiohttp's default is 5).
