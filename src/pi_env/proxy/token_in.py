@@ -173,6 +173,9 @@ class PromptPlan:
         }
 
 
+RECENT_TURNS = 4  # turns a call may be bridged from (the latest it extends)
+
+
 @dataclass
 class _Previous:
     messages: list[dict[str, Any]]
@@ -180,6 +183,7 @@ class _Previous:
     prompt_ids: list[int]
     completion_ids: list[int]
     answer: dict[str, Any]  # the assistant message the agent was given
+    sequence: int = 0  # the sequence its prompt belongs to
 
 
 class TokenLedger:
@@ -189,15 +193,20 @@ class TokenLedger:
         self.spec = spec
         self.renderer = spec.renderer
         self.sequence = -1
-        self._previous: _Previous | None = None
+        # The latest turns, newest last: a call is bridged from the latest one whose conversation
+        # it extends, so a side call between two of the task's (OpenCode's title) breaks nothing.
+        self._recent: list[_Previous] = []
         self._lock = threading.Lock()
         self._broken: str | None = None  # why the next call cannot be bridged (a failed turn)
 
     def plan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> PromptPlan:
         """The prompt ids for a call carrying `messages` and `tools`."""
         with self._lock:
-            previous, broken = self._previous, self._broken
-        reason = broken or (None if previous is None else _divergence(previous, messages, tools))
+            recent, broken = list(self._recent), self._broken
+        previous, reason = None, broken
+        if broken is None and recent:
+            previous = next((turn for turn in reversed(recent) if _divergence(turn, messages, tools) is None), None)
+            reason = None if previous is not None else _divergence(recent[-1], messages, tools)
         if previous is not None and reason is None:
             bridged = self.renderer.bridge_to_next_turn(
                 previous.prompt_ids, previous.completion_ids, messages[len(previous.messages) + 1 :], tools=tools
@@ -206,7 +215,7 @@ class TokenLedger:
                 ids = list(bridged.token_ids)
                 base = len(previous.prompt_ids) + len(previous.completion_ids)
                 return PromptPlan(
-                    ids, "bridged", self.sequence, bridged_tokens=len(ids) - base, messages=messages, tools=tools
+                    ids, "bridged", previous.sequence, bridged_tokens=len(ids) - base, messages=messages, tools=tools
                 )
             reason = f"the renderer could not bridge from the previous turn ({self.spec.resolved} returned None)"
         ids = self.renderer.render_ids(messages, tools=tools, add_generation_prompt=True)
@@ -215,7 +224,7 @@ class TokenLedger:
             sequence = self.sequence
         return PromptPlan(
             ids,
-            "first" if previous is None and broken is None else "full_render",
+            "first" if not recent and broken is None else "full_render",
             sequence,
             reason=reason,
             messages=messages,
@@ -227,7 +236,7 @@ class TokenLedger:
         tokenised) runs inline, where a thread hand-off would cost more than it saves; a full
         render (the first call, a divergence) runs in a worker thread, off the loop."""
         with self._lock:
-            bridging = self._previous is not None and self._broken is None
+            bridging = bool(self._recent) and self._broken is None
         if bridging:
             return self.plan(messages, tools)
         return await asyncio.get_running_loop().run_in_executor(None, self.plan, messages, tools)
@@ -235,13 +244,14 @@ class TokenLedger:
     def remember(self, plan: PromptPlan, completion_ids: list[int], answer: dict[str, Any]) -> None:
         """The turn ended with this answer given to the agent: the next call may bridge from it."""
         with self._lock:
-            self._previous = _Previous(plan.messages, plan.tools, plan.token_ids, list(completion_ids), answer)
+            turn = _Previous(plan.messages, plan.tools, plan.token_ids, list(completion_ids), answer, plan.sequence)
+            self._recent = [*self._recent, turn][-RECENT_TURNS:]
             self._broken = None
 
     def forget(self, why: str) -> None:
         """The turn failed (no complete answer): the next call is rendered in full."""
         with self._lock:
-            self._previous = None
+            self._recent = []
             self._broken = f"the previous call failed ({why})"
 
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools) -> ParsedAnswer:
