@@ -158,6 +158,7 @@ def opencode_env(run: AgentRun) -> dict[str, str]:
         "OPENCODE_DISABLE_AUTOCOMPACT": "1",  # compaction's extra calls are the harness's business
         "OPENCODE_DISABLE_EMBEDDED_WEB_UI": "1",
         "OPENCODE_DISABLE_TERMINAL_TITLE": "1",
+        "NO_PROXY": "127.0.0.1,localhost",  # a proxy in the environment never takes the gateway's calls
         "NO_COLOR": "1",
         "CI": "1",
     }
