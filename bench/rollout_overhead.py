@@ -24,27 +24,47 @@ import time
 from pi_env import PiConfig, PiSessionFactory, PiTask
 from pi_env.agent.base import AGENT_ROOT, FORWARDER_PATH, LAUNCHER_PATH, AgentRun
 from pi_env.oracle import oracle_endpoint
-from pi_env.sandbox import SANDBOX_HOME, SANDBOX_WORKDIR
+from pi_env.sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, ExecResult
 
 TASK = PiTask(task_id="bench-hello", instruction="Create hello.txt containing hello.",
               verify=["test -f hello.txt"], solution=[{"tool": "write", "path": "hello.txt", "content": "hello\n"}])
 
 
-class HostFiles:
-    """The one Sandbox method an agent's `prepare` uses, on a host dir that the bare run binds at
-    the sandbox's home (so absolute paths an agent's tools ask for are the same in both runs)."""
+class BareHost:
+    """What an agent's `prepare` asks of a sandbox (write a file, remove a path, run a command), on
+    the host: the run's home is a host dir that the bare run binds at the sandbox's home, and the
+    install is bound at the sandbox's path for it, so every path the agent is given (its config's,
+    the absolute ones its tools ask for) is the same in both runs. A mount namespace, a few ms;
+    no other isolation: the host's network, this user."""
 
-    def __init__(self, home: str):
-        self.home = home
+    def __init__(self, home: str, install_root: str):
+        self.home, self.install_root = home, install_root
 
     def path(self, sandbox_path: str) -> str:
         return self.home + sandbox_path[len(SANDBOX_HOME):] if sandbox_path.startswith(SANDBOX_HOME) else sandbox_path
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        return ["bwrap", "--dev-bind", "/", "/", "--bind", self.home, SANDBOX_HOME, "--tmpfs", "/opt",
+                "--ro-bind", self.install_root, AGENT_ROOT, "--chdir", SANDBOX_WORKDIR, "--", *argv]
 
     def write_file(self, path: str, content, mode: int | None = None) -> None:
         host = self.path(path)
         os.makedirs(os.path.dirname(host), exist_ok=True)
         with open(host, "wb" if isinstance(content, bytes) else "w") as f:
             f.write(content)
+
+    def remove(self, path: str) -> None:
+        host = self.path(path)
+        if os.path.islink(host) or os.path.isfile(host):
+            os.unlink(host)
+        else:
+            shutil.rmtree(host, ignore_errors=True)
+
+    def exec(self, command, timeout_s: float = 60, **_) -> ExecResult:
+        argv = ["bash", "-c", command] if isinstance(command, str) else list(command)
+        done = subprocess.run(self.wrap(argv), capture_output=True, text=True, timeout=timeout_s,
+                              env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SANDBOX_HOME})
+        return ExecResult(done.returncode, done.stdout, done.stderr, 0.0)
 
 
 def cpu_now() -> float:
@@ -68,22 +88,16 @@ def bare_run(agent, installed, endpoint, config: PiConfig) -> tuple[float, float
     (wall s, CPU s of its processes)."""
     root = tempfile.mkdtemp(prefix="agent-bare-")
     try:
-        files = HostFiles(f"{root}/home")
+        files = BareHost(f"{root}/home", installed.root)
         work = files.path(SANDBOX_WORKDIR)
         os.makedirs(work)
         run = AgentRun(config, endpoint, endpoint.api_key, TASK.instruction, base_url=endpoint.base_url)
         agent.prepare(files, installed, run)
         argv, env, stdin_path = agent.command(installed, run)
 
-        def host(text: str) -> str:
-            return text.replace(AGENT_ROOT, installed.root)
-
-        # No sandbox, gateway or forwarder: the host's whole filesystem and network, as this
-        # process; only the run's home bound at the sandbox's home path (a mount namespace, a
-        # few ms), as the agent's tools may ask for absolute paths in it.
-        command = ["bwrap", "--dev-bind", "/", "/", "--bind", files.home, SANDBOX_HOME, "--chdir", SANDBOX_WORKDIR,
-                   "--", *[host(part) for part in bare(argv)]]
-        env = {"TMPDIR": "/tmp", "LANG": "C.UTF-8", **{k: host(v) for k, v in env.items()}, "HOME": SANDBOX_HOME}
+        # No sandbox, gateway or forwarder: the agent's own command against the server (BareHost).
+        command = files.wrap(bare(argv))
+        env = {"TMPDIR": "/tmp", "LANG": "C.UTF-8", **env, "HOME": SANDBOX_HOME}
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
         with open(files.path(stdin_path) if stdin_path else os.devnull) as stdin:

@@ -568,6 +568,24 @@ def test_a_turn_that_does_not_extend_starts_a_new_sequence():
     assert "new sequence" in trace.turns[1].note
 
 
+@dataclass
+class ExtraTurn(Turn):
+    extra_call: str | None = None
+
+
+def test_an_agents_extra_call_is_left_out_and_the_task_stays_one_sequence():
+    """OpenCode's title call, answered between two of the task's calls: in no segment, marked,
+    and the task's calls still one append-only sequence."""
+    turns = [ExtraTurn(0, [1, 2], [10], [-1.0]),
+             ExtraTurn(1, [7, 8], [9], [-0.5], extra_call="title"),
+             ExtraTurn(2, [1, 2, 10, 3], [11], [-2.0])]
+    trace = build_training_trace(turns)
+    assert trace.append_only and len(trace.segments) == 1
+    assert trace.segments[0].turns == [0, 2] and trace.segments[0].token_ids == [1, 2, 10, 3, 11]
+    assert [(t.segment, t.extends_previous, t.extra_call) for t in trace.turns] == [
+        (0, False, None), (None, False, "title"), (0, True, None)]
+
+
 @pytest.mark.parametrize("broken", [Turn(1, [], [], []), Turn(1, [1, 10, 2], [], [])], ids=["no ids", "no completion ids"])
 def test_a_turn_without_ids_breaks_the_chain(broken):
     turns = [Turn(0, [1], [10], [-1.0]), broken, Turn(2, [1, 10, 2, 11, 3], [12], [-2.0])]

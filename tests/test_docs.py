@@ -45,7 +45,7 @@ def test_readme_python_example_is_about_ten_lines():
     assert len([line for line in example.splitlines() if line.strip()]) <= 10
 
 
-@pytest.mark.parametrize("page", [README, *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [README, *sorted(DOCS.rglob("*.md"))], ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_point_at_files_that_exist(page: Path):
     # mkdocs checks the site's links; this also covers the README, which is not part of it.
     for target in LINK.findall(page.read_text()):
@@ -66,7 +66,8 @@ def nav_pages(nav) -> list[str]:
 def test_every_page_is_in_the_nav_once():
     config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)
     pages = nav_pages(config["nav"])
-    assert sorted(pages) == sorted(p.name for p in DOCS.glob("*.md")), "docs/*.md and mkdocs.yml's nav differ"
+    assert sorted(pages) == sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")), \
+        "docs/**/*.md and mkdocs.yml's nav differ"
     assert len(pages) == len(set(pages))
 
 

@@ -216,6 +216,29 @@ def test_sessions_satisfy_openenv_and_the_training_trace_passes_its_validation(o
 @pytest.mark.needs_bwrap
 @pytest.mark.slow
 @needs_openenv
+@pytest.mark.parametrize("agent", ["mini-swe-agent", "qwen-code"])
+def test_a_trainer_switches_the_agent_with_one_argument(oe, agent):
+    """The same factory, `agent=` named: the oracle drives that agent's own tools, and its
+    training trace passes openenv's validation like Pi's."""
+    from openenv.core.harness.capture.validate import validate_training_turn
+
+    from pi_env.harness import HarnessSessionFactory
+
+    task = PiTask(task_id="hello", instruction="Create hello.txt containing hello.", verify=["grep -qx hello hello.txt"],
+                  solution=[{"tool": "write", "path": "hello.txt", "content": "hello\n"}])
+    factory = HarnessSessionFactory(PiConfig(), tasks=[task], agent=agent)
+    with factory.create(seed=0) as session:
+        assert session.wait_for_completion(timeout_s=300) == 0
+        trace, verdict, result = session.fetch_training_trace(), session.verify([]), session.result
+    assert result.agent == agent and verdict.env_reward == 1.0, result.error
+    assert len(trace.turns) == len([t for t in result.proxy_turns if t.extra_call is None]) >= 2
+    for turn in trace.turns:
+        validate_training_turn(turn.prompt_token_ids, turn.completion_token_ids, turn.per_token_logps, turn.loss_mask)
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+@needs_openenv
 def test_training_sampling_is_forced_on_every_model_call(factory_for, server):
     from openenv.core.harness.capture.upstream import training_sampling
 

@@ -43,6 +43,7 @@ class TurnAlignment(BaseModel):
     segment: int | None  # None: the turn had no ids and is not in any segment
     extends_previous: bool  # its prompt starts with the previous turn's prompt + completion
     note: str | None = None
+    extra_call: str | None = None  # an agent's call outside the task's conversation: in no segment
 
 
 class TrainingTrace(BaseModel):
@@ -62,8 +63,9 @@ class TrainingTrace(BaseModel):
 
     @property
     def append_only(self) -> bool:
-        """One sequence holds every turn: the cheapest and most faithful case for training."""
-        return len(self.segments) == 1 and all(t.segment == 0 for t in self.turns)
+        """One sequence holds every turn of the task's conversation (an agent's extra calls, such
+        as OpenCode's title, are in none): the cheapest and most faithful case for training."""
+        return len(self.segments) == 1 and all(t.segment == 0 for t in self.turns if t.extra_call is None)
 
 
 def build_training_trace(turns: Iterable[TurnIds]) -> TrainingTrace:
@@ -73,7 +75,11 @@ def build_training_trace(turns: Iterable[TurnIds]) -> TrainingTrace:
         if extra := getattr(turn, "extra_call", None):  # not the task's conversation (OpenCode's title)
             trace.turns.append(
                 TurnAlignment(
-                    turn=turn.turn, segment=None, extends_previous=False, note=f"extra call ({extra}): left out"
+                    turn=turn.turn,
+                    segment=None,
+                    extends_previous=False,
+                    note=f"extra call ({extra}): left out",
+                    extra_call=extra,
                 )
             )
             continue

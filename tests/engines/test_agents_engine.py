@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from engine import NOTES
-from test_token_in_engine import COMMANDS, FORCED_CALLS, Relay, transitions
+from test_token_in_engine import COMMANDS, FORCED_CALLS, Relay
 
 from pi_env import PiConfig, PiSessionFactory, PiTask
 from pi_env._aio import run_sync
@@ -87,7 +87,8 @@ def test_each_agents_token_in_rollout_is_one_exact_sequence(agent, vllm_engine, 
         extra += len(result.proxy_turns) - len(own)
         calls = [t for t in own if t.message and t.message.get("tool_calls")]
         assert len(calls) >= FORCED_CALLS, json.dumps([t.message for t in own])[:3000]
-        assert len(result.training.segments) == 1 and all(transitions(result)), result.training.turns
+        assert result.training.append_only and len(result.training.segments) == 1, result.training.turns
+        assert all(t.extends_previous for t in result.training.turns if t.extra_call is None and t.turn != own[0].turn)
         assert result.training.segments[0].turns == [t.turn for t in own]
         for turn in own:
             engine = relay.seen[("completions", tuple(turn.prompt_token_ids))]
