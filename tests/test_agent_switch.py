@@ -107,3 +107,19 @@ QWEN_EXTRA_TOOLS = ["agent", "get_goal", "glob", "grep_search", "list_agents", "
                     "exit_worktree", "loop_wakeup", "monitor", "read_mcp_resource", "record_artifact",
                     "report_findings", "send_message", "task_stop", "web_fetch", "zoom_image", "ask_user_question",
                     "todo_write", "save_memory", "lsp", "exit_plan_mode"]
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", ["opencode", "qwen-code", "mini-swe-agent"])
+def test_harbor_tasks_run_with_any_agent(tmp_path, agent):
+    """A Harbor task directory on the oracle: solve.sh runs through the agent's own shell tool,
+    and the task's tests (staged only after the agent) score it."""
+    from pi_env import load_tasks
+
+    tasks = [t for t in load_tasks(ROOT / "examples" / "harbor") if t.task_id in ("csv-total", "fix-palindrome")]
+    summary = CollectRunner(tasks, tmp_path, PiConfig(agent=agent), concurrency=2).run()
+    records = {r["task_id"]: r for r in read_records(tmp_path)}
+    assert summary.counts["scored"] == 2, {k: (r["error_kind"], r["error"]) for k, r in records.items()}
+    assert {k: (r["agent"], r["reward"]) for k, r in records.items()} == {
+        "csv-total": (agent, 1.0), "fix-palindrome": (agent, 1.0)}

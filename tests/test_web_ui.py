@@ -78,6 +78,20 @@ def test_preset_run_streams_phases_and_shows_reward_and_logprob_plot(browser, we
     page.close()
 
 
+def test_the_agent_selector_runs_another_agent(browser, web_server):
+    page = open_ui(browser, web_server)
+    pick_preset(page, "fizzbuzz", "fizzbuzz.py")
+    page.locator("#agent input").click()
+    page.get_by_role("option", name="qwen-code", exact=True).click()
+    page.locator("#run").click()
+    page.wait_for_selector("#reward h2", timeout=180_000)
+    assert page.locator("#reward").inner_text().strip() == "Reward: 1.0 (synthetic: oracle)"
+    page.get_by_role("tab", name="Raw JSON").click()
+    raw = page.locator("#raw-json").inner_text()
+    assert '"agent": "qwen-code"' in raw, raw[:2000]
+    page.close()
+
+
 def test_cancel_stops_the_rollout_and_the_limit_holds_across_web_and_mcp(browser, web_server, tmp_path):
     first = open_ui(browser, web_server)
     pick_preset(first, "slow", "wait")
