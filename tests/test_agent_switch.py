@@ -123,3 +123,35 @@ def test_harbor_tasks_run_with_any_agent(tmp_path, agent):
     assert summary.counts["scored"] == 2, {k: (r["error_kind"], r["error"]) for k, r in records.items()}
     assert {k: (r["agent"], r["reward"]) for k, r in records.items()} == {
         "csv-total": (agent, 1.0), "fix-palindrome": (agent, 1.0)}
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", ["pi", "opencode", "qwen-code", "mini-swe-agent"])
+def test_interception_gate_hands_every_agents_calls_to_the_trainer(agent):
+    """interception_gate with each agent: the trainer (here: the oracle's answers for the tools
+    each held request offers) generates every turn; the rollout is verified and scored, every
+    call recorded, an extra call (OpenCode's title) handed over and marked too."""
+    from pi_env.oracle import TITLE_MESSAGE, adapted_turns
+    from pi_env.task import PiTask
+
+    task = PiTask.coerce(TASK)
+    factory = PiSessionFactory(PiConfig(mode="interception_gate"), agent=agent)
+    handed = []
+    with factory.create(task) as session:
+        while (request := session.next_request(timeout_s=120)) is not None:
+            handed.append(request)
+            if not request.tools:
+                session.deliver(request, {"message": {"content": TITLE_MESSAGE}})
+                continue
+            index = sum(1 for m in request.messages if m.get("role") == "assistant")
+            turns = adapted_turns(task, request.tools, factory.agent.submit_command)
+            turn = turns[min(index, len(turns) - 1)]
+            calls = [{"name": c.name, "arguments": c.arguments} for c in turn.tool_calls]
+            session.deliver(request, {"message": {"content": turn.text or None, "tool_calls": calls}})
+        result = session.wait_for_completion()
+    assert (result.agent, result.reward, result.error_kind) == (agent, 1.0, None), result.error
+    assert len(result.proxy_turns) == len(handed) >= 2
+    extra = [t.turn for t in result.proxy_turns if t.extra_call]
+    assert extra == [r.turn for r in handed if not r.tools]  # OpenCode's title: handed over, marked
+    assert bool(extra) == (agent == "opencode")
