@@ -243,8 +243,23 @@ NEEDS.update({"gcc": "command -v gcc && python3 -c 'import sysconfig, os; "
 @pytest.mark.parametrize("backend", ["local", "podman"])
 @pytest.mark.parametrize("attack", sorted(CLASSES))
 def test_a_class_of_forgery_scores_what_the_wrong_answer_scores_alone(attack, backend):
+    _class_of_forgery(attack, _config(backend, CLASSES[attack][-1]))
+
+
+# Verify is the agent's no matter which agent ran: one class of each kind (a tool's configuration,
+# a link, git, the home between commands, Node's resolution) planted through each other agent's
+# own tools (the oracle adapts the steps), on the local backend.
+@pytest.mark.parametrize("agent", ["opencode", "qwen-code", "mini-swe-agent"])
+@pytest.mark.parametrize("attack", ["pytest-toml", "link-to-the-reward-file", "git-filter-driver",
+                                    "home-entry-removed-between-commands", "node-package-self-reference"])
+def test_a_class_of_forgery_fails_through_every_agent(attack, agent):
+    config = _config("local", CLASSES[attack][-1])
+    config.agent = {"name": agent}  # validated on assignment, as PiConfig(agent=agent)
+    _class_of_forgery(attack, config, agent)
+
+
+def _class_of_forgery(attack: str, config: PiConfig, agent: str = "pi") -> None:
     fields, wrong, planted, commands, honest_files, needs = CLASSES[attack]
-    config = _config(backend, needs)
 
     def task(files: dict[str, str], commands: list[str]) -> PiTask:
         steps = [{"tool": "write", "path": path, "content": text} for path, text in files.items()]
@@ -254,6 +269,7 @@ def test_a_class_of_forgery_scores_what_the_wrong_answer_scores_alone(attack, ba
 
     alone = run_rollout(task(wrong, []), config)
     forged = run_rollout(task({**wrong, **planted}, commands), config)
+    assert forged.agent == agent
     assert forged.error_kind is None, (forged.error, forged.agent_log_tail[-1500:], forged.setup_results)
     assert "planted" in json.dumps(forged.messages), "the attack did not run: the test proves nothing"
     assert alone.reward == 0.0 and forged.reward == alone.reward, (_scores(forged), forged.verify_notes)
