@@ -6,6 +6,8 @@ default) plus a Node that satisfies it.
 Layout of one runtime (cache/runtimes/<key>/):
     pi/     npm prefix holding the Pi package
     node/   npm prefix holding node-linux-<arch> (only when the system node is too old)
+    compile-cache/  Node's compile cache, built once by a warm-up run at the sandbox's paths
+            (only for agents that ask for it: `ensure_runtime(warm=...)`, `build_compile_cache`)
     runtime.json   what was installed; written last, so its presence means "complete"
 """
 
@@ -22,11 +24,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 SANDBOX_RUNTIME_DIR = "/opt/pi-env/runtime"  # where a runtime appears inside every sandbox
 NPM_INSTALL_TIMEOUT_S = 900
+COMPILE_CACHE_RELPATH = "compile-cache"
+COMPILE_CACHE_KEY_SUFFIX = "+cc1"  # an install with a compile cache: its own key (layout and record)
+WARM_UP_TIMEOUT_S = 180
 
 
 class RuntimeInstallError(RuntimeError):
@@ -43,6 +48,7 @@ class PiRuntime:
     pi_cli_relpath: str  # the CLI entry point, relative to root
     flags: tuple[str, ...]  # options Pi's --help lists (older versions lack some)
     install_s: float = 0.0  # how long the first install took
+    compile_cache: bool = False  # root/compile-cache holds Node's compile cache (build_compile_cache)
 
     @property
     def archive_dir(self) -> str:
@@ -73,6 +79,11 @@ class PiRuntime:
     def version(self) -> str:
         return self.pi_version
 
+    @property
+    def sandbox_compile_cache(self) -> str | None:
+        """NODE_COMPILE_CACHE for the agent in a sandbox (read-only with the install), or None."""
+        return f"{SANDBOX_RUNTIME_DIR}/{COMPILE_CACHE_RELPATH}" if self.compile_cache else None
+
     def supports(self, flag: str) -> bool:
         return flag in self.flags
 
@@ -94,20 +105,27 @@ def ensure_runtime(
     *,
     bin_name: str = "pi",
     probe: Callable[[str, str, Path], tuple[str, ...]] | None = None,
+    warm: Callable[[PiRuntime, Path], bool] | None = None,
 ) -> PiRuntime:
     """Return the installed runtime of an npm agent package (Pi by default), installing it first if
     needed. Safe when many processes call it at once: one installs under a lock, the others wait
     and reuse its result. `bin_name` is the package's CLI; `probe(node, cli, scratch_home)` lists
-    the CLI's flags (Pi's `--help`; other agents: None, no flags)."""
+    the CLI's flags (Pi's `--help`; other agents: None, no flags). `warm(runtime, staging)` fills
+    staging/compile-cache (`build_compile_cache`) and says whether it did; such an install has a
+    key of its own, so an install made without one is never taken for one with it."""
     _check_version(pi_version)
     key = f"{pi_package.replace('/', '+').lstrip('@')}-{pi_version}"
+    if warm is not None:
+        key += COMPILE_CACHE_KEY_SUFFIX
     if probe is None and bin_name == "pi":
         probe = _help_flags
 
     def build(staging: Path, target: Path) -> dict:
-        return asdict(
-            _install(pi_package, pi_version, node_version, staging, target, progress or _stderr, bin_name, probe)
-        )
+        say = progress or _stderr
+        runtime = _install(pi_package, pi_version, node_version, staging, target, say, bin_name, probe)
+        if warm is not None:
+            runtime = replace(runtime, compile_cache=_warm(warm, runtime, staging, say))
+        return asdict(runtime)
 
     record = cached_install(key, build, cache_dir, progress or _stderr, what=f"{pi_package}@{pi_version}")
     record["flags"] = tuple(record["flags"])
@@ -209,6 +227,121 @@ def _install(
         pi_cli_relpath=cli_relpath,
         flags=flags,
     )
+
+
+def _warm(warm: Callable[[PiRuntime, Path], bool], runtime: PiRuntime, staging: Path, progress) -> bool:
+    """The compile cache is optional: an install whose warm-up failed runs without it."""
+    cache = staging / COMPILE_CACHE_RELPATH
+    try:
+        built = warm(runtime, staging) and any(cache.glob("*/*"))
+    except Exception as error:  # noqa: BLE001 - any failure only costs the cache
+        progress(f"No Node compile cache for {runtime.pi_package} (its warm-up run failed: {error}).")
+        built = False
+    if not built:
+        shutil.rmtree(cache, ignore_errors=True)
+        return False
+    for path in (cache, *cache.rglob("*")):  # Node writes 0600 files; sandboxes read as other uids
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return True
+
+
+def build_compile_cache(agent, runtime: PiRuntime, staging: Path) -> bool:
+    """Fill staging/compile-cache with Node's compile cache of one real run of `agent` (an Agent
+    on this runtime): its own files and command (minus the forwarder preload) against a scripted
+    server on 127.0.0.1 that writes one file through the agent's own tool, in a mount namespace
+    where the staging dir is at the sandbox's path (Node keys entries by file path and content)
+    and the run's home is the sandbox's, as uid 0 (Node keys the cache's dir by uid too: uid 0 of
+    the sandbox's own user namespace). Built once, here; sandboxes get it read-only with the
+    install, so no rollout's agent can change what the next one loads."""
+    from ..endpoints import OPEN_SERVER_COMPAT, Endpoint
+    from ..oracle import ORACLE_MODEL, OracleScript
+    from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR
+    from ..scripted.server import ScriptedServer
+    from ..task import PiTask, WriteStep
+    from .base import FORWARDER_PATH, AgentRun
+
+    bwrap = shutil.which("bwrap")
+    if not bwrap:
+        raise RuntimeInstallError("bwrap is not installed")
+    task = PiTask(
+        task_id="compile-cache-warm-up",
+        instruction="Create hello.txt containing hello.",
+        verify=["test -f hello.txt"],
+        solution=[WriteStep(tool="write", path="hello.txt", content="hello\n")],
+    )
+    home = Path(tempfile.mkdtemp(prefix="warm-up-home-"))
+    server = ScriptedServer(record_requests=0)
+    try:
+        server.start()
+        key = server.add_script(OracleScript(task, agent.submit_command))
+        endpoint = Endpoint(
+            name="oracle",
+            base_url=server.base_url,
+            api_key=key,
+            model=ORACLE_MODEL,
+            compat=OPEN_SERVER_COMPAT,
+            synthetic=True,
+        )
+        run = AgentRun(agent.config, endpoint, key, task.instruction, base_url=endpoint.base_url)
+        host = _HostHome(home, SANDBOX_HOME)
+        Path(host.path(SANDBOX_WORKDIR)).mkdir(parents=True)
+        agent.prepare(host, runtime, run)
+        argv, env, stdin_path = agent.command(runtime, run)
+        if "--import" in argv and argv[argv.index("--import") + 1] == FORWARDER_PATH:
+            at = argv.index("--import")  # the server is reached directly
+            argv = argv[:at] + argv[at + 2 :]
+        # The agent's code runs here as this user: read-only but for its cache dir, home and /tmp.
+        cache = staging / COMPILE_CACHE_RELPATH
+        cache.mkdir()
+        namespace = [bwrap, "--unshare-all", "--share-net", "--die-with-parent"]
+        if os.geteuid() != 0:
+            namespace += ["--unshare-user", "--uid", "0", "--gid", "0"]
+        namespace += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        namespace += ["--tmpfs", "/opt", "--ro-bind", str(staging), SANDBOX_RUNTIME_DIR]
+        namespace += ["--bind", str(cache), f"{SANDBOX_RUNTIME_DIR}/{COMPILE_CACHE_RELPATH}"]
+        namespace += ["--bind", str(home), SANDBOX_HOME, "--chdir", SANDBOX_WORKDIR, "--"]
+        env = {
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            **env,
+            "NODE_COMPILE_CACHE": f"{SANDBOX_RUNTIME_DIR}/{COMPILE_CACHE_RELPATH}",
+        }
+        with open(host.path(stdin_path) if stdin_path else os.devnull) as stdin:
+            done = subprocess.run(
+                namespace + argv, stdin=stdin, capture_output=True, env=env, timeout=WARM_UP_TIMEOUT_S
+            )
+        if not Path(host.path(f"{SANDBOX_WORKDIR}/hello.txt")).exists():
+            tail = (done.stdout + done.stderr).decode("utf-8", "replace")[-600:]
+            raise RuntimeInstallError(f"the warm-up run did not write its file (exit {done.returncode}): {tail}")
+        return True
+    finally:
+        server.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+class _HostHome:
+    """What an agent's `prepare` writes into a sandbox, into a host dir bound at the sandbox's home."""
+
+    def __init__(self, home: Path, sandbox_home: str):
+        self.home, self.sandbox_home = home, sandbox_home
+
+    def path(self, sandbox_path: str) -> str:
+        if not sandbox_path.startswith(self.sandbox_home + "/"):
+            raise RuntimeInstallError(f"the warm-up run writes only under {self.sandbox_home}, not {sandbox_path}")
+        return str(self.home / sandbox_path[len(self.sandbox_home) + 1 :])
+
+    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        host = Path(self.path(path))
+        host.parent.mkdir(parents=True, exist_ok=True)
+        host.write_bytes(data if isinstance(data, bytes) else data.encode())
+        host.chmod(mode)
+
+    def remove(self, path: str) -> None:
+        host = Path(self.path(path))
+        if host.is_dir() and not host.is_symlink():
+            shutil.rmtree(host, ignore_errors=True)
+        else:
+            host.unlink(missing_ok=True)
 
 
 def _mkdir(path: Path) -> Path:
