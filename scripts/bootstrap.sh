@@ -12,6 +12,8 @@ command -v rg >/dev/null || need+=(ripgrep)           # Pi's grep tool
 command -v fdfind >/dev/null || command -v fd >/dev/null || need+=(fd-find)  # Pi's find tool
 command -v npm >/dev/null || need+=(nodejs npm)       # installs the Pi runtime once
 command -v python3 >/dev/null || need+=(python3)
+# mini-swe-agent's venv is made by the system's python3 (the sandbox sees /usr, not a pyenv)
+[ -x /usr/bin/python3 ] && /usr/bin/python3 -c "import ensurepip, venv" 2>/dev/null || need+=(python3 python3-venv)
 command -v socat >/dev/null || need+=(socat)           # bench/proxy_overhead.py --c-relay: the relay floor in C
 command -v chromium >/dev/null || need+=(chromium)     # the web UI test's headless browser (Playwright drives it)
 if [ ${#need[@]} -gt 0 ]; then

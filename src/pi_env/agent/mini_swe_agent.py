@@ -17,6 +17,7 @@ answers in a row without a bash call."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,7 +37,10 @@ from .runtime import RuntimeInstallError, cached_install
 SYSTEM_PYTHON = "/usr/bin/python3"  # the sandbox has the host's /usr (not /root/.pyenv)
 SANDBOX_NODE = "/usr/bin/node"  # runs launch.mjs (the forwarder), then mini as its child
 PIP_INSTALL_TIMEOUT_S = 900
-MINI_MODULE = "minisweagent.run.mini"  # what the `mini` entry point calls (mini.py runs app() as __main__)
+MINI_MODULE = "minisweagent.run.mini"
+CONSTRAINTS = resources.files("pi_env.agent").joinpath(
+    "mini_swe_agent_constraints.txt"
+)  # what the `mini` entry point calls (mini.py runs app() as __main__)
 
 # Sandbox paths of one run.
 HOME = "/root"
@@ -250,7 +255,12 @@ def install_mini(
     if not os.access(SYSTEM_PYTHON, os.X_OK):
         raise RuntimeInstallError(f"mini-swe-agent needs {SYSTEM_PYTHON} (Debian: apt-get install python3-venv)")
     python_version = _python_version()
-    key = f"mini-swe-agent-{version}-py{python_version}"
+    # The versions of its dependencies (litellm & co.) this pin was measured with, so a later
+    # release of one cannot change what runs (or start fetching at import); another mini-swe-agent
+    # version resolves its own.
+    constraints = CONSTRAINTS.read_text() if version == MiniSweAgent.default_version else ""
+    digest = hashlib.sha256(constraints.encode()).hexdigest()[:8]
+    key = f"mini-swe-agent-{version}-py{python_version}" + (f"-{digest}" if constraints else "")
     report = progress or _stderr
 
     def build(staging: Path, target: Path) -> dict:
@@ -258,8 +268,21 @@ def install_mini(
         venv = staging / "venv"
         _run([SYSTEM_PYTHON, "-m", "venv", str(venv)], "python3 -m venv", 300)
         python = str(venv / "bin/python")
+        pinned: list[str] = []
+        if constraints:
+            (staging / "constraints.txt").write_text(constraints)
+            pinned = ["-c", str(staging / "constraints.txt")]
         _run(
-            [python, "-m", "pip", "install", "--no-input", "--disable-pip-version-check", f"mini-swe-agent=={version}"],
+            [
+                python,
+                "-m",
+                "pip",
+                "install",
+                "--no-input",
+                "--disable-pip-version-check",
+                *pinned,
+                f"mini-swe-agent=={version}",
+            ],
             f"pip install mini-swe-agent=={version}",
             PIP_INSTALL_TIMEOUT_S,
         )
