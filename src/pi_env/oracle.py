@@ -482,7 +482,11 @@ def oracle_endpoint(task: PiTask, *, submit_command: str | None = None) -> Endpo
     endpoint's api key selects that script, adapted on each request to the agent's tools.
     `submit_command`: the agent's `Agent.submit_command` (its last call runs it through the
     shell tool instead of a final text). Release it with `release_oracle`."""
-    server = _shared_server()
+    return script_endpoint(_shared_server(), task, submit_command)
+
+
+def script_endpoint(server: ScriptedServer, task: PiTask, submit_command: str | None = None) -> Endpoint:
+    """The oracle's script for `task` on `server` (the shared one, or an install's warm-up run's)."""
     key = server.add_script(OracleScript(task, submit_command))
     return Endpoint(
         name="oracle",

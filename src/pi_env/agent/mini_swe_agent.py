@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -32,7 +31,7 @@ from typing import Any, cast
 
 from ..sandbox import SANDBOX_WORKDIR, Sandbox
 from .base import AGENT_ROOT, LOG_DIR, SYSTEM_PATH, Agent, AgentRun, Installed, ReadTree, gateway_env, launched
-from .runtime import RuntimeInstallError, cached_install
+from .runtime import RuntimeInstallError, cached_install, progress_to_stderr, tree_size
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # the sandbox has the host's /usr (not /root/.pyenv)
 SANDBOX_NODE = "/usr/bin/node"  # runs launch.mjs (the forwarder), then mini as its child
@@ -261,7 +260,7 @@ def install_mini(
     constraints = CONSTRAINTS.read_text() if version == MiniSweAgent.default_version else ""
     digest = hashlib.sha256(constraints.encode()).hexdigest()[:8]
     key = f"mini-swe-agent-{version}-py{python_version}" + (f"-{digest}" if constraints else "")
-    report = progress or _stderr
+    report = progress or progress_to_stderr
 
     def build(staging: Path, target: Path) -> dict:
         report(f"Installing mini-swe-agent=={version} into {target} (once per machine)...")
@@ -293,7 +292,7 @@ def install_mini(
                 version=version,
                 python_version=python_version,
                 site_packages=f"venv/lib/python{python_version}/site-packages",
-                size_bytes=_size(staging),
+                size_bytes=tree_size(staging),
             )
         )
 
@@ -349,13 +348,5 @@ def _probe(python: str, version: str, scratch: Path) -> None:
         )
 
 
-def _size(root: Path) -> int:
-    return sum(entry.stat().st_size for entry in root.rglob("*") if entry.is_file() and not entry.is_symlink())
-
-
 def _install(installed: Installed) -> MiniSweInstall:
     return cast(MiniSweInstall, installed)  # MiniSweAgent.install made it
-
-
-def _stderr(message: str) -> None:
-    print(f"[pi-env] {message}", file=sys.stderr, flush=True)

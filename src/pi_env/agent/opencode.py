@@ -28,7 +28,6 @@ import re
 import shutil
 import sqlite3
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -48,7 +47,7 @@ from .base import (
     gateway_env,
     launched,
 )
-from .runtime import RuntimeInstallError, cached_install, npm_install
+from .runtime import RuntimeInstallError, cached_install, npm_install, progress_to_stderr, tree_size
 
 SANDBOX_NODE = "/usr/bin/node"  # runs launch.mjs (the forwarder), then OpenCode as its child
 PROVIDER = "pi-env"  # the one provider OpenCode knows: the gateway
@@ -261,7 +260,7 @@ def install_opencode(
         raise RuntimeInstallError(f"OpenCode's version {version!r} must be exact, like 1.18.33 (pinned)")
     platform_package = f"opencode-linux-{_arch()}"
     key = f"opencode-{version}-linux-{_arch()}"
-    report = progress or _stderr
+    report = progress or progress_to_stderr
 
     def build(staging: Path, target: Path) -> dict:
         npm = shutil.which("npm")
@@ -282,7 +281,7 @@ def install_opencode(
         for path in (staging, *staging.rglob("*")):
             if not path.is_symlink():  # sandboxes run as other uids
                 path.chmod(path.stat().st_mode | (0o755 if path.is_dir() else 0o444))
-        return asdict(OpenCodeInstall(root=str(target), version=version, binary=binary, size_bytes=_size(staging)))
+        return asdict(OpenCodeInstall(root=str(target), version=version, binary=binary, size_bytes=tree_size(staging)))
 
     return OpenCodeInstall(**cached_install(key, build, cache_dir, report, what=f"OpenCode {version}"))
 
@@ -309,13 +308,5 @@ def _probe(binary: str, version: str, scratch: Path) -> None:
         )
 
 
-def _size(path: Path) -> int:
-    return sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file() and not entry.is_symlink())
-
-
 def _install(installed: Installed) -> OpenCodeInstall:
     return cast(OpenCodeInstall, installed)  # OpenCodeAgent.install made it
-
-
-def _stderr(message: str) -> None:
-    print(f"[pi-env] {message}", file=sys.stderr, flush=True)

@@ -121,13 +121,13 @@ def ensure_runtime(
         probe = _help_flags
 
     def build(staging: Path, target: Path) -> dict:
-        say = progress or _stderr
+        say = progress or progress_to_stderr
         runtime = _install(pi_package, pi_version, node_version, staging, target, say, bin_name, probe)
         if warm is not None:
             runtime = replace(runtime, compile_cache=_warm(warm, runtime, staging, say))
         return asdict(runtime)
 
-    record = cached_install(key, build, cache_dir, progress or _stderr, what=f"{pi_package}@{pi_version}")
+    record = cached_install(key, build, cache_dir, progress or progress_to_stderr, what=f"{pi_package}@{pi_version}")
     record["flags"] = tuple(record["flags"])
     return PiRuntime(**record)
 
@@ -253,8 +253,7 @@ def build_compile_cache(agent, runtime: PiRuntime, staging: Path) -> bool:
     and the run's home is the sandbox's, as uid 0 (Node keys the cache's dir by uid too: uid 0 of
     the sandbox's own user namespace). Built once, here; sandboxes get it read-only with the
     install, so no rollout's agent can change what the next one loads."""
-    from ..endpoints import OPEN_SERVER_COMPAT, Endpoint
-    from ..oracle import ORACLE_MODEL, OracleScript
+    from ..oracle import script_endpoint
     from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR
     from ..scripted.server import ScriptedServer
     from ..task import PiTask, WriteStep
@@ -273,16 +272,8 @@ def build_compile_cache(agent, runtime: PiRuntime, staging: Path) -> bool:
     server = ScriptedServer(record_requests=0)
     try:
         server.start()
-        key = server.add_script(OracleScript(task, agent.submit_command))
-        endpoint = Endpoint(
-            name="oracle",
-            base_url=server.base_url,
-            api_key=key,
-            model=ORACLE_MODEL,
-            compat=OPEN_SERVER_COMPAT,
-            synthetic=True,
-        )
-        run = AgentRun(agent.config, endpoint, key, task.instruction, base_url=endpoint.base_url)
+        endpoint = script_endpoint(server, task, agent.submit_command)
+        run = AgentRun(agent.config, endpoint, endpoint.api_key or "", task.instruction, base_url=endpoint.base_url)
         host = _HostHome(home, SANDBOX_HOME)
         Path(host.path(SANDBOX_WORKDIR)).mkdir(parents=True)
         agent.prepare(host, runtime, run)
@@ -467,5 +458,11 @@ def _check_version(version: str) -> None:
         raise RuntimeInstallError(f"pi_version {version!r} must be an exact version like 1.6.0 (pinned, no ranges)")
 
 
-def _stderr(message: str) -> None:
+def progress_to_stderr(message: str) -> None:
+    """The default progress report of an install: a line on stderr."""
     print(f"[pi-env] {message}", file=sys.stderr, flush=True)
+
+
+def tree_size(root: Path) -> int:
+    """Bytes of the files under `root` (an install's size; links not followed)."""
+    return sum(entry.stat().st_size for entry in root.rglob("*") if entry.is_file() and not entry.is_symlink())
