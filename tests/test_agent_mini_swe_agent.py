@@ -53,7 +53,7 @@ def test_its_command_runs_the_venv_isolated_behind_the_launcher_with_absolute_co
     config = PiConfig(agent=MINI)
     agent = get_agent(config)
     argv, env, stdin = agent.command(INSTALLED, agent_run(config, "the task " * 10000))
-    assert argv[:2] == ["/usr/bin/node", LAUNCHER_PATH] and stdin is None
+    assert argv[:2] == ["/opt/pi-env/node/bin/node", LAUNCHER_PATH] and stdin is None
     assert argv[2] == "/opt/pi-env/runtime/venv/bin/python" and argv[3] == "-I"  # no work dir on sys.path
     assert argv[argv.index("-m") + 1] == "minisweagent.run.mini"
     assert {"-y", "--exit-immediately"} <= set(argv) and "-t" not in argv  # the task is in the config file

@@ -273,7 +273,7 @@ def test_its_configuration_points_only_at_the_gateway():
         sandbox_binary = "/opt/pi-env/runtime/opencode/node_modules/opencode-linux-x64/bin/opencode"
 
     argv, env, stdin = agent.command(Installed(), run)  # type: ignore[arg-type]
-    assert argv[:2] == ["/usr/bin/node", "/opt/pi-env/launch.mjs"]
+    assert argv[:2] == ["/opt/pi-env/node/bin/node", "/opt/pi-env/launch.mjs"]
     assert argv[2:] == [Installed.sandbox_binary, "run", "--format", "json", "--model", f"{PROVIDER}/m1"]
     assert stdin is not None and "do it" not in argv  # the prompt goes on stdin
     for name in ("OPENCODE_DISABLE_PROJECT_CONFIG", "OPENCODE_PURE", "OPENCODE_DISABLE_MODELS_FETCH"):

@@ -155,3 +155,20 @@ def test_interception_gate_hands_every_agents_calls_to_the_trainer(agent):
     extra = [t.turn for t in result.proxy_turns if t.extra_call]
     assert extra == [r.turn for r in handed if not r.tools]  # OpenCode's title: handed over, marked
     assert bool(extra) == (agent == "opencode")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", ["opencode", "qwen-code", "mini-swe-agent"])
+def test_every_agent_runs_in_an_image_without_node(agent):
+    """The podman image has no Node of its own: an agent started by the launcher brings the
+    launcher's (mounted with it), a Node agent its install's, mini-swe-agent the image's python3."""
+    from sandbox_backends import registered
+
+    from pi_env import run_rollout
+
+    backend = registered("podman")()  # skips where podman cannot run (CI requires it)
+    with backend.create(__import__("pi_env.sandbox", fromlist=["SandboxSpec"]).SandboxSpec()) as sandbox:
+        assert sandbox.exec("command -v node || echo none", timeout_s=60).stdout.strip() == "none"
+    result = run_rollout(TASK, PiConfig(agent=agent), backend)
+    assert (result.agent, result.reward, result.error_kind) == (agent, 1.0, None), (result.error,
+                                                                                    result.agent_log_tail[-1500:])

@@ -70,4 +70,5 @@ class FactoryState:
         with self._runtime_lock:
             if self._runtime is None:
                 self._runtime = self.agent.install(self.config.runtime_cache_dir)
+                self.agent.mounts(self._runtime)  # what it mounts is installed now too (the launcher's Node)
             return self._runtime

@@ -24,11 +24,12 @@ from typing import ClassVar, Protocol
 from ..config import AgentSettings, PiConfig
 from ..endpoints import Endpoint
 from ..sandbox import SANDBOX_WORKDIR, Sandbox, SandboxProcess
-from .runtime import SANDBOX_RUNTIME_DIR
+from .runtime import SANDBOX_RUNTIME_DIR, ensure_launcher_node
 
 AGENT_ROOT = SANDBOX_RUNTIME_DIR  # where the agent's install appears inside every sandbox
 FORWARDER_PATH = "/opt/pi-env/forward.mjs"
 LAUNCHER_PATH = "/opt/pi-env/launch.mjs"
+LAUNCHER_NODE_DIR = "/opt/pi-env/node"  # the Node that runs the launcher (runtime.ensure_launcher_node)
 GATEWAY_PORT = 11434  # inside the sandbox's own network namespace, so never contended
 LOG_DIR = "/root/logs/agent"  # the agent's own files of one run (home is /root)
 PROMPT_PATH = f"{LOG_DIR}/prompt.md"
@@ -84,6 +85,8 @@ class Agent(ABC):
     submit_command: ClassVar[str | None] = None
     # The `PiConfig.agent.options` this agent takes: name -> what it does (its docs page too).
     options: ClassVar[dict[str, str]] = {}
+    # Started by `launched` (a native binary, a Python CLI): its sandbox gets the launcher's Node.
+    uses_launcher: ClassVar[bool] = False
 
     def __init__(self, config: PiConfig):
         self.config = config
@@ -102,8 +105,13 @@ class Agent(ABC):
         """Install the agent once per machine (cached; safe when many processes call it at once)."""
 
     def mounts(self, installed: Installed) -> dict[str, str]:
-        """Sandbox path -> host path, mounted read-only into every sandbox."""
-        return {AGENT_ROOT: installed.root}
+        """Sandbox path -> host path, mounted read-only into every sandbox: the install, and the
+        launcher's Node for an agent that `uses_launcher` (installed once per machine too)."""
+        found = {AGENT_ROOT: installed.root}
+        if self.uses_launcher:
+            node = ensure_launcher_node(self.config.node_version, self.config.runtime_cache_dir)
+            found[LAUNCHER_NODE_DIR] = str(node)
+        return found
 
     def masked_paths(self, installed: Installed) -> tuple[str, ...]:
         """Sandbox paths hidden from the agent while it runs (a task's own project settings that
@@ -133,9 +141,10 @@ class Agent(ABC):
         return None
 
 
-def launched(node: str, argv: list[str]) -> list[str]:
-    """`argv` started behind the gateway forwarder (an agent that cannot preload it)."""
-    return [node, LAUNCHER_PATH, *argv]
+def launched(argv: list[str]) -> list[str]:
+    """`argv` started behind the gateway forwarder (an agent that cannot preload it), by the
+    launcher's own Node (`Agent.uses_launcher`), whatever the sandbox's image has."""
+    return [f"{LAUNCHER_NODE_DIR}/bin/node", LAUNCHER_PATH, *argv]
 
 
 def gateway_env() -> dict[str, str]:

@@ -34,7 +34,6 @@ from .base import AGENT_ROOT, LOG_DIR, SYSTEM_PATH, Agent, AgentRun, Installed, 
 from .runtime import RuntimeInstallError, cached_install, progress_to_stderr, tree_size
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # the sandbox has the host's /usr (not /root/.pyenv)
-SANDBOX_NODE = "/usr/bin/node"  # runs launch.mjs (the forwarder), then mini as its child
 PIP_INSTALL_TIMEOUT_S = 900
 MINI_MODULE = "minisweagent.run.mini"
 CONSTRAINTS = resources.files("pi_env.agent").joinpath(
@@ -165,6 +164,7 @@ class MiniSweAgent(Agent):
     name = "mini-swe-agent"
     package = "mini-swe-agent"
     default_version = "2.4.6"
+    uses_launcher = True  # a Python CLI: the forwarder runs in front of it
     options = {
         "step_limit": "model calls before the run ends (default: max_turns, else 50)",
         "command_timeout_s": "seconds one bash command may run",
@@ -215,7 +215,7 @@ class MiniSweAgent(Agent):
             "-o",
             TRAJECTORY_PATH,
         ]
-        return launched(SANDBOX_NODE, argv), mini_env(), None
+        return launched(argv), mini_env(), None
 
     def transcript(self, read: ReadTree) -> list[dict]:
         files = read(RUN_DIR, TRANSCRIPT_FILES, TRANSCRIPT_FILE_BYTES)

@@ -49,7 +49,6 @@ from .base import (
 )
 from .runtime import RuntimeInstallError, cached_install, npm_install, progress_to_stderr, tree_size
 
-SANDBOX_NODE = "/usr/bin/node"  # runs launch.mjs (the forwarder), then OpenCode as its child
 PROVIDER = "pi-env"  # the one provider OpenCode knows: the gateway
 
 # Sandbox paths of one run (home is /root).
@@ -167,6 +166,7 @@ class OpenCodeAgent(Agent):
     name = "opencode"
     package = "opencode-ai"
     default_version = "1.18.33"
+    uses_launcher = True  # a native binary: the forwarder runs in front of it
 
     def install(self, cache_dir: str | None, progress: Callable[[str], None] | None = None) -> OpenCodeInstall:
         return install_opencode(self.version, cache_dir, progress)
@@ -185,7 +185,7 @@ class OpenCodeAgent(Agent):
     def command(self, installed: Installed, run: AgentRun) -> tuple[list[str], dict[str, str], str | None]:
         binary = _install(installed).sandbox_binary
         argv = [binary, "run", "--format", "json", "--model", f"{PROVIDER}/{run.model}"]
-        return launched(SANDBOX_NODE, argv), opencode_env(run), PROMPT_PATH
+        return launched(argv), opencode_env(run), PROMPT_PATH
 
     def transcript(self, read: ReadTree) -> list[dict]:
         files = read(DB_DIR, 4, TRANSCRIPT_BYTES)

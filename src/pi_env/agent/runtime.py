@@ -132,6 +132,28 @@ def ensure_runtime(
     return PiRuntime(**record)
 
 
+def ensure_launcher_node(
+    node_version: str, cache_dir: str | Path | None = None, progress: Callable[[str], None] | None = None
+) -> Path:
+    """The Node that runs `launch.mjs` (the gateway forwarder in front of an agent that cannot
+    preload it), from npm's node-linux-<arch>, once per machine: a sandbox's image need not have
+    a Node of its own (the podman image has none). Returns the dir holding bin/node."""
+    _check_version(node_version)
+    package = f"node-linux-{_node_arch()}"
+
+    def build(staging: Path, target: Path) -> dict:
+        npm = shutil.which("npm")
+        if not npm:
+            raise RuntimeInstallError(
+                "npm is not installed; install Node.js and npm (Debian: apt-get install nodejs npm)"
+            )
+        npm_install(npm, staging / "node", f"{package}@{node_version}")
+        return {"root": str(target), "version": node_version, "node_dir": f"node/node_modules/{package}"}
+
+    record = cached_install(f"{package}-{node_version}", build, cache_dir, progress, what=f"{package}@{node_version}")
+    return Path(record["root"]) / record["node_dir"]
+
+
 def cached_install(
     key: str,
     build: Callable[[Path, Path], dict],
