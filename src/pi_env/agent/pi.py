@@ -13,7 +13,8 @@ from ..config import DEFAULT_PI_PACKAGE, DEFAULT_PI_VERSION, PiConfig
 from ..endpoints import Endpoint
 from ..sandbox import SANDBOX_WORKDIR, Sandbox, SandboxProcess
 from .base import FORWARDER_PATH, GATEWAY_PORT, LOG_DIR, PROMPT_PATH, Agent, AgentRun, Installed, ReadTree
-from .runtime import PiRuntime, build_compile_cache, ensure_runtime
+from .compile_cache import build_compile_cache
+from .runtime import PiRuntime, ensure_runtime
 
 # Sandbox paths of one run (home is /root; the reference layout).
 AGENT_DIR = "/root/.pi/agent"

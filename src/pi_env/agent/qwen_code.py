@@ -8,7 +8,7 @@ would not carry the forwarder) and may switch to a "managed update" under ~/.qwe
 is the CLI itself, and --expose-gc is what the entry would have added.
 
 Node's compile cache is built once at install time, by one real run at the sandbox's paths
-(runtime.build_compile_cache), and read-only with the install in every sandbox: measured 2.67 ->
+(compile_cache.build_compile_cache), and read-only with the install in every sandbox: measured 2.67 ->
 2.10 CPU s per run (median of 8, bare). Not a cache per sandbox (cold on every rollout, no gain),
 nor one shared and writable (one rollout's agent would change what the next one loads)."""
 
@@ -20,7 +20,8 @@ from typing import cast
 
 from ..sandbox import SANDBOX_WORKDIR, Sandbox
 from .base import FORWARDER_PATH, LOG_DIR, PROMPT_PATH, SYSTEM_PATH, Agent, AgentRun, Installed, ReadTree, gateway_env
-from .runtime import PiRuntime, build_compile_cache, ensure_runtime
+from .compile_cache import build_compile_cache
+from .runtime import PiRuntime, ensure_runtime
 
 HOME = "/root"
 QWEN_DIR = f"{HOME}/.qwen"

@@ -270,8 +270,8 @@ def scrub_result(data: dict[str, Any], secret: str | None) -> dict[str, Any]:
 
 
 # Where an upstream's error body may be quoted: pi-env's error, the agent's and gateway's logs,
-# the agent's messages (Pi records the failed call's error there).
-QUOTING_UPSTREAM = ("error", "agent_log_tail", "proxy_log_tail", "messages", "pi_session_messages")
+# the agent's messages and its own transcript (Pi records the failed call's error there).
+QUOTING_UPSTREAM = ("error", "agent_log_tail", "proxy_log_tail", "messages", "pi_session_messages", "agent_transcript")
 UPSTREAM_BODY = "[upstream error body: see proxy_turns' upstream_error]"
 WINDOW = 16  # a quoted body is found by any run of this many of its characters
 
