@@ -19,6 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Protocol
 
 from ..config import AgentSettings, PiConfig
@@ -91,6 +92,7 @@ class Agent(ABC):
     def __init__(self, config: PiConfig):
         self.config = config
         self.settings: AgentSettings = config.agent
+        self._launcher_node: Path | None = None  # the launcher's Node on this machine, once installed
         unknown = sorted(set(self.settings.options) - set(self.options))
         if unknown:
             known = ", ".join(self.options) or "none"
@@ -109,8 +111,9 @@ class Agent(ABC):
         launcher's Node for an agent that `uses_launcher` (installed once per machine too)."""
         found = {AGENT_ROOT: installed.root}
         if self.uses_launcher:
-            node = ensure_launcher_node(self.config.node_version, self.config.runtime_cache_dir)
-            found[LAUNCHER_NODE_DIR] = str(node)
+            if self._launcher_node is None:  # once per agent: sandbox_spec asks on every rollout
+                self._launcher_node = ensure_launcher_node(self.config.node_version, self.config.runtime_cache_dir)
+            found[LAUNCHER_NODE_DIR] = str(self._launcher_node)
         return found
 
     def masked_paths(self, installed: Installed) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ from typing import Any, cast
 
 from ..sandbox import SANDBOX_WORKDIR, Sandbox
 from .base import AGENT_ROOT, LOG_DIR, SYSTEM_PATH, Agent, AgentRun, Installed, ReadTree, gateway_env, launched
-from .runtime import RuntimeInstallError, cached_install, progress_to_stderr, tree_size
+from .runtime import RuntimeInstallError, archive_dir_of, cached_install, progress_to_stderr, tree_size
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # the sandbox has the host's /usr (not /root/.pyenv)
 PIP_INSTALL_TIMEOUT_S = 900
@@ -72,7 +72,7 @@ class MiniSweInstall:
 
     @property
     def archive_dir(self) -> str:
-        return str(Path(self.root).parent.parent / "archives")
+        return archive_dir_of(self.root)
 
     @property
     def host_python(self) -> str:

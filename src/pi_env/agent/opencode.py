@@ -47,7 +47,7 @@ from .base import (
     gateway_env,
     launched,
 )
-from .runtime import RuntimeInstallError, cached_install, npm_install, progress_to_stderr, tree_size
+from .runtime import RuntimeInstallError, archive_dir_of, cached_install, npm_install, progress_to_stderr, tree_size
 
 PROVIDER = "pi-env"  # the one provider OpenCode knows: the gateway
 
@@ -85,7 +85,7 @@ class OpenCodeInstall:
 
     @property
     def archive_dir(self) -> str:
-        return str(Path(self.root).parent.parent / "archives")
+        return archive_dir_of(self.root)
 
     @property
     def host_binary(self) -> str:

@@ -52,8 +52,7 @@ class PiRuntime:
 
     @property
     def archive_dir(self) -> str:
-        """Where sandbox backends that upload the runtime keep its archive (beside the runtimes)."""
-        return str(Path(self.root).parent.parent / "archives")
+        return archive_dir_of(self.root)
 
     @property
     def host_node(self) -> str:
@@ -86,6 +85,12 @@ class PiRuntime:
 
     def supports(self, flag: str) -> bool:
         return flag in self.flags
+
+
+def archive_dir_of(root: str) -> str:
+    """Where sandbox backends that upload an install (`root`, in cache/runtimes/) keep its archive:
+    beside the runtimes, the same for every agent's install."""
+    return str(Path(root).parent.parent / "archives")
 
 
 def default_cache_dir() -> Path:
