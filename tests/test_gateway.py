@@ -378,7 +378,7 @@ def test_trace_file_gets_one_flushed_line_per_turn(gateway, server, tmp_path):
     assert set(records[0]) == {"turn", "started_at", "latency_s", "ttfb_s", "upstream_status", "upstream_error",
                                "request_bytes", "response_bytes", "client_disconnected", "upstream_broke", "streamed", "total_tokens",
                                "reserved_tokens", "policy_version", "policy_version_source", "replica",
-                               "failed_over", "capture"}
+                               "failed_over", "dialect", "dialect_notes", "capture"}
     gateway.close_session(session)
 
 

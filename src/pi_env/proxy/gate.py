@@ -55,7 +55,6 @@ from pi_env.proxy.tool_json import (
 )
 from pi_env.proxy.wire import (
     Call,
-    RelayedResponse,
     Strategy,
     StrategySession,
     agent_request,
@@ -506,7 +505,7 @@ class InterceptionGate(Strategy):
             payload, content_type = answer_body(capture), "application/json"
         if capture.usage and isinstance(capture.usage.get("total_tokens"), int):
             turn.total_tokens = capture.usage["total_tokens"]
-        response = RelayedResponse(status=200, headers={"Content-Type": content_type})
+        response = call.stream_response(200, {"Content-Type": content_type})
         turn.upstream_status = 200
         try:
             await response.prepare(call.request)

@@ -42,6 +42,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from pi_env._aio import run_sync
 from pi_env.proxy.black_box import BlackBox
+from pi_env.proxy.dialects import match_route
+from pi_env.proxy.dialects.base import AnswerStream, Dialect, DialectCall, DialectError, Route
 from pi_env.proxy.policy import (
     PolicyError,
     SessionLimits,
@@ -59,6 +61,7 @@ from pi_env.sandbox.hostdir import discard_host_dir, make_owned_dir, sweep_stale
 log = logging.getLogger(__name__)
 
 BASE_URL_PATH = "/v1"
+GEMINI_BASE_PATH = "/v1beta"
 GATEWAY_DIR_PREFIX = "pi-env-gateway-"  # <tmp>/pi-env-gateway-<id>/: the Unix socket's dir
 # A refused call's unread body is drained (read and discarded, never kept) this long so the
 # agent can read its error, then the connection is closed (aiohttp's default: 10 s).
@@ -277,9 +280,18 @@ class GatewaySession:
                 self._trace = None
 
 
+# Where each dialect's SDK puts its key: the session token arrives in whichever the agent uses.
+KEY_HEADERS = ("x-api-key", "x-goog-api-key")
+
+
 def bearer_token(request: web.Request) -> str | None:
     value = request.headers.get("Authorization", "")
-    return value[7:].strip() if value[:7].lower() == "bearer " else None
+    if value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    for name in KEY_HEADERS:
+        if name in request.headers:
+            return request.headers[name].strip()
+    return None
 
 
 class Gateway:
@@ -393,6 +405,7 @@ class Gateway:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_route("*", BASE_URL_PATH + "/{rest:.*}", self._handle)
+        app.router.add_route("*", GEMINI_BASE_PATH + "/{rest:.*}", self._handle)  # Gemini's dialect
         # handler_cancellation: an agent that hangs up cancels its upstream request at once.
         runner = web.AppRunner(
             app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0, lingering_time=LINGER_S
@@ -436,13 +449,17 @@ class Gateway:
             return json_error(401, "pi-env gateway: unknown or missing session token",
                               "invalid_session_token")  # fmt: skip
         path = upstream_path(request.method, request.raw_path)
+        dialect = None
+        if path is None and (dialect := match_route(request.method, request.raw_path)) is not None:
+            path = "/chat/completions"
         if path is None:
             # The token must not unlock the rest of the upstream API (files, fine-tuning, ...)
             # with the real key, nor reach another host or path through an odd request target.
             return json_error(
                 403,
-                "pi-env gateway: only POST /v1/chat/completions and GET /v1/models "
-                "(exactly, without a query) are relayed",
+                "pi-env gateway: only POST /v1/chat/completions, GET /v1/models (exactly, without a "
+                "query) and the dialects' model calls (POST /v1/responses, POST /v1/messages, POST "
+                "/v1beta/models/{model}:generateContent or :streamGenerateContent) are relayed",
                 "route_not_allowed",
             )
         if not session.open_call():
@@ -469,11 +486,52 @@ class Gateway:
             if isinstance(body, web.Response):
                 return body
             body_bytes = len(body)
-            return await self._chat_completions(session, request, body)
+            if dialect is None:
+                return await self._chat_completions(session, request, body)
+            return await self._dialect_call(session, request, body, *dialect)
         finally:
             session.close_call(body_bytes)
 
-    async def _chat_completions(self, session: GatewaySession, request: web.Request, body: bytes) -> web.StreamResponse:
+    async def _dialect_call(
+        self, session: GatewaySession, request: web.Request, body: bytes, dialect: Dialect, route: Route
+    ) -> web.StreamResponse:
+        """A call in another API's shape (proxy/dialects): made the Chat Completions call every
+        mode handles, then answered in the agent's shape (what the strategy streams is
+        translated as it leaves; a whole answer or an error here)."""
+        error = None
+        try:
+            request_json = msgspec.json.decode(body)
+            if not isinstance(request_json, dict):
+                raise DialectError(400, "pi-env gateway: the request body is not a JSON object")
+            call = dialect.to_chat(request_json, route)
+        except msgspec.DecodeError:
+            call = None
+            error = DialectError(400, "pi-env gateway: the request body is not JSON")
+        except DialectError as refused:
+            call, error = None, refused
+        if call is None:
+            assert error is not None
+            return web.Response(
+                status=error.status, body=dialect.error_body(error.status, error.message, error.kind),
+                content_type="application/json",
+            )  # fmt: skip
+        answer = await self._chat_completions(session, request, msgspec.json.encode(call.chat), (dialect, call))
+        if answer.prepared:  # streamed through a DialectResponse: translated already
+            return answer
+        assert isinstance(answer, web.Response)  # what strategies return unstreamed
+        translation = AnswerStream(dialect, call, answer.status, answer.content_type)
+        return web.Response(
+            status=answer.status, body=translation.finish(bytes(answer.body or b"")),  # type: ignore[arg-type]
+            content_type=translation.content_type, headers=_kept_headers(answer),
+        )  # fmt: skip
+
+    async def _chat_completions(
+        self,
+        session: GatewaySession,
+        request: web.Request,
+        body: bytes,
+        dialect: tuple[Dialect, DialectCall] | None = None,
+    ) -> web.StreamResponse:
         received, refusal, streamed = len(body), None, None
         try:
             body, allowed, streamed = police_request(
@@ -492,6 +550,8 @@ class Gateway:
             assert session.budget_exhausted is not None  # claim_turn returns None only once it is set
             return budget_answer(body or b"", session.budget_exhausted)
         turn = TurnRecord(turn=index, started_at=time.time(), streamed=streamed)
+        if dialect is not None:
+            turn.dialect, turn.dialect_notes = dialect[1].dialect, dialect[1].notes or None
         if refusal is not None:  # a call, but not one to relay: recorded, never sent upstream
             turn.request_bytes = received
             turn.latency_s = 0.0
@@ -501,7 +561,7 @@ class Gateway:
             turn.reserved_tokens = allowed or 0
         started = time.perf_counter()
         assert self._client is not None  # handlers run only after _start
-        call = Call(self._client, self._timeout, session, request, started)
+        call = Call(self._client, self._timeout, session, request, started, dialect=dialect)
         try:
             turn.request_bytes = len(body)
             return await session.strategy.chat_completions(call, body, turn)
@@ -516,6 +576,11 @@ class Gateway:
                 session.record(turn)
             else:  # the strategy finishes the record after the agent has its answer
                 call.finishing.add_done_callback(lambda _: session.record(turn))
+
+
+def _kept_headers(answer: web.Response) -> dict[str, str]:
+    """Headers of a translated whole answer: the gateway's own markers (budget), never framing."""
+    return {k: v for k, v in answer.headers.items() if k.lower().startswith("x-")}
 
 
 async def read_body(request: web.Request, session: GatewaySession) -> bytes | web.Response:

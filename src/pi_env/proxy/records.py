@@ -98,6 +98,11 @@ class TurnRecord:
     # in back-off), and the call went to another (docs/async-rl.md, "Several replicas").
     replica: str | None = None
     failed_over: bool = False
+    # The API shape the agent spoke when not Chat Completions ("responses", "messages", "gemini":
+    # proxy/dialects; the capture holds the Chat Completions call it became), and what it sent
+    # that the engine cannot honour, accepted and not forwarded.
+    dialect: str | None = None
+    dialect_notes: list[str] | None = None
     # What was asked and answered (every mode that had an answer); ids and logprobs where
     # captured (transparent_proxy, interception_gate).
     capture: TurnCapture | None = None

@@ -589,9 +589,8 @@ class TokenIn(Strategy):
             "created": int(time.time()),
             "model": capture.model or "",
         }
-        response = web.StreamResponse(
-            status=200,
-            headers={"Content-Type": "text/event-stream"} if streaming else {"Content-Type": "application/json"},
+        response = call.stream_response(
+            200, {"Content-Type": "text/event-stream"} if streaming else {"Content-Type": "application/json"}
         )
         stream_parser = getattr(self.spec.renderer, "stream_parser", None)
         state = _Stream(

@@ -1,8 +1,9 @@
 """What every strategy shares to answer the agent: one call in flight (`Call`: open the
 upstream request, relay its answer per read, read an error body) and the small HTTP helpers
 around it, plus what a strategy is (`Strategy`) and what it may use of its session
-(`StrategySession`). It imports none of the gateway's other modules but records.py and
-policy.py (the header allow-list, secrets masked): the strategies (black_box.py,
+(`StrategySession`). It imports none of the gateway's other modules but records.py,
+policy.py (the header allow-list, secrets masked) and dialects/base.py (an answer translated
+for an agent of another dialect): the strategies (black_box.py,
 transparent.py, token_in.py, gate.py) build on it, and the dispatcher (gateway.py) on them.
 
 Hot path: the answer is relayed per upstream read (never per SSE line, never buffered whole),
@@ -24,6 +25,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from pi_env._urls import without_userinfo
+from pi_env.proxy.dialects.base import AnswerStream, Dialect, DialectCall
 from pi_env.proxy.policy import relayed_request_headers, scrub
 from pi_env.proxy.records import (
     PolicyVersion,
@@ -212,6 +214,27 @@ class RelayedResponse(web.StreamResponse):
         await super().write_eof(self.tail + data)
 
 
+class DialectResponse(RelayedResponse):
+    """A streamed answer for an agent that speaks another dialect (proxy/dialects): what the
+    strategy writes in Chat Completions leaves translated (`AnswerStream`), with the dialect's
+    content type; a whole answer or an error is translated at its end."""
+
+    def __init__(self, translation: AnswerStream, **kwargs):
+        super().__init__(**kwargs)
+        self.translation = translation
+        self.headers.popall("Content-Length", None)
+        self.content_type = translation.content_type
+
+    async def write(self, data) -> None:
+        translated = self.translation.feed(bytes(data))
+        if translated:
+            await super().write(translated)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        tail, self.tail = self.tail, b""
+        await web.StreamResponse.write_eof(self, self.translation.finish(tail + data))
+
+
 def describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
@@ -234,6 +257,7 @@ class Call:
         request: web.Request,
         started: float,
         path: str = "/chat/completions",
+        dialect: tuple[Dialect, DialectCall] | None = None,
     ):
         # The gateway's pooled client and its default timeout (an Upstream's own one wins).
         self.client, self.timeout = client, timeout
@@ -241,6 +265,17 @@ class Call:
         self.path = path  # on the upstream, after its base URL (see policy.ALLOWED_ROUTES)
         self.finishing: asyncio.Task | None = None  # see finish_record_later
         self.replica: Replica | None = None  # the replica this call was last sent to (several URLs)
+        self.dialect = dialect  # the agent's own API shape, when not Chat Completions (proxy/dialects)
+
+    def stream_response(self, status: int, headers, reason: str | None = None) -> RelayedResponse:
+        """The response a strategy streams its answer to the agent through (in Chat Completions;
+        translated on the way out when the agent speaks another dialect)."""
+        if self.dialect is None:
+            return RelayedResponse(status=status, reason=reason, headers=headers)
+        dialect, call = self.dialect
+        content_type = CIMultiDict(headers).get("Content-Type")
+        translation = AnswerStream(dialect, call, status, content_type)
+        return DialectResponse(translation, status=status, reason=reason, headers=headers)
 
     def finish_record_later(self, work: Awaitable[None]) -> None:
         """Complete the turn's record in a task of its own, after the handler returned: work done
@@ -392,7 +427,7 @@ class Call:
         bytes (each read's piece); `finish` ends the agent's response here rather than after the
         handler returns (so work done afterwards does not delay the agent)."""
         request, started = self.request, self.started
-        response = RelayedResponse(status=answer.status, reason=answer.reason, headers=self.agent_headers(answer))
+        response = self.stream_response(answer.status, self.agent_headers(answer), answer.reason)
         completed = False
         response_bytes = 0
         error_body = bytearray() if answer.status >= 400 else None
