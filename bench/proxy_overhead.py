@@ -277,8 +277,9 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-async def one_call(client: aiohttp.ClientSession, url: str, key: str, body: bytes):
-    """(total seconds, seconds to first body byte, bytes) of one streamed answer."""
+async def one_call(client: aiohttp.ClientSession, url: str, key: str, body: bytes, end: bytes = b"data: [DONE]\n\n"):
+    """(total seconds, seconds to first body byte, bytes) of one streamed answer, which must end
+    with `end` (a dialect's last event: DIALECTS)."""
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     start = time.perf_counter()
     async with client.post(url, data=body, headers=headers) as response:
@@ -288,32 +289,33 @@ async def one_call(client: aiohttp.ClientSession, url: str, key: str, body: byte
         size, tail = len(first), first
         while chunk := await response.content.readany():
             size += len(chunk)
-            tail = (tail + chunk)[-64:]  # the end may arrive split across reads
-    if not tail.endswith(b"data: [DONE]\n\n"):
-        raise RuntimeError("stream did not end with data: [DONE]")
+            tail = (tail + chunk)[-512:]  # the end may arrive split across reads
+    if end not in tail[-len(end) - 256 :]:
+        raise RuntimeError(f"stream did not end with {end!r}: ...{tail[-200:]!r}")
     return time.perf_counter() - start, ttfb, size
 
 
 async def run_phase(base_url: str, key: str, n: int, concurrency: int, body: bytes, engine_pid: int,
-                    gateway: subprocess.Popen | None = None, mode: str = "", relay_pid: int | None = None) -> dict:
+                    gateway: subprocess.Popen | None = None, mode: str = "", relay_pid: int | None = None,
+                    route: str = "/chat/completions", end: bytes = b"data: [DONE]\n\n") -> dict:
     """n calls over `concurrency` connections, after one warm-up call per connection. Through
     the gateway (`gateway` given), the round ends once the gateway is idle, and it reports the
     record-complete latencies and the CPU seconds of the gateway and of its capture worker;
     through the relay (`relay_pid`), its CPU seconds. Either way, the CPU seconds of the engine
     (the scripted server) and of this client."""
     between = gateway.pid if gateway else relay_pid  # the process between client and engine, if any
-    url = base_url + "/chat/completions"
+    url = base_url + route if route.startswith("/") else base_url.removesuffix("/v1") + route.removeprefix("..")
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as client:
         # Warm the connection pools: one connection per stream, opened side by side.
-        await asyncio.gather(*(one_call(client, url, key, body) for _ in range(concurrency)))
+        await asyncio.gather(*(one_call(client, url, key, body, end) for _ in range(concurrency)))
         assembled_before = idle(gateway, mode)["worker_assembled"] if gateway else 0  # the warm-up's are not this round's
         results = []
         queue = iter(range(n))
 
         async def worker():
             for _ in queue:
-                results.append(await one_call(client, url, key, body))
+                results.append(await one_call(client, url, key, body, end))
 
         cpu_before = cpu_seconds(between) if between else (0.0, 0.0)
         engine_before, client_before = sum(cpu_seconds(engine_pid)), time.process_time()
@@ -434,6 +436,64 @@ def measure_level(args, mode: str, c: int, k: int, gateway: subprocess.Popen, ga
     }
 
 
+# The same streamed call in each dialect the gateway speaks (proxy/dialects): its route (after
+# the gateway's /v1 base URL; "../" for Gemini's /v1beta), its body, and its last event.
+PROMPT = "Write a thousand tokens."
+DIALECTS = {
+    "responses": ("/responses", {"model": "bench", "stream": True, "input": PROMPT}, b"response.completed"),
+    "messages": ("/messages", {"model": "bench", "stream": True, "max_tokens": 1 << 20,
+                               "messages": [{"role": "user", "content": PROMPT}]}, b"message_stop"),
+    "gemini": ("../v1beta/models/bench:streamGenerateContent?alt=sse",
+               {"contents": [{"role": "user", "parts": [{"text": PROMPT}]}]}, b'"finishReason"'),
+}  # fmt: skip
+# Issue 43's target: a dialect's capture cost (gateway CPU per token, capture workers included,
+# transparent_proxy) within this factor of the same call in Chat Completions, in the same rounds.
+DIALECT_CPU_RATIO_MAX = 1.2
+
+
+def measure_dialects(args, c: int, gateway: subprocess.Popen, gateway_info: dict, chat_body: bytes,
+                     engine_pid: int) -> dict:
+    """transparent_proxy at concurrency `c`: the same answer asked in Chat Completions and in each
+    dialect, through the same gateway session, in alternating rounds; gateway CPU per token."""
+    per_round = max(args.n // ROUNDS, c, 1 if args.n < ROUNDS else 0)
+    mode, base_url, token = "transparent_proxy", gateway_info["base_url"], gateway_info["tokens"]["transparent_proxy"]
+    phases: dict[str, list[dict]] = {"chat": [], **{name: [] for name in DIALECTS}}
+    for _ in range(ROUNDS):
+        phases["chat"].append(asyncio.run(run_phase(base_url, token, per_round, c, chat_body, engine_pid, gateway,
+                                                    mode)))  # fmt: skip
+        for name, (route, body, end) in DIALECTS.items():
+            phases[name].append(asyncio.run(run_phase(base_url, token, per_round, c, json.dumps(body).encode(),
+                                                      engine_pid, gateway, mode, route=route, end=end)))  # fmt: skip
+    calls = per_round * ROUNDS
+
+    def cpu_per_token(runs: list[dict]) -> float:
+        return sum(p["cpu"] + p["worker_cpu"] for p in runs) / calls / args.tokens * 1e6
+
+    chat = cpu_per_token(phases["chat"])
+    level = {"concurrency": c, "calls": calls, "chat": {"gateway_cpu_us_per_token": chat,
+                                                         **summarize(phases["chat"], calls)}}  # fmt: skip
+    for name in DIALECTS:
+        ours = cpu_per_token(phases[name])
+        level[name] = {"gateway_cpu_us_per_token": ours, "cpu_ratio_to_chat": ours / chat,
+                       **summarize(phases[name], calls)}  # fmt: skip
+    return level
+
+
+def stop(gateways: dict, relays: dict, server: subprocess.Popen, script_path: str) -> None:
+    for gateway, _ in gateways.values():
+        gateway.stdin.close()  # it exits on EOF, removing its socket directory
+        gateway.wait(10)
+    for relay_process, _ in relays.values():
+        if relay_process.stdin is not None:
+            relay_process.stdin.close()  # the Python relay exits on EOF
+        else:
+            relay_process.terminate()  # socat
+        relay_process.wait(10)
+    server.terminate()
+    server.wait(10)
+    os.unlink(script_path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=200, help="calls per path and concurrency")
@@ -449,6 +509,9 @@ def main() -> None:
                         help="then hold this many open sessions with one answer each and measure memory (0: skip)")
     parser.add_argument("--c-relay", action="store_true",
                         help="also measure a no-op relay written in C (socat) in the same rounds")
+    parser.add_argument("--dialects", action="store_true",
+                        help="only compare transparent_proxy's cost per token in each dialect the gateway speaks "
+                             "(Responses, Messages, Gemini) with Chat Completions, in the same rounds")
     parser.add_argument("--serve-gateway", nargs=2, metavar=("UPSTREAM_URL", "KEY"),
                         help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("--serve-relay", metavar="UPSTREAM_URL", help=argparse.SUPPRESS)
@@ -488,6 +551,27 @@ def main() -> None:
 
     report = {"bench": "proxy_overhead", "n": args.n, "tokens": args.tokens, "cpus": os.cpu_count(),
               "engine_delay_ms": args.engine_delay_ms, "levels": []}
+    if args.dialects:
+        try:
+            gateway, gateway_info = next(iter(gateways.values()))
+            levels = [measure_dialects(args, c, gateway, gateway_info, bodies["black_box"], server.pid)
+                      for c in args.concurrency]  # fmt: skip
+        finally:
+            stop(gateways, relays, server, f.name)
+        print(f"transparent_proxy, {args.n} streamed answers of {args.tokens} tokens per dialect and level")
+        print(f"{'dialect':10} {'c':>3} {'CPU us/token':>13} {'x chat':>7} {'median ms':>10} {'req/s':>8}")
+        for level in levels:
+            for name in ("chat", *DIALECTS):
+                d = level[name]
+                print(f"{name:10} {level['concurrency']:>3} {d['gateway_cpu_us_per_token']:>13.2f} "
+                      f"{d.get('cpu_ratio_to_chat', 1.0):>7.2f} {d['median_ms']:>10.2f} {d['req_per_s']:>8.1f}")
+        meets_dialects = {name: all(level[name]["cpu_ratio_to_chat"] <= DIALECT_CPU_RATIO_MAX for level in levels)
+                          for name in DIALECTS}  # fmt: skip
+        print(json.dumps({"bench": "proxy_overhead.dialects", "n": args.n, "tokens": args.tokens,
+                          "cpus": os.cpu_count(), "levels": levels, "cpu_ratio_max": DIALECT_CPU_RATIO_MAX,
+                          "meets_targets": meets_dialects,
+                          "loadavg": {"before": load_before, "after": os.getloadavg()}}))  # fmt: skip
+        return
     try:
         for mode in MODES:
             for c in args.concurrency:
@@ -499,18 +583,7 @@ def main() -> None:
             report["held_sessions"] = measure_held_sessions(gateway, gateway_info, args.held_sessions,
                                                             bodies["black_box"])
     finally:
-        for gateway, _ in gateways.values():
-            gateway.stdin.close()  # it exits on EOF, removing its socket directory
-            gateway.wait(10)
-        for relay_process, _ in relays.values():
-            if relay_process.stdin is not None:
-                relay_process.stdin.close()  # the Python relay exits on EOF
-            else:
-                relay_process.terminate()  # socat
-            relay_process.wait(10)
-        server.terminate()
-        server.wait(10)
-        os.unlink(f.name)
+        stop(gateways, relays, server, f.name)
 
     pace = f"the engine pausing {args.engine_delay_ms:g} ms a token" if args.engine_delay_ms else "the engine flat out"
     print(f"{args.n} streamed answers of {args.tokens} tokens per path and level, {pace}, "
