@@ -504,6 +504,7 @@ class Gateway:
             if not isinstance(request_json, dict):
                 raise DialectError(400, "pi-env gateway: the request body is not a JSON object")
             call = dialect.to_chat(request_json, route)
+            call.notes += dialect.header_notes(request.headers)
         except msgspec.DecodeError:
             call = None
             error = DialectError(400, "pi-env gateway: the request body is not JSON")

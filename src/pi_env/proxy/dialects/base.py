@@ -17,6 +17,7 @@ with msgspec too.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -67,6 +68,7 @@ class Choice(msgspec.Struct, gc=False):
     delta: MessageDelta | None = None  # streamed
     message: MessageDelta | None = None  # whole
     finish_reason: str | None = None
+    stop_reason: Any = None  # vLLM: the stop string (or token id) that ended the answer
 
 
 class ChatChunk(msgspec.Struct, gc=False):
@@ -118,6 +120,10 @@ class Dialect(ABC):
 
     @abstractmethod
     def translator(self, call: DialectCall) -> AnswerTranslator: ...
+
+    def header_notes(self, headers: Mapping[str, str]) -> list[str]:
+        """Notes on request headers the dialect accepts and does not forward (DialectCall.notes)."""
+        return []
 
     @abstractmethod
     def error_body(self, status: int, message: str, kind: str) -> bytes:
