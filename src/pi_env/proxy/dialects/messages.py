@@ -65,7 +65,19 @@ NOTED_FIELDS = (
     "inference_geo",
     "speed",
     "diagnostics",
+    "cache_control",  # top-level: caching of the last cacheable block
+    "fallbacks",  # other models to retry a refusal on
+    "fallback_credit_token",
+    "billing_policy",
+    "user_profile_id",
+    "workspace_id",
 )
+# Fields whose meaning is state or work on Anthropic's side: refused when set.
+REFUSED_FIELDS = {
+    "mcp_servers": "MCP servers Anthropic connects to",
+    "thread": "conversation state held by Anthropic's servers",
+    "compaction": "a summary made by Anthropic's servers",
+}
 # Fields translated (or checked) by to_chat.
 KNOWN_FIELDS = frozenset(
     {
@@ -79,11 +91,14 @@ KNOWN_FIELDS = frozenset(
         "temperature",
         "top_p",
         "stop_sequences",
-        "mcp_servers",
+        *REFUSED_FIELDS,
         *NOTED_FIELDS,
     }
 )
 NOTED_HEADERS = ("anthropic-version", "anthropic-beta")
+# Claude Code's first system block: billing metadata for Anthropic's servers, not instructions
+# for a model ("x-anthropic-billing-header: cc_version=...; cc_entrypoint=...;"): dropped, noted.
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 # Chat finish reason -> Anthropic stop reason.
 STOP_REASONS = {
@@ -186,7 +201,7 @@ def _tool(tool: Any, notes: _Notes) -> dict[str, Any]:
     for key in tool:
         if key == "cache_control":
             notes.add("cache_control")
-        elif key not in ("type", "name", "description", "input_schema"):
+        elif key not in ("type", "name", "description", "input_schema", "defer_loading"):
             notes.add(f"tools[].{key}")  # strict, defer_loading, input_examples, ...
     return {"type": "function", "function": function}
 
@@ -295,11 +310,17 @@ class MessagesDialect(Dialect):
         streamed = request.get("stream", False)
         if not isinstance(streamed, bool):
             raise _refuse("`stream` must be a boolean")
-        if request.get("mcp_servers"):
-            raise _refuse("`mcp_servers` (MCP servers Anthropic connects to) cannot be honoured by an open engine")
+        for key, meaning in REFUSED_FIELDS.items():
+            if request.get(key):
+                raise _refuse(f"`{key}` ({meaning}) cannot be honoured by an open engine")
 
         messages: list[dict[str, Any]] = []
         system = request.get("system")
+        if isinstance(system, list) and system and isinstance(system[0], dict):
+            first = system[0].get("text")
+            if isinstance(first, str) and first.startswith(BILLING_HEADER):
+                notes.add("system: x-anthropic-billing-header (dropped)")
+                system = system[1:]
         if system is not None:
             text = _text_of(system, "`system`", notes)
             if text or not isinstance(system, list):
@@ -315,15 +336,22 @@ class MessagesDialect(Dialect):
                 _user_message(turn.get("content"), index, messages, notes)
             elif role == "assistant":
                 messages.append(_assistant_message(turn.get("content"), index, notes))
+            elif role == "system":  # Claude Code's mid-conversation system turn (its environment)
+                messages.append(
+                    {"role": "system", "content": _text_of(turn.get("content"), f"messages[{index}]", notes)}
+                )
             else:
-                raise _refuse(f"messages[{index}].role must be user or assistant, not {role!r}")
+                raise _refuse(f"messages[{index}].role must be user, assistant or system, not {role!r}")
 
         chat: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens}
         tools = request.get("tools")
         if tools:
             if not isinstance(tools, list):
                 raise _refuse("`tools` must be a list")
-            chat["tools"] = [_tool(tool, notes) for tool in tools]
+            loaded = [tool for tool in tools if not (isinstance(tool, dict) and tool.get("defer_loading") is True)]
+            if len(loaded) < len(tools):  # Anthropic keeps them out of the prompt until a tool search loads them
+                notes.add(f"tools[].defer_loading ({len(tools) - len(loaded)} deferred tools left out)")
+            chat["tools"] = [_tool(tool, notes) for tool in loaded]
             if request.get("tool_choice") is not None:
                 _tool_choice(request["tool_choice"], chat)
         elif request.get("tool_choice") is not None:
