@@ -240,7 +240,7 @@ def test_a_custom_freeform_tool_is_a_one_string_function_upstream_and_custom_aga
         assert (
             sdk.responses.create(
                 model="m",
-                input=["patch it" and {"role": "user", "content": "patch it"}, *history(first, result)],
+                input=[{"role": "user", "content": "patch it"}, *history(first, result)],
                 tools=[tool],
             ).output_text
             == "Applied."
@@ -608,3 +608,93 @@ def test_interception_gate_hands_the_translated_call_to_the_trainer_and_its_answ
     assert completed.usage.input_tokens == 2 and completed.usage.output_tokens == 3
     assert [t.capture.completion_token_ids for t in session.turns] == [[5, 6, 7], [8]]
     assert [t.dialect for t in session.turns] == ["responses"] * 2
+
+
+def _delta(**delta):
+    return {"id": "c", "model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def _call(index, id=None, name=None, arguments=""):
+    function = {"arguments": arguments, **({"name": name} if name else {})}
+    return {"index": index, **({"id": id, "type": "function"} if id else {}), "function": function}
+
+
+ANSWERS = {
+    "reasoning_text_two_calls": [
+        _delta(reasoning_content="Think"),
+        _delta(reasoning_content=" more."),
+        _delta(content="I will "),
+        _delta(content="look."),
+        _delta(tool_calls=[_call(0, "call_a", "bash", '{"comm')]),
+        _delta(tool_calls=[_call(0, arguments='and": "ls"}')]),
+        _delta(tool_calls=[_call(1, "call_b", "read", '{"path": "a"}')]),
+    ],
+    "text_after_a_call": [
+        _delta(tool_calls=[_call(0, "call_a", "bash", '{"command": "ls"}')]),
+        _delta(content="Then "),
+        _delta(reasoning="hmm"),
+        _delta(content="this."),
+    ],
+    "custom_tool": [
+        _delta(content="Patching."),
+        _delta(tool_calls=[_call(0, "call_p", "apply_patch", '{"input": "*** Begin')]),
+        _delta(tool_calls=[_call(0, arguments=' Patch\\n"}')]),
+    ],
+    "no_id_no_text": [_delta(tool_calls=[_call(0, None, "bash", "{}")])],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ANSWERS))
+def test_the_answers_items_sent_back_are_the_assistant_message_the_chat_stream_made(name):
+    """The token-in property at its root: whatever the chat stream held (reasoning, text around
+    tool calls, a custom tool's call), its Responses items, sent back as Codex keeps them,
+    translate to an assistant message with the same text and the same calls in order."""
+    from pi_env.proxy.capture import Assembler, TurnCapture
+    from pi_env.proxy.dialects.base import AnswerStream, Route
+    from pi_env.proxy.dialects.responses import ResponsesDialect
+
+    dialect = ResponsesDialect()
+    tools = [BASH, {"type": "function", "name": "read"}, {"type": "custom", "name": "apply_patch"}]
+    call = dialect.to_chat({"model": "m", "input": "go", "tools": tools, "stream": True}, Route())
+    finish = {"id": "c", "model": "m", "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+    usage = {
+        "id": "c",
+        "model": "m",
+        "choices": [],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14},
+    }
+    chat_stream = sse(*ANSWERS[name], finish, usage) + b"data: [DONE]\n\n"
+    stream = AnswerStream(dialect, call, 200, "text/event-stream")
+    raw = b"".join(stream.feed(chat_stream[i : i + 7]) for i in range(0, len(chat_stream), 7)) + stream.finish()
+    events = [json.loads(block.split("\ndata: ")[1]) for block in raw.decode().split("\n\n") if block]
+    for event in events:
+        EVENTS.validate_python(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    completed = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and completed["usage"]["total_tokens"] == 14
+    output = completed["output"]
+    assert [item["id"] for item in output] == [
+        e["item"]["id"] for e in events if e["type"] == "response.output_item.added"
+    ]
+    assert output == [
+        e["item"]
+        for e in sorted(
+            (e for e in events if e["type"] == "response.output_item.done"), key=lambda e: e["output_index"]
+        )
+    ]
+
+    given = Assembler(TurnCapture(request={})).stream(chat_stream).choices[0].message()
+    back = [{k: v for k, v in item.items() if k not in ("id", "status")} for item in output]
+    again = dialect.to_chat(
+        {"model": "m", "input": [{"role": "user", "content": "go"}, *back], "tools": tools}, Route()
+    )
+    (sent,) = [m for m in again.chat["messages"] if m["role"] == "assistant"]
+    assert (sent["content"] or "") == (given.get("content") or "")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in sent["tool_calls"]] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in given["tool_calls"]
+    ]
+    assert [c["id"] for c in sent["tool_calls"]] == [
+        i["call_id"] for i in output if i["type"] != "message" and i["type"] != "reasoning"
+    ]
+    if name == "custom_tool":
+        assert output[-1]["type"] == "custom_tool_call" and output[-1]["input"] == "*** Begin Patch\n"

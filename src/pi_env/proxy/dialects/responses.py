@@ -441,7 +441,7 @@ class ResponsesTranslator(AnswerTranslator):
         self.id = "resp_" + secrets.token_hex(16)
         self.created_at = int(time.time())
         self.sequence = 0
-        self.output: list[dict[str, Any]] = []  # the finished items, by output index
+        self.output: dict[int, dict[str, Any]] = {}  # the finished items by output index
         self.open: _Item | None = None  # the reasoning or message item receiving deltas
         self.calls: dict[int, _Item] = {}  # open function/custom tool call items by chat index
         self.count = 0  # output items started
@@ -492,6 +492,9 @@ class ResponsesTranslator(AnswerTranslator):
             response["completed_at"] = int(time.time()) if status != "failed" else None
             response["usage"] = _usage(self.usage)
         return response
+
+    def _finished(self) -> list[dict[str, Any]]:
+        return [self.output[index] for index in sorted(self.output)]
 
     def _status(self) -> str:
         return "incomplete" if self.finish in INCOMPLETE else "completed"
@@ -550,7 +553,7 @@ class ResponsesTranslator(AnswerTranslator):
             out = self._event("response.reasoning_text.done", {**where, "text": text})
         out += self._event("response.content_part.done", {**where, "part": part})
         out += self._event("response.output_item.done", {"output_index": item.index, "item": done})
-        self.output.append(done)
+        self.output[item.index] = done
         return out
 
     def _start_call(self, delta: ToolCallDelta, position: int) -> bytes:
@@ -613,7 +616,7 @@ class ResponsesTranslator(AnswerTranslator):
                 "response.function_call_arguments.done", {**where, "name": item.name, "arguments": arguments}
             )
         out += self._event("response.output_item.done", {"output_index": item.index, "item": done})
-        self.output.append(done)
+        self.output[item.index] = done
         return out
 
     def _close_all(self, status: str) -> bytes:
@@ -692,7 +695,7 @@ class ResponsesTranslator(AnswerTranslator):
         status = self._status()
         out = self._close_all("incomplete" if status == "incomplete" else "completed")
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return out + self._event(kind, {"response": self._response(status, self.output)})
+        return out + self._event(kind, {"response": self._response(status, self._finished())})
 
     def _fail(self, error: Any) -> bytes:
         self.ended = True
@@ -702,7 +705,7 @@ class ResponsesTranslator(AnswerTranslator):
             message = str(error)
         out = self._close_all("incomplete")
         out += self._event("error", {"code": "server_error", "message": message, "param": None})
-        failed = self._response("failed", self.output, {"code": "server_error", "message": message})
+        failed = self._response("failed", self._finished(), {"code": "server_error", "message": message})
         return out + self._event("response.failed", {"response": failed})
 
     # -- a whole answer
