@@ -698,3 +698,71 @@ def test_the_answers_items_sent_back_are_the_assistant_message_the_chat_stream_m
     ]
     if name == "custom_tool":
         assert output[-1]["type"] == "custom_tool_call" and output[-1]["input"] == "*** Begin Patch\n"
+
+
+def test_sampling_output_format_tool_choice_and_images_map_to_their_chat_fields():
+    from pi_env.proxy.dialects.base import Route
+    from pi_env.proxy.dialects.responses import ResponsesDialect
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"}
+    call = ResponsesDialect().to_chat(
+        {
+            "model": "m",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "see"}, image]}],
+            "tools": [BASH],
+            "tool_choice": {"type": "function", "name": "bash"},
+            "parallel_tool_calls": False,
+            "temperature": 0.3,
+            "top_p": 0.9,
+            "max_output_tokens": 99,
+            "stream": False,
+            "text": {
+                "format": {"type": "json_schema", "name": "out", "schema": schema, "strict": True},
+                "verbosity": "low",
+            },
+            "reasoning": {"effort": "high", "summary": None},
+            "metadata": {"secret": "kept out of notes"},
+            "service_tier": "flex",
+            "some_new_field": 1,
+        },
+        Route(),
+    )
+    assert call.chat == {
+        "model": "m",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "see"},
+                    {"type": "image_url", "image_url": {"url": image["image_url"], "detail": "low"}},
+                ],
+            }
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "bash",
+                    "description": "Run a command",
+                    "parameters": BASH["parameters"],
+                    "strict": False,
+                },
+            }
+        ],
+        "tool_choice": {"type": "function", "function": {"name": "bash"}},
+        "parallel_tool_calls": False,
+        "temperature": 0.3,
+        "top_p": 0.9,
+        "max_tokens": 99,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}},
+    }
+    assert call.streamed is False and call.model == "m"
+    assert call.notes == [
+        "text.verbosity: low",
+        "reasoning effort=high",
+        "metadata",
+        "service_tier=flex",
+        "ignored: some_new_field",
+    ]
+    assert "kept out" not in json.dumps(call.notes)

@@ -318,7 +318,7 @@ def _note(name: str, value: Any) -> str:
     if name == "include" and isinstance(value, list):
         return "include " + ", ".join(str(v) for v in value)
     if name in ("store", "service_tier", "truncation", "top_logprobs", "max_tool_calls"):
-        return f"{name}={encode(value).decode()[:100]}"
+        return f"{name}={value if isinstance(value, str) else encode(value).decode()}"[:120]
     return name  # identifiers and metadata: that they came, not what they hold
 
 
