@@ -153,7 +153,7 @@ def test_text_thoughts_usage_and_stop(gateway, server, mode, streamed):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 def test_function_call_then_function_response_round_trip(gateway, server, mode, streamed):
-    turns = [ScriptedTurn(text="I will look.", chunk_chars=4, tool_calls=[
+    turns = [ScriptedTurn(text="I will look.", reasoning="Plan.", chunk_chars=4, tool_calls=[
                  ScriptedToolCall(name="bash", arguments={"command": "ls -la", "timeout": 5}),
                  ScriptedToolCall(name="bash", arguments={"command": "pwd"})]),
              ScriptedTurn(text="Done.")]  # fmt: skip
@@ -177,7 +177,7 @@ def test_function_call_then_function_response_round_trip(gateway, server, mode, 
     body = upstream_bodies(server)[1]
     assert set(body) <= CHAT_FIELDS
     assert body["messages"][2:] == [
-        {"role": "assistant", "content": "I will look.", "tool_calls": [
+        {"role": "assistant", "content": "I will look.", "reasoning_content": "Plan.", "tool_calls": [
             {"id": "call_0_0", "type": "function",
              "function": {"name": "bash", "arguments": '{"command":"ls -la","timeout":5}'}},
             {"id": "call_0_1", "type": "function", "function": {"name": "bash", "arguments": '{"command":"pwd"}'}}]},
@@ -666,3 +666,48 @@ def test_text_inline_data_of_bad_base64_is_refused():
     good = {"role": "user", "parts": [{"inlineData": {"mimeType": "text/plain",
                                                        "data": base64.b64encode(b"x").decode()}}]}  # fmt: skip
     assert to_chat({"contents": [good]}).chat["messages"] == [{"role": "user", "content": "x"}]
+
+
+def merged_parts(events: list[dict]) -> list[dict]:
+    """The parts of a streamed answer with adjacent text (or thought) parts joined."""
+    out: list[dict] = []
+    for event in events:
+        for part in (event["candidates"][0].get("content") or {}).get("parts", []):
+            if out and "text" in part and "text" in out[-1] and part.get("thought") == out[-1].get("thought"):
+                out[-1] = {**out[-1], "text": out[-1]["text"] + part["text"]}
+            else:
+                out.append(part)
+    return out
+
+
+@pytest.mark.parametrize("framing", ["sse", "json_array"])
+def test_a_stream_fed_token_by_token_or_at_once_says_the_same(framing):
+    """However the relay batches the chat stream (one event per write), the agent reads the same
+    answer; a server that numbers no tool call (index absent) is followed by its ids."""
+    chunks = [delta(role="assistant"), *[delta(reasoning_content=c) for c in "Hmm, "], delta(reasoning="ok."),
+              *[delta(content=c) for c in "Hi é\n"],
+              delta(tool_calls=[{"id": "c1", "function": {"name": "a", "arguments": '{"x":'}}]),
+              delta(tool_calls=[{"function": {"arguments": " 1}"}}]),
+              delta(tool_calls=[{"id": "c2", "function": {"name": "b", "arguments": "{}"}}]),
+              {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+              {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9}}]  # fmt: skip
+    one_by_one = answer_of(chunks, framing=framing)
+    dialect = GeminiDialect()
+    call = to_chat({"contents": [{"parts": [{"text": "x"}]}]}, f"/v1beta/models/{MODEL}:streamGenerateContent"
+                   + ("?alt=sse" if framing == "sse" else ""))  # fmt: skip
+    stream = AnswerStream(dialect, call, 200, "text/event-stream")
+    at_once = stream.finish(
+        b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    )
+    decoded = [sse_events(raw) if framing == "sse" else json.loads(raw) for raw in (one_by_one, at_once)]
+    expected = [{"text": "Hmm, ok.", "thought": True}, {"text": "Hi é\n"},
+                {"functionCall": {"id": "c1", "name": "a", "args": {"x": 1}}},
+                {"functionCall": {"id": "c2", "name": "b", "args": {}}}]  # fmt: skip
+    for events in decoded:
+        assert merged_parts(events) == expected
+        assert events[-1]["candidates"][0]["finishReason"] == "STOP"
+        assert events[-1]["usageMetadata"] == {"promptTokenCount": 3, "candidatesTokenCount": 9, "totalTokenCount": 12}
+        assert {e["responseId"] for e in events} == {"chatcmpl-1"} and {e["modelVersion"] for e in events} == {MODEL}
+        for event in events:
+            types.GenerateContentResponse.model_validate(event)
+    assert len(decoded[0]) > len(decoded[1]) == 1

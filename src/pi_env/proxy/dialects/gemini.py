@@ -47,6 +47,7 @@ from typing import Any
 
 import msgspec
 
+from pi_env.proxy.capture import ToolCallDelta
 from pi_env.proxy.dialects.base import (
     AnswerTranslator,
     ChatChunk,
@@ -516,6 +517,9 @@ class GeminiTranslator(AnswerTranslator):
         self.usage: dict[str, Any] | None = None
         self.sent = 0  # events sent
         self.ended = False  # the last event (or an error) sent
+        self.event_end: bytes | None = None  # how every event with parts ends (framing included)
+        self.text_head = _SSE + _OPEN + _TEXT
+        self.last_call = -1  # the highest tool call index seen
 
     def _tail(self, response_id: str | None) -> bytes:
         if self.tail is None:
@@ -549,16 +553,30 @@ class GeminiTranslator(AnswerTranslator):
     def events(self, chunks: list[ChatChunk]) -> bytes:
         if self.ended:
             return b""
+        if len(chunks) == 1 and self.event_end is not None:  # the common case, a token of text: fast
+            chunk = chunks[0]
+            choices = chunk.choices
+            if choices and len(choices) == 1 and chunk.usage is None and chunk.error is None:
+                choice = choices[0]
+                delta = choice.delta
+                if (
+                    delta is not None
+                    and delta.content
+                    and not (choice.index or choice.finish_reason or delta.tool_calls)
+                    and not (delta.reasoning_content or delta.reasoning)
+                ):
+                    self.sent += 1
+                    head = self.text_head if self.sse else b",\r\n" + _OPEN + _TEXT
+                    return head + encode(delta.content) + b"}" + self.event_end
         parts: list[bytes] = []
-        text: list[str] = []  # the run of text (or thought) deltas being merged
-        thought = False
-        out = b""
+        run, thought = "", False  # the run of text (or thought) deltas being merged into one part
         for chunk in chunks:
-            if self.tail is None and chunk.id:
-                self._tail(chunk.id)
             if chunk.error is not None:
-                out += self._stream_error(chunk.error)
-                return out
+                if run:
+                    parts.append(_TEXT + encode(run) + (_THOUGHT if thought else b"}"))
+                return self._parts_event(parts) + self._stream_error(chunk.error)
+            if self.tail is None:
+                self._tail(chunk.id)
             if chunk.usage:
                 self.usage = chunk.usage
             for choice in chunk.choices or ():
@@ -568,46 +586,59 @@ class GeminiTranslator(AnswerTranslator):
                 if delta is not None:
                     reasoning = delta.reasoning_content or delta.reasoning
                     if reasoning:
-                        if text and not thought:
-                            parts.append(_TEXT + encode("".join(text)) + b"}")
-                            text = []
+                        if run and not thought:
+                            parts.append(_TEXT + encode(run) + b"}")
+                            run = ""
                         thought = True
-                        text.append(reasoning)
-                    if delta.content:
-                        if text and thought:
-                            parts.append(_TEXT + encode("".join(text)) + _THOUGHT)
-                            text = []
-                        thought = False
-                        text.append(delta.content)
+                        run += reasoning
+                    content = delta.content
+                    if content:
+                        if thought:
+                            if run:
+                                parts.append(_TEXT + encode(run) + _THOUGHT)
+                                run = ""
+                            thought = False
+                        run += content
                     if delta.tool_calls:
-                        if text:
-                            parts.append(_TEXT + encode("".join(text)) + (_THOUGHT if thought else b"}"))
-                            text = []
-                        for tool_call in delta.tool_calls:
-                            index = tool_call.index
-                            if index is None:
-                                index = max(self.calls, default=0) if tool_call.id is None else len(self.calls)
-                            pending = self.calls.get(index)
-                            if pending is None:
-                                self._flush_calls(parts, before=index)  # a new call: those before are whole
-                                pending = self.calls[index] = [tool_call.id, None, []]
-                            elif tool_call.id and not pending[0]:
-                                pending[0] = tool_call.id
-                            function = tool_call.function
-                            if function is not None:
-                                if function.name:
-                                    pending[1] = function.name
-                                if function.arguments:
-                                    pending[2].append(function.arguments)
+                        if run:
+                            parts.append(_TEXT + encode(run) + (_THOUGHT if thought else b"}"))
+                            run = ""
+                        self._tool_calls(delta.tool_calls, parts)
                 if choice.finish_reason:
                     self.finish = _FINISH.get(choice.finish_reason, _OTHER)
-        if text:
-            parts.append(_TEXT + encode("".join(text)) + (_THOUGHT if thought else b"}"))
+        if run:
+            parts.append(_TEXT + encode(run) + (_THOUGHT if thought else b"}"))
         if self.finish is not None and self.usage is not None:
-            return out + self._last(parts)
-        if parts:
-            out += self._frame(_OPEN + b",".join(parts) + b']},"index":0}],' + self._tail(None))
-        return out
+            return self._last(parts)
+        return self._parts_event(parts) if parts else b""
+
+    def _parts_event(self, parts: list[bytes]) -> bytes:
+        if not parts:
+            return b""
+        if self.event_end is None:
+            self.event_end = b']},"index":0}],' + self._tail(None) + (_SSE_END if self.sse else b"")
+        self.sent += 1
+        head = _SSE + _OPEN if self.sse else (b"[" if self.sent == 1 else b",\r\n") + _OPEN
+        return head + b",".join(parts) + self.event_end
+
+    def _tool_calls(self, deltas: list[ToolCallDelta], parts: list[bytes]) -> None:
+        for tool_call in deltas:
+            index = tool_call.index
+            if index is None:  # a server that numbers none: a delta with an id starts a call
+                index = self.last_call + 1 if tool_call.id is not None or self.last_call < 0 else self.last_call
+            pending = self.calls.get(index)
+            if pending is None:
+                self._flush_calls(parts, before=index)  # a new call: those before it are whole
+                pending = self.calls[index] = [tool_call.id, None, []]
+                self.last_call = max(self.last_call, index)
+            elif tool_call.id and not pending[0]:
+                pending[0] = tool_call.id
+            function = tool_call.function
+            if function is not None:
+                if function.name:
+                    pending[1] = function.name
+                if function.arguments:
+                    pending[2].append(function.arguments)
 
     def _stream_error(self, error: Any) -> bytes:
         self.ended = True
