@@ -171,8 +171,11 @@ SHELL_NAMES = (re.compile(r"bash|shell", re.IGNORECASE), re.compile(r"exec|termi
 ALLOWS_RELATIVE = re.compile(r"relative\s+or\s+absolute|absolute\s+or\s+relative", re.IGNORECASE)
 MENTIONS_ABSOLUTE = re.compile(r"\babsolute\b", re.IGNORECASE)
 MENTIONS_RELATIVE = re.compile(r"\brelative\b", re.IGNORECASE)
-# "you MUST use the Read tool first", "Always use the read_file tool to examine ... before"
-READ_FIRST = re.compile(r"\b(?:must|always)\b[^.\n]{0,100}?\b(?:read|read_file|view)\b", re.IGNORECASE)
+# "you MUST use the Read tool first", "Always use the read_file tool to examine ... before",
+# "Overwriting an existing file you haven't Read will fail" (Claude Code's Write)
+READ_FIRST = re.compile(
+    r"\b(?:must|always)\b[^.\n]{0,100}?\b(?:read|read_file|view)\b|\b(?:haven't|have not)\s+read\b", re.IGNORECASE
+)
 
 
 def _path_param(tool: Tool) -> str | None:
