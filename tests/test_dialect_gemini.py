@@ -448,12 +448,13 @@ def test_schemas_tools_and_tool_config():
             "required": ["path"],
             "properties": {
                 "path": {"type": "STRING", "description": "where"},
+                "dir_path": {"type": "STRING", "min_length": "1"},  # snake_case, as the SDK sends some fields
                 "lines": {"type": "ARRAY", "max_items": "3", "items": {"type": "INTEGER", "nullable": True}},
                 "mode": {"type": "STRING", "format": "enum", "enum": ["a", "b"]},
                 "any": {"any_of": [{"type": "NUMBER"}, {"type": "BOOLEAN"}]},
             },
         },
-    }  # fmt: skip (snake_case as the SDK sends it)
+    }
     tools = [
         {
             "functionDeclarations": [
@@ -468,6 +469,7 @@ def test_schemas_tools_and_tool_config():
     assert edit == {"name": "edit", "description": "Edit", "parameters": {
         "type": "object", "required": ["path"], "properties": {
             "path": {"type": "string", "description": "where"},
+            "dir_path": {"type": "string", "minLength": 1},
             "lines": {"type": "array", "maxItems": 3, "items": {"type": ["integer", "null"]}},
             "mode": {"type": "string", "format": "enum", "enum": ["a", "b"]},
             "any": {"anyOf": [{"type": "number"}, {"type": "boolean"}]}}}}  # fmt: skip
