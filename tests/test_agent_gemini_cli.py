@@ -339,3 +339,16 @@ def test_a_transcript_that_is_not_its_record_reads_as_what_parses():
     }
     entries = agent.transcript(lambda path, n, size: files)
     assert entries == [{"type": "user"}, {"type": "gemini", "content": "x"}]
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_its_install_carries_a_compile_cache_that_the_run_reads():
+    """Built once by a real run at the sandbox's paths (against a Gemini-speaking stub), read-only
+    with the install: every rollout's Node starts warm."""
+    agent = get_agent(PiConfig(agent=GEMINI))
+    runtime = agent.install(None)
+    assert runtime.compile_cache and runtime.root.endswith("+cc1")
+    assert any((Path(runtime.root) / "compile-cache").glob("*/*"))
+    run = AgentRun(agent.config, Endpoint(name="e", base_url="http://x.invalid/v1", model="m"), "t", "go")
+    assert agent.command(runtime, run)[1]["NODE_COMPILE_CACHE"] == "/opt/pi-env/runtime/compile-cache"

@@ -26,9 +26,17 @@ context limit (`extra_call`)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import cast
 
+from ..endpoints import Endpoint
 from ..sandbox import SANDBOX_WORKDIR, Sandbox
 from .base import (
     FORWARDER_PATH,
@@ -42,7 +50,15 @@ from .base import (
     ReadTree,
     gateway_env,
 )
-from .runtime import PiRuntime, ensure_runtime
+from .runtime import (
+    COMPILE_CACHE_RELPATH,
+    SANDBOX_RUNTIME_DIR,
+    WARM_UP_TIMEOUT_S,
+    PiRuntime,
+    RuntimeInstallError,
+    ensure_launcher_node,
+    ensure_runtime,
+)
 
 HOME = "/root"
 GEMINI_DIR = f"{HOME}/.gemini"
@@ -128,7 +144,13 @@ class GeminiCliAgent(Agent):
 
     def install(self, cache_dir: str | None, progress: Callable[[str], None] | None = None) -> PiRuntime:
         return ensure_runtime(
-            self.package, self.version, self.config.node_version, cache_dir, progress, bin_name="gemini"
+            self.package,
+            self.version,
+            self.config.node_version,
+            cache_dir,
+            progress,
+            bin_name="gemini",
+            warm=lambda runtime, staging: build_gemini_compile_cache(self, runtime, staging, cache_dir),
         )
 
     def masked_paths(self, installed: Installed) -> tuple[str, ...]:
@@ -179,6 +201,79 @@ class GeminiCliAgent(Agent):
         if "next_speaker" in schema:
             return "next-speaker check"
         return "side call"
+
+
+def build_gemini_compile_cache(agent: GeminiCliAgent, runtime: PiRuntime, staging: Path, cache_dir: str | None) -> bool:
+    """Fill staging/compile-cache with Node's compile cache of one real run (as
+    compile_cache.build_compile_cache does for a Chat Completions agent, whose warm-up server this
+    agent cannot speak to): the launcher's Node, the CLI at the sandbox's paths in a mount
+    namespace, as uid 0, writing hello.txt through its write_file tool against `_WarmUpModel`.
+    Read-only with the install in every sandbox."""
+    from ..sandbox import SANDBOX_HOME
+    from ..task import PiTask
+    from .compile_cache import _HostHome
+
+    bwrap = shutil.which("bwrap")
+    if not bwrap:
+        raise RuntimeInstallError("bwrap is not installed")
+    node = ensure_launcher_node(agent.config.node_version, cache_dir) / "bin" / "node"  # a host path
+    task = PiTask(task_id="compile-cache-warm-up", instruction="Create hello.txt containing hello.", verify=[])
+    home = Path(tempfile.mkdtemp(prefix="warm-up-home-"))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _WarmUpModel)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = Endpoint(name="warm-up", base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", model="warm-up")
+        run = AgentRun(agent.config, endpoint, "warm-up", task.instruction, base_url=endpoint.base_url)
+        host = _HostHome(home, SANDBOX_HOME)
+        Path(host.path(SANDBOX_WORKDIR)).mkdir(parents=True)
+        agent.prepare(host, runtime, run)  # type: ignore[arg-type]
+        argv, env, stdin_path = agent.command(runtime, run)
+        at = argv.index("--import")  # the server is reached directly
+        argv = [str(node), *argv[1:at], *argv[at + 2 :]]
+        cache = staging / COMPILE_CACHE_RELPATH
+        cache.mkdir()
+        namespace = [bwrap, "--unshare-all", "--share-net", "--die-with-parent"]
+        if os.geteuid() != 0:
+            namespace += ["--unshare-user", "--uid", "0", "--gid", "0"]
+        namespace += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        namespace += ["--tmpfs", "/opt", "--ro-bind", str(staging), SANDBOX_RUNTIME_DIR]
+        namespace += ["--bind", str(cache), f"{SANDBOX_RUNTIME_DIR}/{COMPILE_CACHE_RELPATH}"]
+        namespace += ["--bind", str(home), SANDBOX_HOME, "--chdir", SANDBOX_WORKDIR, "--"]
+        env = {"TMPDIR": "/tmp", "LANG": "C.UTF-8", **env}
+        env["NODE_COMPILE_CACHE"] = f"{SANDBOX_RUNTIME_DIR}/{COMPILE_CACHE_RELPATH}"
+        with open(host.path(stdin_path) if stdin_path else os.devnull) as stdin:
+            done = subprocess.run(
+                namespace + argv, stdin=stdin, capture_output=True, env=env, timeout=WARM_UP_TIMEOUT_S
+            )
+        if not Path(host.path(f"{SANDBOX_WORKDIR}/hello.txt")).exists():
+            tail = (done.stdout + done.stderr).decode("utf-8", "replace")[-600:]
+            raise RuntimeInstallError(f"the warm-up run did not write its file (exit {done.returncode}): {tail}")
+        return True
+    finally:
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+class _WarmUpModel(BaseHTTPRequestHandler):
+    """The warm-up run's model, in Gemini's own shape: a write_file call, then "done"."""
+
+    def do_POST(self) -> None:  # http.server's name for it
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        answered = b'"functionResponse"' in body
+        part = {"text": "done"} if answered else {
+            "functionCall": {"name": "write_file", "args": {"file_path": "hello.txt", "content": "hello\n"}}
+        }  # fmt: skip
+        event = {"candidates": [{"content": {"role": "model", "parts": [part]}, "finishReason": "STOP", "index": 0}]}
+        data = b"data: " + json.dumps(event).encode() + b"\r\n\r\n"
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
 
 
 def _runtime(installed: Installed) -> PiRuntime:
