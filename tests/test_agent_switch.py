@@ -27,11 +27,11 @@ def pi_env(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def test_the_registry_names_every_agent_and_refuses_others():
-    assert agent_names() == ["mini-swe-agent", "opencode", "pi", "qwen-code"]
+    assert agent_names() == ["claude-code", "codex", "gemini-cli", "mini-swe-agent", "opencode", "pi", "qwen-code"]
     for name in agent_names():
         agent = get_agent(PiConfig(agent=name))
         assert agent.name == name and agent.version  # pinned
-    with pytest.raises(ValueError, match="unknown agent 'nope'; known: mini-swe-agent, opencode, pi, qwen-code"):
+    with pytest.raises(ValueError, match="unknown agent 'nope'; known: claude-code, codex, gemini-cli, mini-swe-agent, opencode, pi, qwen-code"):
         PiSessionFactory(agent="nope")
     with pytest.raises(ValueError, match="not an agent name"):
         PiConfig(agent="../evil")

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 # name -> "module:class"; imported on first use so one agent's code never burdens another.
 _AGENTS = {
     "claude-code": "pi_env.agent.claude_code:ClaudeCodeAgent",
+    "codex": "pi_env.agent.codex:CodexAgent",
     "gemini-cli": "pi_env.agent.gemini_cli:GeminiCliAgent",
     "mini-swe-agent": "pi_env.agent.mini_swe_agent:MiniSweAgent",
     "opencode": "pi_env.agent.opencode:OpenCodeAgent",
