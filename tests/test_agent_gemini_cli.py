@@ -352,3 +352,28 @@ def test_its_install_carries_a_compile_cache_that_the_run_reads():
     assert any((Path(runtime.root) / "compile-cache").glob("*/*"))
     run = AgentRun(agent.config, Endpoint(name="e", base_url="http://x.invalid/v1", model="m"), "t", "go")
     assert agent.command(runtime, run)[1]["NODE_COMPILE_CACHE"] == "/opt/pi-env/runtime/compile-cache"
+
+
+GEMINI_EXTRA_TOOLS = ["update_topic", "list_directory", "grep_search", "glob", "web_fetch", "google_web_search",
+                      "list_background_processes", "read_background_output", "enter_plan_mode", "invoke_agent",
+                      "activate_skill"]  # fmt: skip
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_its_options_leave_tools_out_and_replace_its_system_prompt(server):
+    """A small model's context: 4 tools and a short system prompt (the engine tier's setting)."""
+    key = server.add_script(HELLO_TURNS)
+    options = {"exclude_tools": GEMINI_EXTRA_TOOLS, "system_prompt": "You are a coding agent. Use the tools."}
+    config = scripted_config(server, key, agent={"name": GEMINI, "options": options})
+    result, dialects = rollout(HELLO, config)
+    assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
+    body = server.requests[0].body
+    assert sorted(t["function"]["name"] for t in body["tools"]) == [
+        "read_file",
+        "replace",
+        "run_shell_command",
+        "write_file",
+    ]
+    assert body["messages"][0]["content"].startswith("You are a coding agent. Use the tools.")
+    assert len(json.dumps(body)) < 12_000, len(json.dumps(body))
