@@ -452,16 +452,17 @@ DIALECT_CPU_RATIO_MAX = 1.2
 
 
 def measure_dialects(args, c: int, gateway: subprocess.Popen, gateway_info: dict, chat_body: bytes,
-                     engine_pid: int) -> dict:
+                     engine_pid: int, names: list[str]) -> dict:
     """transparent_proxy at concurrency `c`: the same answer asked in Chat Completions and in each
     dialect, through the same gateway session, in alternating rounds; gateway CPU per token."""
     per_round = max(args.n // ROUNDS, c, 1 if args.n < ROUNDS else 0)
     mode, base_url, token = "transparent_proxy", gateway_info["base_url"], gateway_info["tokens"]["transparent_proxy"]
-    phases: dict[str, list[dict]] = {"chat": [], **{name: [] for name in DIALECTS}}
+    phases: dict[str, list[dict]] = {"chat": [], **{name: [] for name in names}}
     for _ in range(ROUNDS):
         phases["chat"].append(asyncio.run(run_phase(base_url, token, per_round, c, chat_body, engine_pid, gateway,
                                                     mode)))  # fmt: skip
-        for name, (route, body, end) in DIALECTS.items():
+        for name in names:
+            route, body, end = DIALECTS[name]
             phases[name].append(asyncio.run(run_phase(base_url, token, per_round, c, json.dumps(body).encode(),
                                                       engine_pid, gateway, mode, route=route, end=end)))  # fmt: skip
     calls = per_round * ROUNDS
@@ -472,7 +473,7 @@ def measure_dialects(args, c: int, gateway: subprocess.Popen, gateway_info: dict
     chat = cpu_per_token(phases["chat"])
     level = {"concurrency": c, "calls": calls, "chat": {"gateway_cpu_us_per_token": chat,
                                                          **summarize(phases["chat"], calls)}}  # fmt: skip
-    for name in DIALECTS:
+    for name in names:
         ours = cpu_per_token(phases[name])
         level[name] = {"gateway_cpu_us_per_token": ours, "cpu_ratio_to_chat": ours / chat,
                        **summarize(phases[name], calls)}  # fmt: skip
@@ -509,9 +510,10 @@ def main() -> None:
                         help="then hold this many open sessions with one answer each and measure memory (0: skip)")
     parser.add_argument("--c-relay", action="store_true",
                         help="also measure a no-op relay written in C (socat) in the same rounds")
-    parser.add_argument("--dialects", action="store_true",
+    parser.add_argument("--dialects", nargs="*", choices=sorted(DIALECTS), default=None, metavar="DIALECT",
                         help="only compare transparent_proxy's cost per token in each dialect the gateway speaks "
-                             "(Responses, Messages, Gemini) with Chat Completions, in the same rounds")
+                             "(responses, messages, gemini; none named: all) with Chat Completions, in the same "
+                             "rounds")
     parser.add_argument("--serve-gateway", nargs=2, metavar=("UPSTREAM_URL", "KEY"),
                         help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("--serve-relay", metavar="UPSTREAM_URL", help=argparse.SUPPRESS)
@@ -551,22 +553,23 @@ def main() -> None:
 
     report = {"bench": "proxy_overhead", "n": args.n, "tokens": args.tokens, "cpus": os.cpu_count(),
               "engine_delay_ms": args.engine_delay_ms, "levels": []}
-    if args.dialects:
+    if args.dialects is not None:
+        names = args.dialects or list(DIALECTS)
         try:
             gateway, gateway_info = next(iter(gateways.values()))
-            levels = [measure_dialects(args, c, gateway, gateway_info, bodies["black_box"], server.pid)
+            levels = [measure_dialects(args, c, gateway, gateway_info, bodies["black_box"], server.pid, names)
                       for c in args.concurrency]  # fmt: skip
         finally:
             stop(gateways, relays, server, f.name)
         print(f"transparent_proxy, {args.n} streamed answers of {args.tokens} tokens per dialect and level")
         print(f"{'dialect':10} {'c':>3} {'CPU us/token':>13} {'x chat':>7} {'median ms':>10} {'req/s':>8}")
         for level in levels:
-            for name in ("chat", *DIALECTS):
+            for name in ("chat", *names):
                 d = level[name]
                 print(f"{name:10} {level['concurrency']:>3} {d['gateway_cpu_us_per_token']:>13.2f} "
                       f"{d.get('cpu_ratio_to_chat', 1.0):>7.2f} {d['median_ms']:>10.2f} {d['req_per_s']:>8.1f}")
         meets_dialects = {name: all(level[name]["cpu_ratio_to_chat"] <= DIALECT_CPU_RATIO_MAX for level in levels)
-                          for name in DIALECTS}  # fmt: skip
+                          for name in names}  # fmt: skip
         print(json.dumps({"bench": "proxy_overhead.dialects", "n": args.n, "tokens": args.tokens,
                           "cpus": os.cpu_count(), "levels": levels, "cpu_ratio_max": DIALECT_CPU_RATIO_MAX,
                           "meets_targets": meets_dialects,

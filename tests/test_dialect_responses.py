@@ -121,8 +121,10 @@ def test_text_and_reasoning_whole_streamed_and_through_the_stream_helper(gateway
     assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
     assert helped.usage.output_tokens == whole.usage.output_tokens
 
-    types = [event.type for event in streamed]
-    assert types == [e["type"] for e in raw]
+    # How many delta events carry the text depends on how the answer's chunks were batched
+    # (what arrives in one write leaves as one event): compare the shapes without repeats.
+    types = collapsed([event.type for event in streamed])
+    assert types == collapsed([e["type"] for e in raw])
     assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
     item_events = ["response.output_item.added", "response.content_part.added"]
     assert types[2:4] == item_events and "response.reasoning_text.delta" in types
@@ -766,3 +768,8 @@ def test_sampling_output_format_tool_choice_and_images_map_to_their_chat_fields(
         "ignored: some_new_field",
     ]
     assert "kept out" not in json.dumps(call.notes)
+
+
+def collapsed(types: list[str]) -> list[str]:
+    """The event types with runs of one type (delta events) counted once."""
+    return [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t]

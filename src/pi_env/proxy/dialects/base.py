@@ -147,6 +147,58 @@ def chat_error_message(body: bytes) -> tuple[str, str]:
     return body.decode(errors="replace")[:4096], "api_error"
 
 
+def _text_only(chunk: ChatChunk) -> tuple[str, str] | None:
+    """("content" | "reasoning_content" | "reasoning", text) for a chunk that carries text of one
+    kind and nothing else; None for any other chunk."""
+    choices = chunk.choices
+    if chunk.usage is not None or chunk.error is not None or not choices or len(choices) != 1:
+        return None
+    choice = choices[0]
+    delta = choice.delta
+    if delta is None or choice.finish_reason is not None or delta.tool_calls is not None:
+        return None
+    content, reasoning_content, reasoning = delta.content, delta.reasoning_content, delta.reasoning
+    if content and not reasoning_content and not reasoning:
+        return "content", content
+    if reasoning_content and not content and not reasoning:
+        return "reasoning_content", reasoning_content
+    if reasoning and not content and not reasoning_content:
+        return "reasoning", reasoning
+    return None
+
+
+def coalesce(chunks: list[ChatChunk]) -> list[ChatChunk]:
+    """The chunks with each run of text-only chunks of one kind merged into one: an engine sends
+    a chunk a token, and one dialect event per token would cost the gateway its per-event work
+    (and the agent its parsing) that many times; what arrived in one write leaves as one event."""
+    merged: list[ChatChunk] = []
+    run: list[str] = []
+    kind, first = "", None
+    for chunk in chunks:
+        text = _text_only(chunk)
+        if text is not None and text[0] == kind:
+            run.append(text[1])
+            continue
+        if first is not None:
+            merged.append(_merged(first, kind, run))
+            first, kind = None, ""
+        if text is None:
+            merged.append(chunk)
+        else:
+            kind, run, first = text[0], [text[1]], chunk
+    if first is not None:
+        merged.append(_merged(first, kind, run))
+    return merged
+
+
+def _merged(first: ChatChunk, kind: str, texts: list[str]) -> ChatChunk:
+    if len(texts) == 1:
+        return first
+    delta = MessageDelta()
+    setattr(delta, kind, "".join(texts))
+    return ChatChunk(id=first.id, model=first.model, choices=[Choice(index=first.choices[0].index, delta=delta)])  # type: ignore[index]
+
+
 class AnswerStream:
     """The dialect's bytes for a Chat Completions answer that arrives in pieces: an SSE stream
     translated as it comes, anything else (a whole JSON answer, an error) at its end."""
@@ -189,11 +241,10 @@ class AnswerStream:
         return out + self.translator.close()
 
     def _translate(self, lines: bytes) -> bytes:
-        payloads = [
-            line[5:].strip()
-            for line in lines.split(b"\n")
-            if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]")
-        ]
+        # Leading blanks are JSON whitespace; an empty or odd payload fails the batch, then itself below.
+        payloads = [line[5:] for line in lines.split(b"\n") if line[:5] == b"data:"]
+        if payloads and payloads[-1].strip() == b"[DONE]":
+            payloads.pop()
         if not payloads:
             return b""
         try:
@@ -206,7 +257,7 @@ class AnswerStream:
                 except msgspec.DecodeError:
                     continue
         self.started = True
-        return self.translator.events(chunks)
+        return self.translator.events(coalesce(chunks) if len(chunks) > 1 else chunks)
 
     def _whole(self, body: bytes) -> bytes:
         if self.status >= 400:

@@ -1,0 +1,124 @@
+"""The dialect layer's shared parts (proxy/dialects/base.py): the routes each dialect claims, the
+session token in each SDK's key header, and how a Chat Completions stream reaches a translator
+(split at any byte, text runs merged, a cut stream still closed)."""
+
+import msgspec
+import pytest
+
+from pi_env.proxy.capture import MessageDelta
+from pi_env.proxy.dialects import match_route
+from pi_env.proxy.dialects.base import AnswerStream, AnswerTranslator, ChatChunk, Choice, DialectCall, coalesce
+
+
+@pytest.mark.parametrize("method, target, expected", [
+    ("POST", "/v1/responses", ("responses", None, "sse")),
+    ("POST", "/v1/messages", ("messages", None, "sse")),
+    ("POST", "/v1/messages?beta=true", ("messages", None, "sse")),
+    ("POST", "/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse", ("gemini", True, "sse")),
+    ("POST", "/v1beta/models/m:streamGenerateContent", ("gemini", True, "json_array")),
+    ("POST", "/v1beta/models/m:generateContent", ("gemini", False, "sse")),
+    ("GET", "/v1/responses", None),
+    ("POST", "/v1/responses?x=1", None),
+    ("POST", "/v1/messages/count_tokens", None),
+    ("POST", "/v1beta/models/m:generateContent?alt=sse", None),
+    ("POST", "/v1beta/models/..:generateContent", None),
+    ("POST", "/v1beta/models/a%2Fb:generateContent", None),
+    ("POST", "/v1beta/models/a/b:generateContent", None),
+    ("POST", "/v1beta/models/m:countTokens", None),
+])  # fmt: skip
+def test_each_dialect_claims_its_exact_routes_only(method, target, expected):
+    found = match_route(method, target)
+    if expected is None:
+        assert found is None
+    else:
+        dialect, route = found
+        assert (dialect.name, route.streamed, route.framing) == expected
+
+
+class Recorder(AnswerTranslator):
+    """Records what it is fed, as text: what a translator receives from AnswerStream."""
+
+    def __init__(self, call):
+        super().__init__(call)
+        self.fed: list[ChatChunk] = []
+        self.closed = 0
+
+    def events(self, chunks):
+        self.fed += chunks
+        return b"".join(msgspec.json.encode(c) + b"\n" for c in chunks)
+
+    def close(self):
+        self.closed += 1
+        return b"END"
+
+    def whole(self, answer):
+        return b"WHOLE"
+
+
+class RecordingDialect:
+    name = "recording"
+    stream_content_type = "text/event-stream"
+
+    def translator(self, call):
+        self.recorder = Recorder(call)
+        return self.recorder
+
+    def error_body(self, status, message, kind):
+        return msgspec.json.encode({"status": status, "message": message, "kind": kind})
+
+
+def chunk_line(**delta) -> bytes:
+    body = {"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                    "logprobs": {"content": [{"token": "x", "logprob": -1.0, "top_logprobs": []}]}}]}
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+FINISH = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+USAGE = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}\n\n'
+
+
+def feed(stream: AnswerStream, data: bytes, piece: int) -> bytes:
+    out = b""
+    for start in range(0, len(data), piece):
+        out += stream.feed(data[start : start + piece])
+    return out + stream.finish()
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64, 1 << 20])
+def test_a_stream_split_anywhere_reaches_the_translator_whole_with_text_runs_merged(piece):
+    body = (chunk_line(role="assistant", content="") + chunk_line(content="Hel") + chunk_line(content="lo")
+            + chunk_line(reasoning_content="think") + chunk_line(content=' é"') + FINISH + USAGE
+            + b"data: [DONE]\n\n")  # fmt: skip
+    dialect = RecordingDialect()
+    stream = AnswerStream(dialect, DialectCall("recording", {}, True, "m"), 200, "text/event-stream")
+    feed(stream, body, piece)
+    recorder = dialect.recorder
+    text = "".join(c.choices[0].delta.content or "" for c in recorder.fed if c.choices)
+    assert text == 'Hello é"'
+    assert "".join(c.choices[0].delta.reasoning_content or "" for c in recorder.fed if c.choices) == "think"
+    assert [c.choices[0].finish_reason for c in recorder.fed if c.choices] [-1] == "stop"
+    assert recorder.fed[-1].usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert recorder.closed == 1
+    if piece > len(body):  # one write: "Hel" + "lo" became one chunk, the reasoning stayed apart
+        assert [c.choices[0].delta.content for c in recorder.fed[:4]] == ["", "Hello", None, ' é"']
+
+
+def test_coalesce_merges_only_runs_of_one_kind_of_text():
+    def c(**delta):
+        return ChatChunk(choices=[Choice(delta=MessageDelta(**delta))])
+
+    merged = coalesce([c(content="a"), c(content="b"), c(reasoning_content="r"), c(reasoning_content="s"),
+                       c(content="c"), ChatChunk(choices=[Choice(delta=MessageDelta(), finish_reason="stop")])])
+    assert [(m.choices[0].delta.content, m.choices[0].delta.reasoning_content) for m in merged] == [
+        ("ab", None), (None, "rs"), ("c", None), (None, None)]
+    assert merged[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_cut_stream_is_still_closed_and_an_error_body_is_the_dialects():
+    dialect = RecordingDialect()
+    stream = AnswerStream(dialect, DialectCall("recording", {}, True, "m"), 200, "text/event-stream")
+    assert stream.feed(chunk_line(content="par")[:-3]) == b""  # no whole line yet
+    assert stream.finish().endswith(b"END") and dialect.recorder.closed == 1
+    error = AnswerStream(dialect, DialectCall("recording", {}, True, "m"), 429, "application/json")
+    error.feed(b'{"error": {"message": "slow down", "type": "rate_limit"}}')
+    assert msgspec.json.decode(error.finish()) == {"status": 429, "message": "slow down", "kind": "rate_limit"}
