@@ -377,3 +377,62 @@ def test_its_options_leave_tools_out_and_replace_its_system_prompt(server):
     ]
     assert body["messages"][0]["content"].startswith("You are a coding agent. Use the tools.")
     assert len(json.dumps(body)) < 12_000, len(json.dumps(body))
+
+
+NEXT_SPEAKER_SCHEMA = {  # Gemini CLI 0.61.0's next-speaker check and loop check, as it sends them
+    "type": "object",
+    "properties": {
+        "reasoning": {"type": "string", "description": "why"},
+        "next_speaker": {"type": "string", "enum": ["user", "model"], "description": "who"},
+    },
+    "required": ["reasoning", "next_speaker"],
+}
+LOOP_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "unproductive_state_analysis": {"type": "string"},
+        "unproductive_state_confidence": {"type": "number"},
+    },
+    "required": ["unproductive_state_analysis", "unproductive_state_confidence"],
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "expected", "why"),
+    [
+        (NEXT_SPEAKER_SCHEMA, {"next_speaker": "user"}, "next-speaker check"),
+        (LOOP_SCHEMA, {"unproductive_state_confidence": 0}, "loop check"),
+    ],
+)
+def test_the_oracle_answers_its_json_side_calls_with_a_valid_object(schema, expected, why):
+    """Its side calls (no tools, a JSON response schema) reach the oracle as the gemini dialect
+    makes them; the answer parses to an object the schema allows: "the user speaks", "no loop"."""
+    from pi_env.oracle import OracleScript
+    from pi_env.proxy.dialects.gemini import GeminiDialect
+
+    request = {
+        "contents": [{"role": "user", "parts": [{"text": "Analyse the conversation."}]}],
+        "generationConfig": {"responseJsonSchema": schema, "responseMimeType": "application/json"},
+    }
+    dialect = GeminiDialect()
+    chat = dialect.to_chat(request, dialect.match("POST", "/v1beta/models/gemini-2.5-flash:generateContent")).chat
+    assert get_agent(PiConfig(agent=GEMINI)).extra_call(chat) == why
+    (turn,) = OracleScript(EXAMPLES[0])(chat)
+    answer = json.loads(turn.text)
+    assert set(answer) == set(schema["required"]) and expected.items() <= answer.items(), answer
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_a_next_speaker_check_is_marked_and_answered_by_the_oracle(monkeypatch):
+    """With its next-speaker check on (off by default), the check after the final text is one more
+    call, marked as outside the task's conversation; the oracle says the user speaks next."""
+    from pi_env.agent import gemini_cli
+
+    settings = json.loads(json.dumps(gemini_cli.HERMETIC_SETTINGS))
+    settings["model"]["skipNextSpeakerCheck"] = False
+    monkeypatch.setattr(gemini_cli, "HERMETIC_SETTINGS", settings)
+    result, dialects = rollout(EXAMPLES[0], PiConfig(agent=GEMINI))
+    assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
+    assert [t.extra_call for t in result.proxy_turns][-1] == "next-speaker check"
+    assert sum(1 for t in result.proxy_turns if t.extra_call) == 1 and dialects == ["gemini"] * len(dialects)

@@ -460,7 +460,8 @@ class OracleScript:
             # a side call (a title): text, and nothing advances (the turn index is its own count)
             messages = body.get("messages") or []
             count = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
-            return [TITLE_TURN] * (count + 1)
+            answer = _json_answer(body.get("response_format"))
+            return [TITLE_TURN if answer is None else ScriptedTurn(text=answer)] * (count + 1)
         key = json.dumps(tools)
         with self._lock:
             turns = self._adapted.get(key)
@@ -469,6 +470,21 @@ class OracleScript:
                     self._adapted.clear()
                 turns = self._adapted[key] = adapted_turns(self.task, tools, self.submit_command)
         return turns
+
+
+def _json_answer(response_format: Any) -> str | None:
+    """A side call that asks for JSON (Gemini CLI's next-speaker and loop checks): the smallest
+    object its schema allows, its required properties neutral ("user" where an enum offers it,
+    confidence 0), so the check says "go on as you would"; None: it asks for text."""
+    if not isinstance(response_format, dict) or response_format.get("type") not in ("json_schema", "json_object"):
+        return None
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(schema, dict) or not isinstance(properties, dict):
+        return "{}"
+    required = [name for name in schema.get("required") or () if isinstance(properties.get(name), dict)]
+    return json.dumps({name: neutral_value(properties[name], "user") for name in required})
 
 
 def _shared_server() -> ScriptedServer:
