@@ -213,13 +213,16 @@ def test_a_tasks_own_settings_hooks_mcp_and_binaries_change_nothing_and_its_tool
 
 @pytest.mark.needs_bwrap
 @pytest.mark.slow
-def test_transparent_proxy_records_token_ids(server):
+def test_transparent_proxy_records_token_ids_with_its_tools_narrowed(server):
     key = server.add_script(HELLO_TURNS)
+    agent = {"name": CLAUDE, "options": {"tools": ["Bash", "Edit", "Read", "Write"]}}  # a smaller request
     result, dialects = rollout(
-        HELLO, scripted_config(server, key, agent=CLAUDE, mode="transparent_proxy", proxy_return_token_ids=True)
+        HELLO, scripted_config(server, key, agent=agent, mode="transparent_proxy", proxy_return_token_ids=True)
     )
     assert result.reward == 1.0 and result.error_kind is None, result.error
     assert len(result.proxy_turns) == 3 and dialects == ["messages"] * 3
+    offered = {tool["function"]["name"] for tool in server.requests[0].body["tools"]}
+    assert offered == {"Bash", "Edit", "Read", "Write"}, offered
     for turn in result.proxy_turns:
         assert turn.prompt_token_ids and turn.completion_token_ids, turn.token_ids_missing_reason
 
@@ -326,6 +329,23 @@ def test_its_configuration_points_only_at_the_gateway():
     assert agent.masked_paths(Installed()) == (f"{SANDBOX_WORKDIR}/.claude",)  # type: ignore[arg-type]
     assert agent.extra_call({"messages": [], "tools": []}) == "side call"
     assert agent.extra_call({"messages": [], "tools": [{"type": "function"}]}) is None
+
+
+def test_its_tools_option_narrows_what_it_offers():
+    agent = get_agent(PiConfig(agent={"name": CLAUDE, "options": {"tools": ["Bash", "Write"]}}))
+    run = AgentRun(agent.config, Endpoint(name="e", base_url="http://x.invalid/v1", model="m1"), "tok", "do it")
+
+    class Installed:
+        sandbox_binary = "/opt/pi-env/runtime/claude"
+
+    argv, _, _ = agent.command(Installed(), run)  # type: ignore[arg-type]
+    assert argv[-2:] == ["--tools", "Bash,Write"]
+    for bad in ("Bash", [1], [""]):
+        agent = get_agent(PiConfig(agent={"name": CLAUDE, "options": {"tools": bad}}))
+        with pytest.raises(ValueError, match="tools"):
+            agent.command(Installed(), run)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no options"):
+        get_agent(PiConfig(agent={"name": CLAUDE, "options": {"tool": ["Bash"]}}))
 
 
 def test_a_transcript_that_is_not_its_record_reads_as_what_parses():

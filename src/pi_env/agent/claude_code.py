@@ -157,6 +157,10 @@ class ClaudeCodeAgent(Agent):
     package = "@anthropic-ai/claude-code"
     default_version = "2.1.332"
     uses_launcher = True  # a native binary: the forwarder runs in front of it
+    options = {
+        "tools": 'the built-in tools it offers (--tools), e.g. ["Bash", "Edit", "Read", "Write"]: a 15 KB '
+        "first request instead of 56 KB (its Workflow tool alone is 23 KB); default: all of them",
+    }
 
     def install(self, cache_dir: str | None, progress: Callable[[str], None] | None = None) -> ClaudeCodeInstall:
         return install_claude_code(self.version, cache_dir, progress)
@@ -190,6 +194,11 @@ class ClaudeCodeAgent(Agent):
             EMPTY_MCP,
             "--disable-slash-commands",
         ]
+        tools = self.settings.options.get("tools")
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, str) and t for t in tools):
+                raise ValueError('agent option "tools" must be a list of tool names, like ["Bash", "Write"]')
+            argv += ["--tools", ",".join(tools)]
         return launched(argv), claude_env(run), PROMPT_PATH
 
     def transcript(self, read: ReadTree) -> list[dict]:
