@@ -188,7 +188,8 @@ def test_text_answer_with_usage_in_each_sdk_path(gateway, server, mode, how):
         types = [e.type for e in events]
         assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"]
         assert types[1] == "content_block_start" and types[-3] == "content_block_stop"
-        assert set(types[2:-3]) == {"content_block_delta"} and len(types[2:-3]) == 11  # 33 chars in 3s
+        assert set(types[2:-3]) == {"content_block_delta"}  # as many as the writes carried (merged per write)
+        assert "".join(e.delta.text for e in events[2:-3]) == "Hello from the engine, in pieces."
     (turn,) = session.turns
     assert turn.dialect == "messages" and any(n.startswith("anthropic-version: ") for n in turn.dialect_notes)
     assert turn.upstream_status == 200

@@ -432,7 +432,8 @@ class MessagesTranslator(AnswerTranslator):
         self.blocks = 0  # content blocks opened so far
         self.kind: str | None = None  # the open block's kind: "text", "thinking", "tool_use"; None: none open
         self.index = b""  # the open block's index, as bytes
-        self.tools: dict[int, bytes] = {}  # a chat tool call's index -> its block's index (bytes)
+        self.prefix = b""  # the open block's content_block_delta event up to its delta's value
+        self.tools: dict[int, bytes] = {}  # a chat tool call's index -> its block's delta prefix
         self.finish: str | None = None
         self.stop_reason: Any = None
         self.usage: dict[str, Any] | None = None
@@ -458,10 +459,12 @@ class MessagesTranslator(AnswerTranslator):
         }
         return _event("message_start", encode({"type": "message_start", "message": message})) + _PING
 
-    def _open(self, kind: str, block: bytes) -> bytes:
-        """Close the open block, open a new one of `kind` (`block`: its content_block start)."""
+    def _open(self, kind: str, block: bytes, delta: bytes = b"") -> bytes:
+        """Close the open block, open a new one of `kind` (`block`: its content_block start;
+        `delta`: what its deltas carry after the index, kept as the block's delta prefix)."""
         out = self._close_block()
         self.kind, self.index = kind, str(self.blocks).encode()
+        self.prefix = _DELTA + self.index + delta
         self.blocks += 1
         return out + _START + self.index + block
 
@@ -491,15 +494,25 @@ class MessagesTranslator(AnswerTranslator):
                 delta = choice.delta
                 if delta is None:
                     continue
+                if (
+                    delta.content
+                    and delta.reasoning_content is None
+                    and delta.reasoning is None
+                    and not delta.tool_calls
+                ):
+                    if self.kind != "text":  # the common case first: one piece of text
+                        out.append(self._open("text", _TEXT_BLOCK, _TEXT_DELTA))
+                    out.append(self.prefix + encode(delta.content) + _END)
+                    continue
                 thought = delta.reasoning_content if delta.reasoning_content is not None else delta.reasoning
                 if thought:
                     if self.kind != "thinking":
-                        out.append(self._open("thinking", _THINKING_BLOCK))
-                    out.append(_DELTA + self.index + _THINKING_DELTA + encode(thought) + _END)
+                        out.append(self._open("thinking", _THINKING_BLOCK, _THINKING_DELTA))
+                    out.append(self.prefix + encode(thought) + _END)
                 if delta.content:
                     if self.kind != "text":
-                        out.append(self._open("text", _TEXT_BLOCK))
-                    out.append(_DELTA + self.index + _TEXT_DELTA + encode(delta.content) + _END)
+                        out.append(self._open("text", _TEXT_BLOCK, _TEXT_DELTA))
+                    out.append(self.prefix + encode(delta.content) + _END)
                 if delta.tool_calls:
                     for tool_call in delta.tool_calls:
                         out.append(self._tool_delta(tool_call))
@@ -509,19 +522,19 @@ class MessagesTranslator(AnswerTranslator):
         position = tool_call.index if tool_call.index is not None else len(self.tools)
         function = tool_call.function
         out = b""
-        index = self.tools.get(position)
-        if index is None:
+        prefix = self.tools.get(position)
+        if prefix is None:
             block: dict[str, Any] = {
                 "type": "tool_use",
                 "id": tool_call.id or "toolu_" + secrets.token_hex(12),
                 "name": (function.name if function is not None else None) or "",
                 "input": {},
             }
-            out = self._open("tool_use", b',"content_block":' + encode(block) + b"}\n\n")
-            index = self.tools[position] = self.index
+            out = self._open("tool_use", b',"content_block":' + encode(block) + b"}\n\n", _JSON_DELTA)
+            prefix = self.tools[position] = self.prefix
         arguments = function.arguments if function is not None else None
         if arguments:
-            out += _DELTA + index + _JSON_DELTA + encode(arguments) + _END
+            out += prefix + encode(arguments) + _END
         return out
 
     def _error(self, error: Any) -> bytes:
