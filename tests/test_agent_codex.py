@@ -15,7 +15,15 @@ from helpers import scripted_config
 from pi_env import PiConfig, PiSessionFactory, PiTask, load_tasks, run_rollout
 from pi_env.agent import get_agent
 from pi_env.agent.base import AgentRun
-from pi_env.agent.codex import CONFIG_PATH, PROVIDER, TOKEN_ENV, codex_config, read_rollouts, toml_text
+from pi_env.agent.codex import (
+    CONFIG_PATH,
+    PROVIDER,
+    SYSTEM_PROMPT_PATH,
+    TOKEN_ENV,
+    codex_config,
+    read_rollouts,
+    toml_text,
+)
 from pi_env.endpoints import Endpoint
 from pi_env.scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn
 
@@ -91,6 +99,33 @@ def test_a_scripted_rollout_scores_one_with_every_call_recorded_as_responses(ser
         if e.get("type") == "response_item" and e["payload"].get("type") == "function_call"
     ]
     assert calls == ["exec_command", "exec_command"]
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_an_apply_patch_heredoc_in_its_shell_tool_is_a_file_change(server):
+    """Codex has no write tool for a model that is not OpenAI's: a patch goes through exec_command
+    as an `apply_patch` heredoc, which Codex applies itself (its record shows a file change)."""
+    patch = "apply_patch <<'EOF'\n*** Begin Patch\n*** Add File: notes/hello.txt\n+hi\n*** End Patch\nEOF\n"
+    key = server.add_script([ex(patch), ScriptedTurn(text="Done.")])
+    task = PiTask(task_id="cx-patch", instruction="Add notes/hello.txt.", verify=["grep -qx hi notes/hello.txt"])
+    result, _ = rollout(task, scripted_config(server, key, agent=CODEX))
+    assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
+    assert "Success. Updated the following files:\nA notes/hello.txt" in tool_outputs(result)
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_its_system_prompt_option_replaces_its_17_kb_of_instructions(server):
+    """For a small model's context: the option's text is the whole system message."""
+    key = server.add_script(HELLO_TURNS)
+    prompt = "You are a coding agent. Use the tools.\n"
+    config = scripted_config(server, key, agent={"name": CODEX, "options": {"system_prompt": prompt}})
+    result, _ = rollout(HELLO, config)
+    assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
+    system = result.messages[0]
+    assert system["role"] == "system" and prompt.strip() in json.dumps(system) and "Codex CLI" not in json.dumps(system)
+    assert len(json.dumps(server.requests[0].body)) < 10_000
 
 
 @pytest.mark.needs_bwrap
@@ -320,6 +355,8 @@ def test_its_configuration_points_only_at_the_gateway():
     assert "model_reasoning_effort" not in settings and settings["model_reasoning_summary"] == "none"
     thinking = codex_config(AgentRun(PiConfig(agent=CODEX, thinking="high"), run.endpoint, "tok", "x"))
     assert thinking["model_reasoning_effort"] == "high" and thinking["model_reasoning_summary"] == "auto"
+    assert "model_instructions_file" not in settings
+    assert codex_config(run, system_prompt=True)["model_instructions_file"] == SYSTEM_PROMPT_PATH
     assert agent.extra_call({"messages": [], "tools": [{"type": "function"}]}) is None
     assert agent.extra_call({"messages": []}) == "no tools"
 

@@ -62,6 +62,7 @@ CONFIG_PATH = f"{CODEX_HOME}/config.toml"
 SESSIONS_DIR = f"{CODEX_HOME}/sessions"  # sessions/YYYY/MM/DD/rollout-<time>-<thread>.jsonl
 TRANSCRIPT_FILES, TRANSCRIPT_FILE_BYTES = 8, 64 << 20
 TRANSCRIPT_ENTRIES = 50_000
+SYSTEM_PROMPT_PATH = f"{LOG_DIR}/instructions.md"  # the `system_prompt` option's file
 
 PREFIX = "codex"  # npm prefix in the install (relative to its root; AGENT_ROOT in the sandbox)
 # No compaction call: a context that overflows is the gateway's error, not a summary the agent asks for.
@@ -104,9 +105,10 @@ class CodexInstall:
         return f"{AGENT_ROOT}/{self.path_dir}"
 
 
-def codex_config(run: AgentRun) -> dict:
+def codex_config(run: AgentRun, system_prompt: bool = False) -> dict:
     """The run's whole configuration (written as TOML): the gateway the only provider, nothing
-    asked, nothing fetched or sent anywhere else."""
+    asked, nothing fetched or sent anywhere else (`system_prompt`: its base instructions are the
+    option's file)."""
     config = run.config
     thinking = config.thinking if config.thinking and config.thinking != "off" else None
     settings: dict = {
@@ -164,6 +166,8 @@ def codex_config(run: AgentRun) -> dict:
     }
     if thinking:
         settings["model_reasoning_effort"] = thinking
+    if system_prompt:
+        settings = {"model_instructions_file": SYSTEM_PROMPT_PATH, **settings}
     return settings
 
 
@@ -217,6 +221,10 @@ class CodexAgent(Agent):
     package = "@openai/codex"
     default_version = "0.171.0"
     uses_launcher = True  # a native binary: the forwarder runs in front of it
+    options = {
+        "system_prompt": "its base instructions, replacing its own 17 KB (model_instructions_file), "
+        "e.g. for a small model's context",
+    }
 
     def install(self, cache_dir: str | None, progress: Callable[[str], None] | None = None) -> CodexInstall:
         return install_codex(self.version, cache_dir, progress)
@@ -227,8 +235,11 @@ class CodexAgent(Agent):
         return (f"{SANDBOX_WORKDIR}/.codex", f"{SANDBOX_WORKDIR}/.agents")
 
     def prepare(self, sandbox: Sandbox, installed: Installed, run: AgentRun) -> None:
-        sandbox.write_file(CONFIG_PATH, toml_text(codex_config(run)))
+        prompt = self.settings.options.get("system_prompt")
+        sandbox.write_file(CONFIG_PATH, toml_text(codex_config(run, system_prompt=prompt is not None)))
         sandbox.write_file(PROMPT_PATH, run.instruction)
+        if prompt is not None:
+            sandbox.write_file(SYSTEM_PROMPT_PATH, str(prompt))
 
     def command(self, installed: Installed, run: AgentRun) -> tuple[list[str], dict[str, str], str | None]:
         codex = _install(installed)
