@@ -122,3 +122,44 @@ def test_a_cut_stream_is_still_closed_and_an_error_body_is_the_dialects():
     error = AnswerStream(dialect, DialectCall("recording", {}, True, "m"), 429, "application/json")
     error.feed(b'{"error": {"message": "slow down", "type": "rate_limit"}}')
     assert msgspec.json.decode(error.finish()) == {"status": 429, "message": "slow down", "kind": "rate_limit"}
+
+
+# -- the gateway's own refusals reach an agent in its dialect's error shape
+
+ERROR_SHAPES = {  # dialect route -> how its SDK reads an error body: (message, status) out of it
+    "/v1/responses": lambda b: (b["error"]["message"], None),
+    "/v1/messages?beta=true": lambda b: (b["error"]["message"], b["type"]),
+    "/v1beta/models/m:streamGenerateContent?alt=sse": lambda b: (b["error"]["message"], b["error"]["code"]),
+}
+
+
+def post(gateway, target: str, headers: dict, data: bytes) -> tuple[int, dict]:
+    import asyncio
+
+    import aiohttp
+
+    async def go():
+        async with aiohttp.ClientSession() as client:
+            url = f"http://127.0.0.1:{gateway.tcp_port}{target}"
+            async with client.post(url, data=data, headers={"Content-Type": "application/json", **headers}) as r:
+                return r.status, msgspec.json.decode(await r.read())
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("target", sorted(ERROR_SHAPES))
+def test_the_gateways_own_refusals_are_in_the_agents_dialect(gateway, server, target):
+    from pi_env.proxy import Upstream
+    from pi_env.proxy.policy import SessionLimits
+
+    status, body = post(gateway, target, {"x-api-key": "not-a-session"}, b"{}")
+    message, extra = ERROR_SHAPES[target](body)
+    assert status == 401 and "session token" in message and extra in (None, "error", 401)
+    session = gateway.open_session(Upstream(server.base_url, "k", "m"), limits=SessionLimits(max_request_bytes=64))
+    try:
+        status, body = post(gateway, target, {"x-goog-api-key": session.token}, b"{" + b" " * 100 + b"}")
+    finally:
+        gateway.close_session(session)
+    message, extra = ERROR_SHAPES[target](body)
+    assert status == 413 and "bytes" in message and extra in (None, "error", 413)
+    assert server.requests == []  # nothing refused ever went upstream

@@ -43,7 +43,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from pi_env._aio import run_sync
 from pi_env.proxy.black_box import BlackBox
 from pi_env.proxy.dialects import match_route
-from pi_env.proxy.dialects.base import AnswerStream, Dialect, DialectCall, DialectError, Route
+from pi_env.proxy.dialects.base import AnswerStream, Dialect, DialectCall, DialectError, Route, chat_error_message
 from pi_env.proxy.policy import (
     PolicyError,
     SessionLimits,
@@ -444,14 +444,14 @@ class Gateway:
         return web.json_response({"ok": True})
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        session = self._sessions.get(bearer_token(request) or "")
-        if session is None:
-            return json_error(401, "pi-env gateway: unknown or missing session token",
-                              "invalid_session_token")  # fmt: skip
         path = upstream_path(request.method, request.raw_path)
         dialect = None
         if path is None and (dialect := match_route(request.method, request.raw_path)) is not None:
             path = "/chat/completions"
+        session = self._sessions.get(bearer_token(request) or "")
+        if session is None:
+            return in_dialect(json_error(401, "pi-env gateway: unknown or missing session token",
+                                         "invalid_session_token"), dialect)  # fmt: skip
         if path is None:
             # The token must not unlock the rest of the upstream API (files, fine-tuning, ...)
             # with the real key, nor reach another host or path through an odd request target.
@@ -464,13 +464,14 @@ class Gateway:
             )
         if not session.open_call():
             limit = session.limits.max_concurrent_calls
-            return json_error(
+            busy = json_error(
                 429,
                 f"pi-env gateway: this session already has {limit} calls open, its limit; "
                 "wait for one to end before making another",
                 "too_many_concurrent_calls",
                 headers={"Retry-After": "1"},
             )
+            return in_dialect(busy, dialect)
         body_bytes = 0
         try:
             if path == "/models":
@@ -484,7 +485,7 @@ class Gateway:
                     listing.done()
             body = await read_body(request, session)
             if isinstance(body, web.Response):
-                return body
+                return in_dialect(body, dialect)
             body_bytes = len(body)
             if dialect is None:
                 return await self._chat_completions(session, request, body)
@@ -577,6 +578,16 @@ class Gateway:
                 session.record(turn)
             else:  # the strategy finishes the record after the agent has its answer
                 call.finishing.add_done_callback(lambda _: session.record(turn))
+
+
+def in_dialect(refusal: web.Response, dialect: tuple[Dialect, Route] | None) -> web.Response:
+    """The gateway's own refusal (json_error's shape) in the agent's dialect, when it speaks one."""
+    if dialect is None:
+        return refusal
+    message, kind = chat_error_message(bytes(refusal.body))  # type: ignore[arg-type]
+    body = dialect[0].error_body(refusal.status, message, kind)
+    kept = {k: v for k, v in refusal.headers.items() if k.lower() == "retry-after"}
+    return web.Response(status=refusal.status, body=body, content_type="application/json", headers=kept)
 
 
 def _kept_headers(answer: web.Response) -> dict[str, str]:
