@@ -215,7 +215,8 @@ def test_a_tasks_own_settings_hooks_mcp_and_binaries_change_nothing_and_its_tool
 @pytest.mark.slow
 def test_transparent_proxy_records_token_ids_with_its_tools_narrowed(server):
     key = server.add_script(HELLO_TURNS)
-    agent = {"name": CLAUDE, "options": {"tools": ["Bash", "Edit", "Read", "Write"]}}  # a smaller request
+    options = {"tools": ["Bash", "Edit", "Read", "Write"], "system_prompt": "You are a coding agent. SP-MARKER"}
+    agent = {"name": CLAUDE, "options": options}  # a smaller request
     result, dialects = rollout(
         HELLO, scripted_config(server, key, agent=agent, mode="transparent_proxy", proxy_return_token_ids=True)
     )
@@ -223,6 +224,8 @@ def test_transparent_proxy_records_token_ids_with_its_tools_narrowed(server):
     assert len(result.proxy_turns) == 3 and dialects == ["messages"] * 3
     offered = {tool["function"]["name"] for tool in server.requests[0].body["tools"]}
     assert offered == {"Bash", "Edit", "Read", "Write"}, offered
+    system = server.requests[0].body["messages"][0]
+    assert system["role"] == "system" and "SP-MARKER" in system["content"] and len(system["content"]) < 200
     for turn in result.proxy_turns:
         assert turn.prompt_token_ids and turn.completion_token_ids, turn.token_ids_missing_reason
 
@@ -340,6 +343,9 @@ def test_its_tools_option_narrows_what_it_offers():
 
     argv, _, _ = agent.command(Installed(), run)  # type: ignore[arg-type]
     assert argv[-2:] == ["--tools", "Bash,Write"]
+    agent = get_agent(PiConfig(agent={"name": CLAUDE, "options": {"system_prompt": "Be brief."}}))
+    argv, _, _ = agent.command(Installed(), run)  # type: ignore[arg-type]
+    assert argv[-2:] == ["--system-prompt-file", "/root/logs/agent/system.md"] and "Be brief." not in argv
     for bad in ("Bash", [1], [""]):
         agent = get_agent(PiConfig(agent={"name": CLAUDE, "options": {"tools": bad}}))
         with pytest.raises(ValueError, match="tools"):

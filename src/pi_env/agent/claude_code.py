@@ -55,6 +55,7 @@ from .runtime import RuntimeInstallError, archive_dir_of, cached_install, npm_in
 HOME = "/root"
 CONFIG_DIR = f"{LOG_DIR}/claude"  # CLAUDE_CONFIG_DIR: settings, .claude.json, projects/<cwd>/<session>.jsonl
 SETTINGS_PATH = f"{CONFIG_DIR}/settings.json"
+SYSTEM_PROMPT_PATH = f"{LOG_DIR}/system.md"  # the `system_prompt` option's file
 PROJECTS_DIR = f"{CONFIG_DIR}/projects"
 TRANSCRIPT_FILES, TRANSCRIPT_FILE_BYTES = 8, 64 << 20
 
@@ -160,6 +161,8 @@ class ClaudeCodeAgent(Agent):
     options = {
         "tools": 'the built-in tools it offers (--tools), e.g. ["Bash", "Edit", "Read", "Write"]: a 15 KB '
         "first request instead of 56 KB (its Workflow tool alone is 23 KB); default: all of them",
+        "system_prompt": "its system prompt, replacing its own 4.6 KB one (--system-prompt-file); its "
+        "environment still comes as a system message after the instruction",
     }
 
     def install(self, cache_dir: str | None, progress: Callable[[str], None] | None = None) -> ClaudeCodeInstall:
@@ -173,6 +176,8 @@ class ClaudeCodeAgent(Agent):
     def prepare(self, sandbox: Sandbox, installed: Installed, run: AgentRun) -> None:
         sandbox.write_file(SETTINGS_PATH, json.dumps(SETTINGS, indent=2))
         sandbox.write_file(PROMPT_PATH, run.instruction)
+        if (prompt := self.settings.options.get("system_prompt")) is not None:
+            sandbox.write_file(SYSTEM_PROMPT_PATH, str(prompt))
 
     def command(self, installed: Installed, run: AgentRun) -> tuple[list[str], dict[str, str], str | None]:
         binary = _install(installed).sandbox_binary
@@ -199,6 +204,8 @@ class ClaudeCodeAgent(Agent):
             if not isinstance(tools, list) or not all(isinstance(t, str) and t for t in tools):
                 raise ValueError('agent option "tools" must be a list of tool names, like ["Bash", "Write"]')
             argv += ["--tools", ",".join(tools)]
+        if self.settings.options.get("system_prompt") is not None:
+            argv += ["--system-prompt-file", SYSTEM_PROMPT_PATH]
         return launched(argv), claude_env(run), PROMPT_PATH
 
     def transcript(self, read: ReadTree) -> list[dict]:
