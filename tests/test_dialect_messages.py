@@ -714,11 +714,61 @@ def test_token_in_two_calls_of_one_conversation_are_one_sequence(gateway, token_
 
 
 def test_claude_codes_own_request_translates_without_refusal():
-    if not FIXTURE.exists():
-        pytest.skip("tests/fixtures/dialects/claude_code_request.json not saved yet (the claude-code agent saves it)")
-    request = json.loads(FIXTURE.read_text())
-    body = request.get("body", request)
+    """Claude Code 2.1.332's first request, as it sent it (the claude-code agent's fixture)."""
+    body = json.loads(FIXTURE.read_text())
     call = MessagesDialect().to_chat(body, Route())
     assert_chat_only(call.chat)
-    assert call.chat["messages"][0]["role"] == "system" and call.chat["tools"]
-    assert {t["function"]["name"] for t in call.chat["tools"]} >= {"Bash", "Write"}
+    assert call.model == body["model"] and call.streamed and call.chat["max_tokens"] == 32000
+    roles = [m["role"] for m in call.chat["messages"]]
+    assert roles == ["system", "user", "system"]  # its environment rides in a mid-conversation system turn
+    system = call.chat["messages"][0]["content"]
+    assert system.startswith("You are a Claude agent") and "x-anthropic-billing-header" not in system
+    names = [t["function"]["name"] for t in call.chat["tools"]]
+    assert {"Bash", "Write"} <= set(names) and "DeferredToolPlaceholder" not in names and len(names) == 11
+    assert call.notes == [
+        "system: x-anthropic-billing-header (dropped)",
+        "cache_control",
+        "tools[].defer_loading (1 deferred tools left out)",
+        "thinking: adaptive",
+        "metadata",
+        "context_management",
+        "output_config",
+    ]
+
+
+def test_an_upstream_dying_mid_stream_fails_the_agents_call_as_in_chat(gateway, server):
+    """The gateway breaks the agent's connection (as for a Chat Completions agent), so the SDK
+    raises a connection error the agent retries, never a stream that looks whole."""
+    turns = [ScriptedTurn(text="x" * 50, chunk_chars=1, fault=Fault(disconnect_after_chunks=5))]
+    session = open_session(gateway, server, turns)
+    with pytest.raises(anthropic.APIConnectionError):
+        ask(gateway, session, "create_stream", tools=())
+    assert session.wait_idle(5)
+    gateway.close_session(session)
+    assert session.turns[0].upstream_error.startswith("upstream stream broken")
+
+
+def test_whole_tool_arguments_that_are_not_a_json_object_reach_the_agent_as_text():
+    dialect = MessagesDialect()
+    call = dialect.to_chat({"model": "m", "max_tokens": 8, "messages": [USER]}, Route())
+    answer = {
+        "id": "c",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "tool_calls",
+                "message": {
+                    "content": None,
+                    "tool_calls": [
+                        {"index": 0, "id": "t1", "function": {"name": "Bash", "arguments": '{"command": "ls"'}},
+                        {"index": 1, "id": "t2", "function": {"name": "Bash", "arguments": '{"command":"pwd"}'}},
+                    ],
+                },
+            }
+        ],
+    }
+    raw = AnswerStream(dialect, call, 200, "application/json").finish(json.dumps(answer).encode())
+    message = Message.model_validate_json(raw, strict=True)
+    assert [b.type for b in message.content] == ["text", "tool_use"]
+    assert message.content[0].text == '{"command": "ls"' and message.content[1].input == {"command": "pwd"}
+    assert message.stop_reason == "tool_use" and message.usage.input_tokens == 0
