@@ -203,7 +203,7 @@ def test_a_tasks_own_config_does_not_reconfigure_it_and_its_tools_stay_in_the_sa
             ex("chmod +x bash sh rg codex node && printf 'hi\\n' > hello.txt && ls .codex .agents 2>&1; echo LS-$?"),
             ex("touch /opt/pi-env/runtime/planted /usr/planted /etc/planted 2>&1; echo TOUCHED-$?"),
             ex(NET_PROBE.format(port=port)),
-            ex("echo CODEX_HOME=$CODEX_HOME; rg --version | head -1"),
+            ex("echo CODEX_HOME=$CODEX_HOME KEY=[$PI_ENV_GATEWAY_KEY]; rg --version | head -1"),
             ScriptedTurn(text="Done."),
         ]
     )
@@ -220,7 +220,9 @@ def test_a_tasks_own_config_does_not_reconfigure_it_and_its_tools_stay_in_the_sa
     assert "TOUCHED-1" in outputs, outputs  # touch failed: read-only
     assert "NET-OPEN " not in outputs, outputs
     assert "NET-BLOCKED 1.1.1.1" in outputs and "NET-BLOCKED 127.0.0.1" in outputs, outputs
-    assert "CODEX_HOME=/root/logs/agent/codex" in outputs and "ripgrep" in outputs, outputs
+    # Its commands' environment: Codex's own home, no token, the install's rg on PATH (not a login
+    # shell's PATH, which /etc/profile resets).
+    assert "CODEX_HOME=/root/logs/agent/codex KEY=[]" in outputs and "ripgrep 15." in outputs, outputs
     assert "planted" not in {Path(p).name for p in result.files}
 
 

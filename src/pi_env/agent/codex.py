@@ -125,6 +125,10 @@ def codex_config(run: AgentRun, system_prompt: bool = False) -> dict:
         "model_reasoning_summary": "auto" if thinking else "none",
         "show_raw_agent_reasoning": True,  # reasoning_content is the model's own text
         "file_opener": "none",
+        # Its commands run as `bash -c`, not `bash -lc`: a login shell's profile would reset PATH
+        # (and read ~/.profile); the session's token stays out of their environment.
+        "allow_login_shell": False,
+        "shell_environment_policy": {"exclude": [TOKEN_ENV]},
         "cli_auth_credentials_store": "file",  # never the OS keyring
         "mcp_oauth_credentials_store": "file",
         "model_providers": {
