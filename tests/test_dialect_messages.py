@@ -772,3 +772,24 @@ def test_whole_tool_arguments_that_are_not_a_json_object_reach_the_agent_as_text
     assert [b.type for b in message.content] == ["text", "tool_use"]
     assert message.content[0].text == '{"command": "ls"' and message.content[1].input == {"command": "pwd"}
     assert message.stop_reason == "tool_use" and message.usage.input_tokens == 0
+
+
+def test_the_sdks_beta_client_reaches_the_beta_route_with_its_betas_noted(gateway, server):
+    """Claude Code's route: POST /v1/messages?beta=true with anthropic-beta values."""
+    session = open_session(gateway, server, [ScriptedTurn(text="beta ok")])
+    sdk = client(gateway, session)
+    with sdk.beta.messages.stream(
+        model="claude-x",
+        max_tokens=32,
+        messages=[USER],
+        betas=["interleaved-thinking-2025-05-14", "context-management-2025-06-27"],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    ) as stream:
+        message = stream.get_final_message()
+    assert session.wait_idle(5)
+    gateway.close_session(session)
+    assert message.content[0].text == "beta ok" and message.stop_reason == "end_turn"
+    assert server.requests[0].path == "/v1/chat/completions"
+    notes = session.turns[0].dialect_notes
+    assert "anthropic-beta: interleaved-thinking-2025-05-14,context-management-2025-06-27" in notes
+    assert "thinking: enabled (budget_tokens 1024)" in notes
