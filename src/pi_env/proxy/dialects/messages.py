@@ -7,7 +7,11 @@ Request -> Chat Completions:
   `tool_calls` (arguments: the input's compact JSON, key order kept); a user message's
   `tool_result` blocks become `role: tool` messages placed before the rest of its text. Text
   blocks are always joined the same way, so a history sent again translates to the same chat
-  messages (token-in bridges a conversation only when its history is unchanged).
+  messages (token-in bridges a conversation only when its history is unchanged). A
+  mid-conversation `role: system` turn (Claude Code sends its environment so) stays a system
+  message there. Claude Code's first system block, `x-anthropic-billing-header: ...`, is billing
+  metadata, not an instruction: dropped, noted. Tools with `defer_loading` are left out, as
+  Anthropic leaves them out of the prompt until a tool search loads them.
 - `tools` -> function tools, `tool_choice` (auto / any / tool / none, disable_parallel_tool_use)
   -> tool_choice and parallel_tool_calls, `max_tokens` (required, as by Anthropic), `temperature`,
   `top_p`, `stop_sequences` -> stop, `stream` (with usage).
@@ -16,12 +20,17 @@ Request -> Chat Completions:
   `cache_control` anywhere, `redacted_thinking` blocks (dropped), a tool result's `is_error`,
   unknown top-level fields, and the `anthropic-beta` / `anthropic-version` headers.
 - Refused (400 in Anthropic's shape): server tools (web search, code execution, Anthropic's
-  typed bash / text editor / computer tools ...), MCP servers, images and documents, block
-  types an open engine has no counterpart for.
+  typed bash / text editor / computer tools ...), `mcp_servers`, `thread` and `compaction`
+  (state or work on Anthropic's side), images and documents, block types an open engine has no
+  counterpart for.
 
 Answer: Anthropic's SSE events as the SDK parses them (message_start, ping, per block
 content_block_start / _delta / _stop, message_delta with the stop reason and usage,
-message_stop; `error` for an error inside the stream), or a whole Message. Reasoning becomes
+message_stop; `error` for an error inside the stream), or a whole Message. Stop reasons: stop
+-> end_turn (tool_use when the answer calls tools; stop_sequence when vLLM's `stop_reason`
+names one of the request's), length -> max_tokens, tool_calls -> tool_use, none (a cut-off
+stream) -> end_turn / tool_use. Usage: the engine's prompt and completion tokens as
+input_tokens / output_tokens (in message_delta when streamed), cache fields 0. Reasoning becomes
 a `thinking` block closed by a `signature_delta` carrying SYNTHETIC_SIGNATURE: an open engine
 signs nothing, and the signature Claude Code sends back is ignored.
 
