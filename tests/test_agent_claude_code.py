@@ -98,6 +98,27 @@ def test_examples_score_one_through_the_oracle(task):
     assert dialects == ["messages"] * len(result.proxy_turns) and len(dialects) >= 3
 
 
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_an_upstream_error_is_final_and_the_turn_budget_stops_it_cleanly(server):
+    """One attempt per call (CLAUDE_CODE_MAX_RETRIES=0): the gateway's error is not repeated
+    with back-off (its default: 10 retries). The gateway's turn limit ends it at once."""
+    from pi_env.scripted.script import Fault
+
+    key = server.add_script(
+        [write("hello.txt", "hi\n"), ScriptedTurn(fault=Fault(http_status=500)), ScriptedTurn(text="x")]
+    )
+    result, dialects = rollout(HELLO, scripted_config(server, key, agent=CLAUDE))
+    assert len(server.requests) == 2 and dialects == ["messages"] * 2, [r.body["messages"][-1] for r in server.requests]
+    assert [t.upstream_status for t in result.proxy_turns] == [200, 500]
+    assert result.error_kind == "endpoint_error" and result.reward is None, (result.error_kind, result.error)
+
+    key = server.add_script(HELLO_TURNS)
+    result, dialects = rollout(HELLO, scripted_config(server, key, agent=CLAUDE, max_turns=1))
+    assert result.stop_reason == "budget" and result.error_kind is None, (result.error, result.agent_log_tail)
+    assert len(server.requests) == 3 and dialects == ["messages"]  # one more upstream call, then the stop
+
+
 def test_the_oracle_drives_its_tools_from_its_real_request():
     """Its own first request (the fixture): the solution maps onto Write/Edit/Read/Bash, with
     absolute paths, and a Read before overwriting or editing a file that exists (its Write says
@@ -326,6 +347,7 @@ def test_its_configuration_points_only_at_the_gateway():
     ):
         assert env[name] == "1", name
     assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "777"
+    assert env["CLAUDE_CODE_MAX_RETRIES"] == "0" and int(env["API_TIMEOUT_MS"]) >= 7 * 24 * 3600 * 1000
     assert env["CLAUDE_CONFIG_DIR"] == CONFIG_DIR and not CONFIG_DIR.startswith(SANDBOX_WORKDIR)
     assert SETTINGS_PATH.startswith(CONFIG_DIR + "/") and SETTINGS["disableAllHooks"] is True
     assert "upstream.invalid" not in json.dumps(env)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import cast
 
 from ..sandbox import SANDBOX_WORKDIR, Sandbox
+from ..task import MAX_TIMEOUT_S
 from .base import (
     AGENT_ROOT,
     LOG_DIR,
@@ -129,6 +130,11 @@ def claude_env(run: AgentRun) -> dict[str, str]:
         "ANTHROPIC_SMALL_FAST_MODEL": model,
         "CLAUDE_CODE_SUBAGENT_MODEL": model,
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(run.config.max_tokens),
+        # One attempt per call: the gateway's answer is final (measured: a 500 was otherwise
+        # retried with back-off, 7 calls in 60 s), and no client timeout but the sandbox's (a
+        # call the gate holds for a trainer, a slow engine); its default is 600 s.
+        "CLAUDE_CODE_MAX_RETRIES": "0",
+        "API_TIMEOUT_MS": str(int(MAX_TIMEOUT_S * 1000)),
         # No call but the model's: else ~10 calls to the vendor and a HEAD probe (measured).
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1",
