@@ -20,6 +20,7 @@ from pi_env.endpoints import Endpoint
 from pi_env.oracle import adapted_turns
 from pi_env.sandbox import SANDBOX_WORKDIR
 from pi_env.scripted import ScriptedServer, ScriptedToolCall, ScriptedTurn
+from pi_env.scripted.script import Fault
 
 EXAMPLES = load_tasks(Path(__file__).parent.parent / "examples")
 GEMINI = "gemini-cli"
@@ -436,3 +437,15 @@ def test_a_next_speaker_check_is_marked_and_answered_by_the_oracle(monkeypatch):
     assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
     assert [t.extra_call for t in result.proxy_turns][-1] == "next-speaker check"
     assert sum(1 for t in result.proxy_turns if t.extra_call) == 1 and dialects == ["gemini"] * len(dialects)
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.slow
+def test_an_upstream_error_ends_it_after_one_call(server):
+    """The gateway's answer is final (general.maxAttempts 1): by default it retries a 5xx ten
+    times with backoff (measured with 3 attempts: 3 calls, 15 s)."""
+    key = server.add_script([ScriptedTurn(text="x", fault=Fault(http_status=503))])
+    result, dialects = rollout(HELLO, scripted_config(server, key, agent=GEMINI))
+    assert result.error_kind == "endpoint_error" and not result.reward, (result.error, result.agent_log_tail)
+    assert len(server.requests) == 1 and [t.upstream_status for t in result.proxy_turns] == [503]
+    assert dialects == ["gemini"]
