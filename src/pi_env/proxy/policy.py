@@ -241,7 +241,7 @@ def police_request(
       another served model would be paid for with the real key);
     - `n` other than 1 becomes 1 (one call, one answer: the budget and the records count so);
     - a token limit that is not a positive integer (1e6, "1000000", true) or exceeds `cap` or
-      what is left of the budget is clamped; with a budget, a call without one gets one;
+      what is left of the budget is clamped; with a cap or a budget, a call without one gets one;
     - with a budget, a streamed call is made to report its usage (stream_options.include_usage).
     Raises PolicyError (the agent gets a 400 saying what to fix) when the body is not a JSON
     object, when `stream` is not a JSON boolean (the upstream might read "true" or 1 as a
@@ -298,7 +298,7 @@ def police_request(
             changes[key] = clamped
         if clamped is not None:
             allowed = clamped if allowed is None else min(allowed, clamped)
-    if budget_left is not None and not present:
+    if limit is not None and not present:  # an agent that sends no limit (Codex) is capped too
         changes["max_tokens"] = limit
     if budget_left is not None and fields.stream is True:
         options = fields.stream_options if isinstance(fields.stream_options, dict) else {}
