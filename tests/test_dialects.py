@@ -163,3 +163,67 @@ def test_the_gateways_own_refusals_are_in_the_agents_dialect(gateway, server, ta
     message, extra = ERROR_SHAPES[target](body)
     assert status == 413 and "bytes" in message and extra in (None, "error", 413)
     assert server.requests == []  # nothing refused ever went upstream
+
+
+# -- one decode serves the translation and the capture: the record is the one Chat Completions gets
+
+DIALECT_CALLS = {  # a streamed call of each dialect, asking the same as CHAT
+    "/v1/responses": {"model": "m", "stream": True, "input": "hi"},
+    "/v1/messages": {"model": "m", "stream": True, "max_tokens": 4096, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1beta/models/m:streamGenerateContent?alt=sse": {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]},
+}
+CHAT = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4096,
+        "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+
+
+def captured(turn) -> dict:
+    capture = turn.capture
+    (choice,) = capture.choices
+    return {"prompt_token_ids": capture.prompt_token_ids, "usage": capture.usage, "source": capture.token_ids_source,
+            "missing": capture.token_ids_missing_reason, "malformed": capture.malformed_chunks,
+            "message": choice.message(), "finish": choice.finish_reason, "ids": choice.token_ids,
+            "logprobs": choice.logprobs, "tokens": choice.tokens, "tops": choice.decoded_top_logprobs(),
+            "total_tokens": turn.total_tokens}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["black_box", "transparent_proxy"])
+@pytest.mark.parametrize("size", ["small", "large"])  # large: past assembly.OFFLOAD_MIN_BYTES (chat: the worker)
+def test_a_dialects_capture_is_exactly_chat_completions_capture(gateway, server, mode, size):
+    from pi_env.proxy import Upstream
+    from pi_env.proxy.rewrite import CaptureOptions
+    from pi_env.scripted import ScriptedToolCall, ScriptedTurn
+
+    text = "Hello, world. " * (400 if size == "large" else 3)
+    turn = ScriptedTurn(text=text, reasoning="Let me think.", chunk_chars=3, null_logprob_every=7,
+                        tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "ls -la"})])  # fmt: skip
+    records = {}
+    for target, body in [("/v1/chat/completions", CHAT), *DIALECT_CALLS.items()]:
+        session = gateway.open_session(Upstream(server.base_url, server.add_script([turn], api_key="k"), "m"),
+                                       mode=mode, capture=CaptureOptions(model="m", top_logprobs=2, return_token_ids=True))  # fmt: skip
+        try:
+            status, _ = post_raw(gateway, target, session.token, body)
+            assert status == 200
+            assert session.wait_idle(10)
+            (records[target],) = session.turns
+        finally:
+            gateway.close_session(session)
+    chat = captured(records.pop("/v1/chat/completions"))
+    if mode == "transparent_proxy":
+        assert chat["source"] == "token_ids" and len(chat["ids"]) > 5 and None in chat["logprobs"]
+    assert chat["message"]["tool_calls"] and chat["message"]["reasoning_content"] == "Let me think."
+    for target, record in records.items():
+        assert record.dialect and captured(record) == chat, target
+
+
+def post_raw(gateway, target: str, token: str, body: dict) -> tuple[int, bytes]:
+    import asyncio
+
+    import aiohttp
+
+    async def go():
+        async with aiohttp.ClientSession() as client:
+            url = f"http://127.0.0.1:{gateway.tcp_port}{target}"
+            async with client.post(url, json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+                return r.status, await r.read()
+
+    return asyncio.run(go())

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from pi_env.proxy.capture import TurnCapture, assemble_answer
 from pi_env.proxy.capture_worker import CapturePoolClosed, CaptureWorkerError, capture_pool
+from pi_env.proxy.dialects.base import AnswerStream
 from pi_env.proxy.records import TurnRecord
 from pi_env.proxy.wire import Call
 
@@ -34,7 +35,13 @@ async def assemble_after(
     except asyncio.CancelledError:  # the agent hung up: keep what had arrived
         assemble_inline(capture, turn, b"".join(pieces), streaming)
         raise
-    if turn.response_bytes < OFFLOAD_MIN_BYTES:
+    translation = getattr(response, "translation", None)  # a dialect's answer (wire.DialectResponse)
+    # Decoded already, piece by piece, to be translated: assembled from those, never parsed again.
+    assembled = translation.assembled(response.tail) if isinstance(translation, AnswerStream) and streaming else None  # type: ignore[attr-defined]
+    if assembled is not None:
+        _merge(capture, assembled)
+        _count_tokens(capture, turn)
+    elif turn.response_bytes < OFFLOAD_MIN_BYTES:
         assemble_inline(capture, turn, b"".join(pieces), streaming)
     else:
         call.finish_record_later(_assemble_in_worker(capture, turn, pieces, streaming))

@@ -70,6 +70,7 @@ class WireChoice(msgspec.Struct, gc=False):
     logprobs: Logprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    stop_reason: Any = None  # vLLM: the stop string (or token id) that ended the answer
 
 
 class WireChunk(msgspec.Struct, gc=False):
@@ -77,6 +78,8 @@ class WireChunk(msgspec.Struct, gc=False):
     prompt_token_ids: list[int] | None = None
     usage: dict[str, Any] | None = None
     model: str | None = None
+    id: str | None = None
+    error: Any = None  # an error an upstream sent inside its stream
 
 
 _chunks = msgspec.json.Decoder(list[WireChunk])
@@ -246,13 +249,23 @@ class Assembler:
         self._tops: dict[int, list[msgspec.Raw]] = {}  # per choice, per token (joined at the end)
 
     def stream(self, raw: bytes) -> TurnCapture:
-        chunks, bad = parse_sse(raw)
-        self.capture.malformed_chunks = bad
+        return self.chunks(*parse_sse(raw))
+
+    def chunks(self, chunks: list[WireChunk], bad: int) -> TurnCapture:
+        """A streamed answer already decoded (and how many of its chunks could not be)."""
+        self.add(chunks)
+        self.capture.malformed_chunks += bad
+        return self._finish()
+
+    def add(self, chunks: list[WireChunk]) -> None:
+        """More chunks of a streamed answer, in order (a whole answer at once, or each piece as
+        it passes: proxy/dialects/base.py), so no decoded chunk need be held for long."""
         capture = self.capture
         # The envelope: first prompt ids, last usage, first model (as _envelope, chunk by chunk).
-        capture.prompt_token_ids = next((c.prompt_token_ids for c in chunks if c.prompt_token_ids), [])
-        capture.usage = next((c.usage for c in reversed(chunks) if c.usage), None)
-        capture.model = next((c.model for c in chunks if c.model), None)
+        if not capture.prompt_token_ids:
+            capture.prompt_token_ids = next((c.prompt_token_ids for c in chunks if c.prompt_token_ids), [])
+        capture.usage = next((c.usage for c in reversed(chunks) if c.usage), capture.usage)
+        capture.model = capture.model or next((c.model for c in chunks if c.model), None)
         groups: dict[int, list[WireChoice]] = {}
         for chunk in chunks:
             for choice in chunk.choices or ():
@@ -263,30 +276,31 @@ class Assembler:
                     group.append(choice)
         for index, group in groups.items():
             self._stream_choice(index, group)
-        return self._finish()
 
     def _stream_choice(self, index: int, group: list[WireChoice]) -> None:
         """One choice's deltas, joined in a few passes rather than chunk by chunk: this runs
         for every token of every captured answer."""
-        choice = self._choices[index] = ChoiceCapture(index=index)
-        self._tool_calls[index], self._tops[index] = {}, []
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = ChoiceCapture(index=index)
+            self._tool_calls[index], self._tops[index] = {}, []
         deltas = [c.delta for c in group if c.delta is not None]
-        choice.content = "".join([d.content for d in deltas if d.content])
-        choice.reasoning_content = "".join([d.reasoning_content for d in deltas if d.reasoning_content])
-        choice.reasoning = "".join([d.reasoning for d in deltas if d.reasoning])
+        choice.content += "".join([d.content for d in deltas if d.content])
+        choice.reasoning_content += "".join([d.reasoning_content for d in deltas if d.reasoning_content])
+        choice.reasoning += "".join([d.reasoning for d in deltas if d.reasoning])
         for delta in deltas:
             if delta.tool_calls:
                 for position, call in enumerate(delta.tool_calls):
                     self._tool_call(index, position if call.index is None else call.index, call)
-        choice.finish_reason = next((c.finish_reason for c in reversed(group) if c.finish_reason), None)
+        choice.finish_reason = next((c.finish_reason for c in reversed(group) if c.finish_reason), choice.finish_reason)
         entries = [c.logprobs.content if c.logprobs is not None and c.logprobs.content else () for c in group]
         if all(len(e) == len(c.token_ids) if c.token_ids is not None else not e for c, e in zip(group, entries)):
             # Every chunk's ids and logprobs pair up 1:1 (or it has neither): flatten.
-            choice.token_ids = [i for c in group if c.token_ids for i in c.token_ids]
+            choice.token_ids += [i for c in group if c.token_ids for i in c.token_ids]
             flat = [entry for chunk_entries in entries for entry in chunk_entries]
-            choice.logprobs = [entry.logprob for entry in flat]
-            choice.tokens = [entry.token or "" for entry in flat]
-            self._tops[index] = [entry.top_logprobs or NO_TOP_LOGPROBS for entry in flat]
+            choice.logprobs += [entry.logprob for entry in flat]
+            choice.tokens += [entry.token or "" for entry in flat]
+            self._tops[index] += [entry.top_logprobs or NO_TOP_LOGPROBS for entry in flat]
         else:  # ids on logprob entries, ids without logprobs, or a misaligned chunk
             for raw in group:
                 self._tokens(choice, raw)

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import msgspec
 
-from pi_env.proxy.capture import MessageDelta
+from pi_env.proxy.capture import Assembler, MessageDelta, TurnCapture, WireChoice, WireChunk, parse_chunks
 
 
 class DialectError(Exception):
@@ -59,28 +59,14 @@ class DialectCall:
     state: dict[str, Any] = field(default_factory=dict)  # what the answer's translation needs
 
 
-# -- Chat Completions answers as the translators read them: only the fields they use (no
-# logprobs: a capturing mode's chunks carry them, and decoding them would cost most of the time).
+# -- Chat Completions answers as the translators read them: the structs capture decodes them
+# into (proxy/capture.py), so one decode serves both the translation and the turn's capture,
+# assembled piece by piece as the answer passes (AnswerStream.assembled): a dialect costs no
+# second parse of the answer.
 
-
-class Choice(msgspec.Struct, gc=False):
-    index: int = 0
-    delta: MessageDelta | None = None  # streamed
-    message: MessageDelta | None = None  # whole
-    finish_reason: str | None = None
-    stop_reason: Any = None  # vLLM: the stop string (or token id) that ended the answer
-
-
-class ChatChunk(msgspec.Struct, gc=False):
-    id: str | None = None
-    model: str | None = None
-    choices: list[Choice] | None = None
-    usage: dict[str, Any] | None = None
-    error: Any = None  # an error an upstream sent inside its stream
-
-
-_chunks = msgspec.json.Decoder(list[ChatChunk])
-_chunk = msgspec.json.Decoder(ChatChunk)
+ChatChunk = WireChunk
+Choice = WireChoice
+_chunk = msgspec.json.Decoder(WireChunk)
 encode = msgspec.json.encode
 
 
@@ -147,6 +133,17 @@ def chat_error_message(body: bytes) -> tuple[str, str]:
     return body.decode(errors="replace")[:4096], "api_error"
 
 
+def _decode(lines: bytes) -> tuple[list[WireChunk], int]:
+    """The chunks of whole SSE lines, and how many payloads could not be decoded."""
+    # Leading blanks are JSON whitespace; an empty or odd payload fails the batch, then itself.
+    payloads = [line[5:] for line in lines.split(b"\n") if line[:5] == b"data:"]
+    if payloads and payloads[-1].strip() == b"[DONE]":
+        payloads.pop()
+    if not payloads:
+        return [], 0
+    return parse_chunks(payloads)
+
+
 def _text_only(chunk: ChatChunk) -> tuple[str, str] | None:
     """("content" | "reasoning_content" | "reasoning", text) for a chunk that carries text of one
     kind and nothing else; None for any other chunk."""
@@ -209,6 +206,11 @@ class AnswerStream:
         self.translator = dialect.translator(call)
         self.pending = b""  # an SSE line not yet whole (or, not SSE: the whole body so far)
         self.started = False
+        # The turn's capture, assembled from the chunks as they are decoded for translation (so
+        # none is decoded twice, nor held once added); None once handed over by assembled().
+        self.assembler: Assembler | None = Assembler(TurnCapture(request={})) if self.sse else None
+        self.assembly_error: str | None = None
+        self.bad = 0  # payloads that could not be decoded
 
     @property
     def content_type(self) -> str:
@@ -240,22 +242,32 @@ class AnswerStream:
             out += self.translator.events([])
         return out + self.translator.close()
 
-    def _translate(self, lines: bytes) -> bytes:
-        # Leading blanks are JSON whitespace; an empty or odd payload fails the batch, then itself below.
-        payloads = [line[5:] for line in lines.split(b"\n") if line[:5] == b"data:"]
-        if payloads and payloads[-1].strip() == b"[DONE]":
-            payloads.pop()
-        if not payloads:
-            return b""
+    def assembled(self, tail: bytes = b"") -> TurnCapture | None:
+        """The capture of the whole answer (`tail`: its bytes not fed yet), from the chunks
+        decoded for translation; None for an answer that is not a stream. Called once."""
+        assembler, self.assembler = self.assembler, None
+        if assembler is None:
+            return None
+        rest, bad = _decode(self.pending + tail + b"\n")
+        capture = assembler.capture
         try:
-            chunks = _chunks.decode(b"[" + b",".join(payloads) + b"]")
-        except msgspec.DecodeError:  # one malformed event: keep the others
-            chunks = []
-            for payload in payloads:
-                try:
-                    chunks.append(_chunk.decode(payload))
-                except msgspec.DecodeError:
-                    continue
+            if self.assembly_error is None:
+                return assembler.chunks(rest, self.bad + bad)
+        except Exception as exc:  # noqa: BLE001 - as capture.assemble_answer: recorded, never raised
+            self.assembly_error = f"{type(exc).__name__}: {exc}"
+        capture.token_ids_missing_reason = f"the answer could not be assembled: {self.assembly_error}"
+        return capture
+
+    def _translate(self, lines: bytes) -> bytes:
+        chunks, bad = _decode(lines)
+        if not chunks and not bad:
+            return b""
+        if self.assembler is not None and self.assembly_error is None:
+            self.bad += bad
+            try:
+                self.assembler.add(chunks)
+            except Exception as exc:  # noqa: BLE001 - the capture says why; the agent still gets its answer
+                self.assembly_error = f"{type(exc).__name__}: {exc}"
         self.started = True
         return self.translator.events(coalesce(chunks) if len(chunks) > 1 else chunks)
 
