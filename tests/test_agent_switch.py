@@ -111,7 +111,7 @@ QWEN_EXTRA_TOOLS = ["agent", "get_goal", "glob", "grep_search", "list_agents", "
 
 @pytest.mark.needs_bwrap
 @pytest.mark.slow
-@pytest.mark.parametrize("agent", ["opencode", "qwen-code", "mini-swe-agent"])
+@pytest.mark.parametrize("agent", ["opencode", "qwen-code", "mini-swe-agent", "codex", "claude-code", "gemini-cli"])
 def test_harbor_tasks_run_with_any_agent(tmp_path, agent):
     """A Harbor task directory on the oracle: solve.sh runs through the agent's own shell tool,
     and the task's tests (staged only after the agent) score it."""
@@ -127,7 +127,7 @@ def test_harbor_tasks_run_with_any_agent(tmp_path, agent):
 
 @pytest.mark.needs_bwrap
 @pytest.mark.slow
-@pytest.mark.parametrize("agent", ["pi", "opencode", "qwen-code", "mini-swe-agent"])
+@pytest.mark.parametrize("agent", ["pi", "opencode", "qwen-code", "mini-swe-agent", "codex", "claude-code", "gemini-cli"])
 def test_interception_gate_hands_every_agents_calls_to_the_trainer(agent):
     """interception_gate with each agent: the trainer (here: the oracle's answers for the tools
     each held request offers) generates every turn; the rollout is verified and scored, every
@@ -158,7 +158,7 @@ def test_interception_gate_hands_every_agents_calls_to_the_trainer(agent):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agent", ["opencode", "qwen-code", "mini-swe-agent"])
+@pytest.mark.parametrize("agent", ["opencode", "qwen-code", "mini-swe-agent", "codex", "claude-code", "gemini-cli"])
 def test_every_agent_runs_in_an_image_without_node(agent):
     """The podman image has no Node of its own: an agent started by the launcher brings the
     launcher's (mounted with it), a Node agent its install's, mini-swe-agent the image's python3."""

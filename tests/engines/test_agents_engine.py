@@ -1,5 +1,5 @@
 """Token-in for every agent on the real engine (vLLM CPU, SmolLM2-135M-Instruct): each agent's
-rollout is one exact training sequence, every prompt the engine's echo and every completion id
+rollout, whatever its wire format (the gateway's dialects), is one exact training sequence, every prompt the engine's echo and every completion id
 and logprob what it streamed; an agent's extra calls (OpenCode's title) are recorded and left out.
 
 As in test_token_in_engine.py (whose relay this reuses), SmolLM2 never calls a tool on its own,
@@ -30,17 +30,25 @@ QWEN_EXTRA_TOOLS = ["agent", "get_goal", "glob", "grep_search", "list_agents", "
                     "exit_worktree", "loop_wakeup", "monitor", "read_mcp_resource", "record_artifact",
                     "report_findings", "send_message", "task_stop", "web_fetch", "zoom_image", "ask_user_question",
                     "todo_write", "save_memory", "lsp", "exit_plan_mode"]
-# agent -> (its shell tool's name, its options for a small model's context)
+GEMINI_EXTRA_TOOLS = ["update_topic", "list_directory", "grep_search", "glob", "web_fetch", "google_web_search",
+                      "list_background_processes", "read_background_output", "enter_plan_mode", "invoke_agent",
+                      "activate_skill"]
+SHORT_PROMPT = "You are a coding agent. Use the tools."
+# agent -> (its shell tool's name, that tool's command argument, its options for a small model's
+# context). Codex, Claude Code and Gemini CLI speak Responses, Messages and generateContent: the
+# gateway's dialects translate, and the sequence must stay one all the same.
 AGENTS = {
-    "opencode": ("bash", {}),
-    "qwen-code": ("run_shell_command", {"exclude_tools": QWEN_EXTRA_TOOLS,
-                                        "system_prompt": "You are a coding agent. Use the tools."}),
-    "mini-swe-agent": ("bash", {}),
+    "opencode": ("bash", "command", {}),
+    "qwen-code": ("run_shell_command", "command", {"exclude_tools": QWEN_EXTRA_TOOLS, "system_prompt": SHORT_PROMPT}),
+    "mini-swe-agent": ("bash", "command", {}),
+    "codex": ("exec_command", "cmd", {"system_prompt": SHORT_PROMPT}),
+    "claude-code": ("Bash", "command", {"tools": ["Bash"], "system_prompt": SHORT_PROMPT}),
+    "gemini-cli": ("run_shell_command", "command", {"exclude_tools": GEMINI_EXTRA_TOOLS, "system_prompt": SHORT_PROMPT}),
 }
 
 
-def forced_call(tool: str) -> str:
-    return ('<tool_call>\\n\\{"name": "' + tool + '", "arguments": \\{"command": "('
+def forced_call(tool: str, argument: str = "command") -> str:
+    return ('<tool_call>\\n\\{"name": "' + tool + '", "arguments": \\{"' + argument + '": "('
             + "|".join(c.replace(".", "\\.") for c in COMMANDS) + ')"\\}\\}\\n</tool_call>')
 
 
@@ -54,9 +62,9 @@ def tokenizer(vllm_engine):
 @pytest.mark.timeout(3 * 3600)
 @pytest.mark.parametrize("agent", sorted(AGENTS))
 def test_each_agents_token_in_rollout_is_one_exact_sequence(agent, vllm_engine, tokenizer, tmp_path):
-    tool, options = AGENTS[agent]
+    tool, argument, options = AGENTS[agent]
     relay = Relay(vllm_engine.base_url, tokenizer.encode("<|im_start|>assistant", add_special_tokens=False),
-                  regex=forced_call(tool))
+                  regex=forced_call(tool, argument))
     run_sync(relay.start(), timeout=30)
     try:
         config = PiConfig(agent={"name": agent, "options": options}, endpoint=relay.base_url,
