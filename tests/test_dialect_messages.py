@@ -793,3 +793,20 @@ def test_the_sdks_beta_client_reaches_the_beta_route_with_its_betas_noted(gatewa
     notes = session.turns[0].dialect_notes
     assert "anthropic-beta: interleaved-thinking-2025-05-14,context-management-2025-06-27" in notes
     assert "thinking: enabled (budget_tokens 1024)" in notes
+
+
+def test_every_answer_has_a_message_id_of_its_own_whatever_the_engine_repeats():
+    """Claude Code folds consecutive assistant messages that share an id into one: an engine
+    that repeats its chat ids must not make two turns one."""
+    from pi_env.proxy.capture import MessageDelta
+    from pi_env.proxy.dialects.base import ChatChunk, Choice, Route
+    from pi_env.proxy.dialects.messages import MessagesDialect
+
+    dialect = MessagesDialect()
+    call = dialect.to_chat({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}, Route())
+    answer = ChatChunk(id="chatcmpl-same", choices=[Choice(message=MessageDelta(content="ok"), finish_reason="stop")])
+    ids = {json.loads(dialect.translator(call).whole(answer))["id"] for _ in range(3)}
+    streamed = dialect.translator(call).events(
+        [ChatChunk(id="chatcmpl-same", choices=[Choice(delta=MessageDelta(content="a"))])]
+    )
+    assert len(ids) == 3 and b"chatcmpl-same" not in streamed

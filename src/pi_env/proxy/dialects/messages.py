@@ -430,7 +430,10 @@ def _usage_numbers(usage: dict[str, Any] | None) -> tuple[int, int]:
 
 
 def _message_id(chat_id: str | None) -> str:
-    return "msg_" + (chat_id or secrets.token_hex(12))
+    # Never the engine's id: Claude Code merges consecutive assistant messages that share an id,
+    # and an engine that repeats its ids (a stub, some local servers) would fold two turns into
+    # one. The engine's id stays in the turn's capture.
+    return "msg_" + secrets.token_hex(12)
 
 
 class MessagesTranslator(AnswerTranslator):
