@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # A model learns to code through pi-env on this CPU (docs/learning.md): SmolLM2-135M-Instruct,
-# base eval -> SFT on oracle rollouts -> a probe of the SFT policy per family -> paired held-out
-# eval -> on-policy GRPO through the real Pi -> the same held-out eval, then report.json (the
-# paired difference with its 95 % CI) and learning_curve.png in the run directory. Every stage
-# resumes from its outputs: run the same command again after an interruption.
+# base eval -> SFT on oracle rollouts -> a probe of the SFT policy per family -> paired evals
+# (unseen templates, primary; in-distribution held out) -> on-policy GRPO through the real Pi ->
+# the same evals, then the curve checkpoints' and the SFT retest's, then report.json (the paired
+# differences with their 95 % CIs; docs/learning_protocol.md) and learning_curve.png in the run
+# directory. Every stage resumes from its outputs: run the same command again after an
+# interruption; `--rl-seed 1` and `--rl-seed 2` add the other RL seeds from the same SFT checkpoint.
 #
 #   bash scripts/learn_on_cpu.sh                       # the full run (RUN_DIR=runs/learn_on_cpu)
 #   RUN_DIR=/tmp/tiny bash scripts/learn_on_cpu.sh --n-train 4 --n-eval 2 --n-heldout 4 --rl-steps 2
@@ -22,6 +24,6 @@ ENGINE_PY=$PI_ENV_ENGINES_DIR/vllm-venv/bin/python
 bash scripts/engines/install.sh vllm   # idempotent: the engine venv (renderers for token-in) and the model
 mkdir -p "$RUN_DIR"
 export PYTHONPATH=$PWD/src HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft probe eval_sft rl eval_rl retest_sft --run-dir "$RUN_DIR" "$@"
+nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft probe eval_sft rl eval_rl eval_curve retest_sft --run-dir "$RUN_DIR" "$@"
 PYTHONPATH=$PWD/src .venv/bin/python -m pi_env.learning report --run-dir "$RUN_DIR" "$@"
 echo "[learn] report: $RUN_DIR/report.json, plot: $RUN_DIR/learning_curve.png"

@@ -9,10 +9,24 @@ from collections import Counter
 import pytest
 
 from pi_env import PiConfig, PiSessionFactory
-from pi_env.learning.pipeline import LearnConfig, LeakError, check_held_out, read_tasks, stage_tasks
+from pi_env.learning.pipeline import (
+    LearnConfig,
+    LeakError,
+    check_held_out,
+    eval_families,
+    eval_set,
+    read_tasks,
+    stage_tasks,
+)
 from pi_env.learning.rows import group_advantages, raft_rows, rl_rows
 from pi_env.task import PiTask
-from pi_env.workspace.coding import CODING_FAMILIES, generate_coding_tasks, make_coding_splits
+from pi_env.workspace.coding import (
+    CODING_FAMILIES,
+    TemplateLeakError,
+    check_unseen_templates,
+    generate_coding_tasks,
+    make_coding_splits,
+)
 from pi_env.workspace.tasks import SplitOverlapError, check_disjoint
 
 
@@ -168,3 +182,219 @@ def test_raft_rows_keep_the_passing_rollouts_of_mixed_groups_only():
                _record("all", 1.0, [seg]), _record("all", 1.0, [seg]), _record("none", 0.0, [seg])]
     rows = raft_rows(records)
     assert len(rows) == 1 and rows[0].weight == 1.0 and rows[0].token_ids == seg[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Unseen templates (issue 44, docs/learning_protocol.md)
+
+TRAIN_POOL_SPLITS = {"train": 100, "eval": 25, "rl": 60, "heldout": 50}
+
+
+def _signatures(task):
+    """What the oracle writes apart from identifiers: each edit (old, new), each line of an
+    implemented function's body, each other written file whole."""
+    out = set()
+    for step in task.solution:
+        if step.tool == "edit":
+            out.add(("edit", step.old, step.new))
+        elif step.tool == "write" and task.metadata["family"] == "implement_function":
+            out |= {("body", line.strip()) for line in step.content.splitlines()[1:] if line.strip()}
+        elif step.tool == "write":
+            out.add(("write", step.content))
+    return out
+
+
+def test_unseen_templates_never_appear_in_a_train_pool_split_over_many_seeds():
+    """No template id, no (template, constants) pair and no exact edit of an unseen task is in
+    any task of the train, eval, RL or held-out splits, for 20 seeds."""
+    from pi_env.workspace.coding import template_key
+
+    unseen_templates = set()
+    for seed in range(20):
+        others = [
+            t for split, n in TRAIN_POOL_SPLITS.items() for t in generate_coding_tasks(n, split=split, seed=seed)
+        ]
+        unseen = generate_coding_tasks(60, split="unseen", seed=seed)
+        assert {t.metadata["pool"] for t in others} == {"train"} and {t.metadata["pool"] for t in unseen} == {"unseen"}
+        templates = {t.metadata["template"] for t in others}
+        assert not templates & {t.metadata["template"] for t in unseen}
+        assert not {template_key(t) for t in others} & {template_key(t) for t in unseen}
+        trained_edits = set().union(*(_signatures(t) for t in others))
+        for task in unseen:
+            assert not _signatures(task) & trained_edits, task.task_id
+        check_unseen_templates(unseen, others)
+        unseen_templates |= {t.metadata["template"] for t in unseen}
+    # every family has at least two unseen templates, all of them drawn
+    by_family = Counter(name.split("/")[0] for name in unseen_templates)
+    assert set(by_family) == set(CODING_FAMILIES) and min(by_family.values()) >= 2, by_family
+
+
+def test_the_template_check_catches_a_train_template_in_the_unseen_set():
+    train = generate_coding_tasks(10, split="train")
+    unseen = generate_coding_tasks(5, split="unseen")
+    with pytest.raises(TemplateLeakError, match="not unseen-pool"):
+        check_unseen_templates([*unseen, train[0]], [])
+    relabelled = train[0].model_copy(update={"metadata": {**train[0].metadata, "pool": "unseen"}})
+    with pytest.raises(TemplateLeakError, match=train[0].metadata["template"]):
+        check_unseen_templates([relabelled], train[1:])
+
+
+def test_unseen_tasks_compile_and_train_pool_tasks_are_unchanged():
+    """Every Python file of the unseen pool compiles; the train pool's generation is what it was
+    before the unseen pool existed (so the committed r7 run's task files can still be audited)."""
+    for task in generate_coding_tasks(120, split="unseen", seed=3):
+        for path, text in {**task.files, **task.verify_files}.items():
+            if path.endswith(".py"):
+                compile(text, f"{task.task_id}:{path}", "exec")
+        for step in task.solution:
+            if step.tool == "write" and step.path.endswith(".py"):
+                compile(step.content, f"{task.task_id}:solution", "exec")
+    # digests of the generator before the unseen pool existed
+    assert [t.digest()[:16] for t in generate_coding_tasks(5, split="train")] == [
+        "f538eb1108136e9a", "08f060971e9b84f5", "36c3f8bd5802ba5c", "89b1e74ab2d0691e", "0e48e729863ca3db",
+    ]
+    assert [t.digest()[:16] for t in generate_coding_tasks(5, split="heldout")] == [
+        "d1e165a2f3200b15", "d46bb1ef65dfcfe6", "0c22a3916742686b", "1e7df1b1626f0b04", "af635b33c0176273",
+    ]
+
+
+@pytest.mark.needs_bwrap
+def test_oracle_solves_every_unseen_template_and_a_lazy_agent_fails():
+    """Real Pi, real sandbox: one task of every unseen template, solved by its oracle; a do-nothing
+    solution scores below 1."""
+    by_template = {}
+    for task in generate_coding_tasks(200, split="unseen", seed=11):
+        by_template.setdefault(task.metadata["template"], task)
+    factory = PiSessionFactory(PiConfig(endpoint="oracle", mode="black_box"))
+    for template, task in sorted(by_template.items()):
+        lazy = PiTask.model_validate({**task.model_dump(), "solution": [{"tool": "bash", "command": "ls -R"}]})
+        with factory.create(task) as session:
+            solved = session.wait_for_completion()
+        with factory.create(lazy) as session:
+            idle = session.wait_for_completion()
+        assert solved.reward == 1.0, (template, solved.error, solved.verify_results)
+        assert idle.reward is not None and idle.reward < 1.0, template
+
+
+def test_the_tasks_stage_writes_an_unseen_split_and_keeps_the_labelled_heldout_one(tmp_path):
+    cfg = LearnConfig(run_dir=tmp_path, n_train=10, n_eval=5, n_rl=12, n_heldout=3, n_unseen=4)
+    summary = stage_tasks(cfg)
+    tasks = {name: read_tasks(tmp_path / "tasks" / f"{name}.jsonl") for name in ("train", "eval", "rl", "heldout", "unseen")}
+    assert summary["unseen"] == 4 * len(CODING_FAMILIES) and summary["heldout"] == 3 * len(CODING_FAMILIES)
+    assert {t.metadata["split"] for t in tasks["heldout"]} == {"heldout"}
+    assert {t.metadata["pool"] for t in tasks["heldout"]} == {"train"}
+    assert {t.metadata["pool"] for t in tasks["unseen"]} == {"unseen"}
+    assert not set(summary["templates"]["train_pool"]) & set(summary["templates"]["unseen_pool"])
+    # RL never trains the excluded family; the paired evals include it
+    assert cfg.rl_excluded_family == "rename_symbol"
+    assert "rename_symbol" not in {t.metadata["family"] for t in tasks["rl"]}
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "summary.json").write_text(json.dumps({"rl_families": ["fix_bug", "write_file"]}))
+    assert eval_families(cfg) == ["fix_bug", "write_file", "rename_symbol"]
+    assert Counter(t.metadata["family"] for t in eval_set(cfg, "unseen")) == {"write_file": 2, "fix_bug": 1, "rename_symbol": 1}
+    assert len(eval_set(cfg, "heldout")) == 3
+    with pytest.raises(ValueError, match="never trains"):
+        LearnConfig(run_dir=tmp_path, rl_families=["rename_symbol"])
+    # the held-out check refuses an "unseen" eval task whose template was trained on
+    (tmp_path / "oracle" / "exports").mkdir(parents=True)
+    (tmp_path / "oracle" / "exports" / "sft.jsonl").write_text(json.dumps({"task_id": tasks["train"][0].task_id}) + "\n")
+    assert check_held_out(cfg, tasks["heldout"], tasks["unseen"]) == 1
+    with pytest.raises(LeakError, match="not unseen"):
+        check_held_out(cfg, [], [tasks["heldout"][0]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sample results and the report's primary figure, from a synthetic run directory
+
+SAMPLE_KEYS = {"checkpoint", "set", "task_id", "family", "template", "split", "sample", "reward", "passed"}
+
+
+def _fake_eval(cfg, name, rewards_by_kind):
+    """eval_<name>/ as stage_eval leaves it: per set, one record per (task, sample)."""
+    root = cfg.run_dir / f"eval_{name}"
+    summary = {"stage": name}
+    for kind, by_task in rewards_by_kind.items():
+        records = [
+            {"id": f"{task}-{i}", "task_id": task, "group_id": task, "group_index": i, "reward": r, "messages": []}
+            for task, rewards in by_task.items()
+            for i, r in enumerate(rewards)
+        ]
+        (root / kind).mkdir(parents=True)
+        (root / kind / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        summary[kind] = {"samples_per_task": 4, "count": len(records), "passed": 0, "pass_rate": 0.0, "unscored": 0}
+    (root / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_report_pools_seeds_on_unseen_templates_from_per_sample_results(tmp_path):
+    from pi_env.learning.pipeline import sample_rows, stage_report
+    from pi_env.learning.stats import compare_samples
+
+    cfg = LearnConfig(run_dir=tmp_path, n_train=10, n_eval=5, n_rl=12, n_heldout=4, n_unseen=6,
+                      rl_families=["fix_bug", "implement_function", "write_file"])
+    stage_tasks(cfg)
+    (tmp_path / "oracle" / "exports").mkdir(parents=True)
+    (tmp_path / "oracle" / "exports" / "sft.jsonl").write_text("")
+    unseen = [t.task_id for t in eval_set(cfg, "unseen")]
+    heldout = [t.task_id for t in eval_set(cfg, "heldout")]
+    assert len(unseen) == 6 and len(heldout) == 4
+    rng = __import__("random").Random(1)
+
+    def draw(tasks, p):
+        return {t: [float(rng.random() < p) for _ in range(4)] for t in tasks}
+
+    sft = {"unseen": draw(unseen, 0.3), "heldout": draw(heldout, 0.5)}
+    _fake_eval(cfg, "sft", sft)
+    _fake_eval(cfg, "sft_retest", {"unseen": draw(unseen, 0.3)})
+    seeds = {0: "rl", 1: "rl_seed1", 2: "rl_seed2"}
+    rl = {seed: {"unseen": draw(unseen, 0.6), "heldout": draw(heldout, 0.7)} for seed in seeds}
+    for seed, arm in seeds.items():
+        (tmp_path / arm).mkdir()
+        _fake_eval(cfg, arm, rl[seed])
+    steps = [{"step": k, "algorithm": "grpo", "kl_after": 1e-4, "kl_guard": "ok", "entropy_sampled": 0.1,
+              "group_rewards": {}, "mean_reward": 0.5, "pass_rate": 0.5} for k in range(8)]
+    (tmp_path / "rl" / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    _fake_eval(cfg, "rl_step4", {"unseen": draw(unseen, 0.5)})  # a curve checkpoint (eval_curve)
+    report = stage_report(cfg)
+    assert [(p["rl_steps"], p["checkpoint"]) for p in report["curve"]] == [(4, "rl_step4"), (8, "rl")]
+    assert report["stages"]["rl"]["checks"] == {"collapse": False, "collapse_reasons": [], "kl_max": 1e-4,
+                                                "kl_limit": 0.01, "kl_over_limit": [], "kl_check_passed": True}
+
+    assert report["seeds"] == [0, 1, 2] and report["samples_per_task"] == 4 and report["protocol_version"] == 1
+    # the primary figure: per-task mean over samples, mean over seeds, minus SFT's, mean over tasks
+    want = sum(
+        sum(sum(rl[s]["unseen"][t]) / 4 for s in seeds) / 3 - sum(sft["unseen"][t]) / 4 for t in unseen
+    ) / len(unseen)
+    primary = report["unseen_rl_minus_sft_pass"]
+    assert primary["mean"] == round(100 * want, 1) and primary["tasks"] == 6
+    assert primary["ci95"][0] <= primary["mean"] <= primary["ci95"][1]
+    pooled = compare_samples(sft["unseen"], [rl[s]["unseen"] for s in seeds], seed=cfg.seed)
+    assert {k: primary[k] for k in ("mean", "ci95")} == pooled["pass_points"]
+    assert set(report["unseen_rl_minus_sft_pass_by_seed"]) == {"0", "1", "2"}
+    assert report["heldout_rl_minus_sft_pass"]["label"].startswith("in-distribution")
+    assert report["heldout_rl_minus_sft_pass"]["tasks"] == 4
+    assert report["sft_retest_minus_sft_unseen_pass"]["tasks"] == 6
+    assert report["success_rule"]["met"] == (primary["ci95"][0] > 0)
+    assert report["targets"]["primary_set"] == "unseen"
+    # per-sample rows: small, one per rollout, every checkpoint
+    rows = [json.loads(line) for line in (tmp_path / "learn_samples.jsonl").read_text().splitlines()]
+    assert all(set(row) == SAMPLE_KEYS for row in rows)
+    assert len(rows) == 6 * 4 * (2 + 3 + 1) + 4 * 4 * (1 + 3)
+    one = sample_rows(cfg, "rl_seed1")
+    assert {(r["set"], r["sample"]) for r in one} == {(k, i) for k in ("unseen", "heldout") for i in range(4)}
+    assert all(r["passed"] == (r["reward"] >= 1.0) and r["split"] == r["set"] for r in one)
+    assert {r["template"].split("/")[0] for r in one} == {r["family"] for r in one}
+
+
+def test_protocol_checks_and_curve_steps(tmp_path):
+    from pi_env.learning.pipeline import curve_steps, protocol_checks
+
+    cfg = LearnConfig(run_dir=tmp_path)
+    assert curve_steps(cfg) == [2, 4, 6]
+    assert curve_steps(LearnConfig(run_dir=tmp_path, rl_seed=1)) == []  # the curve is seed 0's
+    assert curve_steps(LearnConfig(run_dir=tmp_path, curve_steps="4,8", rl_steps=8)) == [4]  # 8: the final eval
+    steps = [{"step": 0, "entropy_sampled": 0.12, "kl_after": 0.002},
+             {"step": 1, "entropy_sampled": 0.02, "kl_after": 0.02}]
+    worse = {"tasks": 10, "pass_points": {"mean": -20.0, "ci95": [-30.0, -5.0]}}
+    checks = protocol_checks(cfg, steps, worse)
+    assert checks["collapse"] and len(checks["collapse_reasons"]) == 2
+    assert checks["kl_over_limit"] == [{"step": 1, "kl_after": 0.02}] and checks["kl_check_passed"] is False

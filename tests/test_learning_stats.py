@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from pi_env.learning.schedule import choose_families, first_visit, flat, rl_schedule
-from pi_env.learning.stats import compare_paired, mcnemar_exact, paired_bootstrap
+from pi_env.learning.stats import compare_paired, compare_samples, mcnemar_exact, paired_bootstrap
 
 # Ten tasks: 4 flipped up (fail -> pass), 1 down, 3 passed both times, 2 failed both times.
 BEFORE = [0, 0, 0, 0, 1, 1, 1, 1, 0, 0]
@@ -137,3 +137,53 @@ def test_revisit_gain_pairs_each_task_with_its_first_visit():
     assert gain["pass_points"]["mean"] == pytest.approx(100 * ((0.75 - 0.25) + (2 / 3 - 0.25)) / 2, abs=0.05)
     assert "in-distribution" in gain["note"]
     assert revisit_gain(steps[:1]) is None
+
+
+def test_compare_samples_with_one_sample_each_is_compare_paired():
+    before = {f"t{i}": [float(v)] for i, v in enumerate(BEFORE)}
+    after = {f"t{i}": [float(v)] for i, v in enumerate(AFTER)}
+    samples = compare_samples(before, [after])
+    paired = compare_paired({t: v[0] for t, v in before.items()}, {t: v[0] for t, v in after.items()})
+    assert samples["pass_points"] == paired["pass_points"] and samples["mcnemar"] == paired["mcnemar"]
+    assert samples["tasks"] == 10 and samples["tasks_up"] == 4 and samples["tasks_down"] == 1
+
+
+def test_compare_samples_is_a_cluster_bootstrap_over_per_task_means():
+    """Four samples per task: the figure is the mean over tasks of the per-task mean difference,
+    its CI the paired bootstrap of those per-task means (tasks resampled with all their samples),
+    so four copies of one sample carry no more information than that sample (a bootstrap over
+    the 40 samples as if independent would halve the CI)."""
+    before = {"a": [0, 0, 1, 0], "b": [1, 1, 0, 1], "c": [0, 0, 0, 0], "d": [1, 0, 0, 0]}
+    after = {"a": [1, 1, 0, 1], "b": [1, 1, 1, 1], "c": [0, 1, 0, 0], "d": [0, 0, 0, 0], "e": [1, 1, 1, 1]}
+    result = compare_samples(before, [after], seed=3)
+    tasks = sorted(before)
+    per_task = paired_bootstrap(
+        [sum(before[t]) / 4 for t in tasks], [sum(after[t]) / 4 for t in tasks], seed=3
+    )
+    assert result["pass_points"]["mean"] == round(100 * per_task["mean"], 1) == 18.8
+    assert result["pass_points"]["ci95"] == [round(100 * v, 1) for v in per_task["ci95"]]
+    assert result["tasks"] == 4 and result["unpaired"] == 1 and "mcnemar" not in result
+    assert result["samples_before"] == result["samples_after"] == 16
+    single = {f"t{i}": [float(v)] for i, v in enumerate(BEFORE)}, {f"t{i}": [float(v)] for i, v in enumerate(AFTER)}
+    copied = [{t: v * 4 for t, v in side.items()} for side in single]
+    assert compare_samples(copied[0], [copied[1]])["pass_points"] == compare_samples(single[0], [single[1]])["pass_points"]
+
+
+def test_compare_samples_pools_seeds_per_task():
+    """Three RL seeds against one SFT eval: a task's after-value is the mean over seeds of each
+    seed's per-task pass fraction; a task one seed left unscored is unpaired."""
+    before = {"a": [0.0, 0.0], "b": [1.0, 0.0], "c": [1.0, 1.0]}
+    seeds = [
+        {"a": [1.0, 1.0], "b": [1.0, 1.0], "c": [1.0, 0.0]},
+        {"a": [0.0, 1.0], "b": [1.0, 0.0], "c": [1.0, 1.0]},
+        {"a": [0.0, 0.0], "b": [1.0, 1.0], "c": []},
+    ]
+    result = compare_samples(before, seeds)
+    # c is unpaired (no scored sample under seed 2); a: 0.5 - 0, b: 5/6 - 0.5
+    assert result["tasks"] == 2 and result["unpaired"] == 1 and result["checkpoints_pooled"] == 3
+    assert result["pass_points"]["mean"] == round(100 * (0.5 + (5 / 6 - 0.5)) / 2, 1)
+    # partial credit counts in the reward, not in the pass rate
+    partial = compare_samples({"a": [2 / 3, 1.0]}, [{"a": [1.0, 1.0]}])
+    assert partial["pass_points"]["mean"] == 50.0 and partial["reward_points"]["mean"] == round(100 / 6, 1)
+    with pytest.raises(ValueError):
+        compare_samples(before, [])
