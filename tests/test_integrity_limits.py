@@ -96,10 +96,14 @@ def test_collect_scores_hostile_rollouts_once_and_keeps_the_rest(tmp_path):
 
 
 def test_huge_session_files_do_not_balloon_the_host_process(tmp_path):
-    """Three 250 MB session files (2.4 GB peak RSS in the pi-env process before): host-side
-    reads of what the agent wrote are bounded per rollout (PiConfig.max_read_bytes)."""
+    """Two 250 MB session files (2.4 GB peak RSS in the pi-env process with three, before reads
+    were bounded per rollout by PiConfig.max_read_bytes) and three of 20 MB, together within that
+    budget: the agent's transcript gets at most read_budget.TRANSCRIPT_MAX_BYTES of it (parsed,
+    the three held 700 MB)."""
     line = '{"type":"message","message":{"role":"user","content":"padding padding padding"}}'
-    fill = "; ".join(f"yes '{line}' | head -c 250000000 > /root/logs/agent/session/huge-{i}.jsonl" for i in range(3))
+    sizes = [250_000_000] * 2 + [20_000_000] * 3
+    fill = "; ".join(f"yes '{line}' | head -c {size} > /root/logs/agent/session/huge-{i}.jsonl"
+                     for i, size in enumerate(sizes))  # fmt: skip
     task = oracle_task("huge-session", fill)
     script = (f"import json, resource; from pi_env import PiTask, run_rollout\n"
               f"result = run_rollout(PiTask.model_validate_json({task.model_dump_json()!r}))\n"
@@ -107,7 +111,7 @@ def test_huge_session_files_do_not_balloon_the_host_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.splitlines()[-1])
-    print("peak RSS of the pi-env process with 3 x 250 MB session files:", figures)
+    print("peak RSS of the pi-env process with 2 x 250 MB and 3 x 20 MB session files:", figures)
     assert figures["kind"] != "infra" and figures["rss_mb"] < 600
 
 

@@ -21,6 +21,12 @@ from .sandbox import SANDBOX_WORKDIR, Sandbox, SandboxError
 from .task import PiTask
 from .verify.workdir import WorkdirLimits, capture_workdir
 
+# An agent's own transcript is parsed into Python objects, about ten times its size in memory (64
+# MB of short JSON lines held 720 MB): it gets at most this much of the budget, all its files
+# together, so a run that left huge records (by accident, or an agent on purpose) cannot make the
+# host hold gigabytes. A file over it is not read; the gateway's record is the run's conversation.
+TRANSCRIPT_MAX_BYTES = 16 << 20
+
 
 class ReadBudget:
     """What is left (`left`, bytes) of one rollout's `max_read_bytes`, and the reads that use it."""
@@ -45,9 +51,21 @@ class ReadBudget:
         return {path: _as_text(data) for path, data in snapshot.items()}
 
     def transcript(self, agent: Agent, sandbox: Sandbox) -> list[dict]:
-        """The agent's own record of its run, as it left it (it may have rewritten it); [] when unreadable."""
+        """The agent's own record of its run, as it left it (it may have rewritten it), within
+        TRANSCRIPT_MAX_BYTES of the budget; [] when unreadable."""
+        spent = 0
+
+        def read(path: str, max_files: int, max_bytes: int) -> dict[str, bytes]:
+            nonlocal spent
+            cap = max(0, min(self.left, TRANSCRIPT_MAX_BYTES - spent))
+            files = sandbox.snapshot(path, max_files=max_files, max_file_bytes=min(max_bytes, cap), max_total_bytes=cap)
+            used = sum(len(data) for data in files.values())
+            spent += used
+            self.left -= used
+            return files
+
         try:
-            return agent.transcript(lambda path, max_files, max_bytes: self.tree(sandbox, path, max_files, max_bytes))
+            return agent.transcript(read)
         except (SandboxError, OSError, ValueError):
             return []
 
