@@ -15,7 +15,6 @@ import sys
 import textwrap
 
 import pytest
-
 from engine import ENGINE_PYTHON, MODEL_DIR, ROOT, free_port, post_json, vllm_missing
 from scoring import score_with_transformers
 
@@ -87,7 +86,7 @@ def test_shared_prefix_scoring_matches_scoring_every_row_whole(train_layers):
 def test_every_stage_on_tiny_sizes(tmp_path):
     run_dir = tmp_path / "run"
     args = ["--run-dir", str(run_dir), "--n-train", "3", "--n-eval", "2", "--n-rl", "6", "--n-heldout", "2",
-            "--families", "write_file,fix_bug", "--sft-epochs", "2", "--sft-batch", "3",
+            "--n-unseen", "2", "--samples-per-task", "1", "--families", "write_file,fix_bug", "--sft-epochs", "2", "--sft-batch", "3",
             "--probe-tasks-per-family", "1", "--probe-samples", "2", "--rl-steps", "2", "--rl-tasks-per-step", "1",
             "--group-size", "4", "--no-skip-flat-revisits", "--max-turns", "4", "--max-tokens", "96",
             "--agent-timeout-s", "180", "--engine-port", str(free_port()), "--base-model", str(MODEL_DIR)]
@@ -113,8 +112,9 @@ def test_every_stage_on_tiny_sizes(tmp_path):
     for summary in (base, sft_eval, rl_eval, raft_eval):
         assert summary["greedy"]["count"] == 2 and summary["greedy"]["unscored"] == 0, summary
         assert summary["held_out_checked_against"] >= 3  # every eval checked against what was trained on
-    for summary in (sft_eval, rl_eval, raft_eval):  # the paired eval: sampled, on the same held-out tasks
+    for summary in (sft_eval, rl_eval, raft_eval):  # the paired evals: sampled, on the same tasks
         assert summary["heldout"]["count"] == 2 and summary["heldout"]["temperature"] == 1.0
+        assert summary["unseen"]["count"] == 2  # the primary set: 2 tasks of unseen templates, 1 sample each
     probe = stages_["probe"]
     assert set(probe["table"]) == {"write_file", "fix_bug"} and probe["rl_families"] == ["fix_bug", "write_file"]
     assert all(row["rollouts"] == 2 for row in probe["table"].values())
@@ -131,8 +131,15 @@ def test_every_stage_on_tiny_sizes(tmp_path):
     assert 0 <= targets["mcnemar_p"] <= 1
     # the control: the SFT checkpoint again on the same held-out tasks, held-out only
     retest = stages_["sft_retest"]
-    assert retest["eval"]["heldout"]["count"] == 2 and "greedy" not in retest["eval"]
-    assert retest["vs_sft_heldout"]["tasks"] == 2 and targets["sft_retest_minus_sft_pass"]["ci95"]
+    assert retest["eval"]["unseen"]["count"] == 2 and "greedy" not in retest["eval"]
+    assert retest["vs_sft_unseen"]["tasks"] == 2 and targets["sft_retest_minus_sft_pass"]["ci95"]
+    # issue 44's keys: the primary figure on unseen templates, the seeds, the samples per task,
+    # and every sample in a JSONL anyone can recompute them from
+    assert report["seeds"] == [0] and report["samples_per_task"] == 1
+    primary = report["unseen_rl_minus_sft_pass"]
+    assert primary["ci95"][0] <= primary["mean"] <= primary["ci95"][1]
+    rows = [json.loads(line) for line in (run_dir / "learn_samples.jsonl").read_text().splitlines()]
+    assert {row["set"] for row in rows} >= {"unseen", "heldout"} and {row["checkpoint"] for row in rows} >= {"sft"}
     assert "weights_load" in retest["eval"]["time_s"]  # the RL engine, the SFT weights loaded back
 
     steps = stages_["rl"]["steps"]
