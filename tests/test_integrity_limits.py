@@ -105,9 +105,12 @@ def test_huge_session_files_do_not_balloon_the_host_process(tmp_path):
     fill = "; ".join(f"yes '{line}' | head -c {size} > /root/logs/agent/session/huge-{i}.jsonl"
                      for i, size in enumerate(sizes))  # fmt: skip
     task = oracle_task("huge-session", fill)
-    script = (f"import json, resource; from pi_env import PiTask, run_rollout\n"
+    # VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across exec, so a child of a large
+    # pytest process would report its parent's size (720 MB late in the suite).
+    script = (f"import json; from pi_env import PiTask, run_rollout\n"
               f"result = run_rollout(PiTask.model_validate_json({task.model_dump_json()!r}))\n"
-              f"print(json.dumps({{'kind': result.error_kind, 'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10}}))")
+              f"hwm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+              f"print(json.dumps({{'kind': result.error_kind, 'rss_mb': hwm >> 10}}))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.splitlines()[-1])
