@@ -8,10 +8,8 @@ import argparse
 
 from .agent import agent_names
 from .config import PiConfig
+from .errors import EXIT_BAD_INPUT, EXIT_INFRA  # noqa: F401 - their home is pi_env.errors; imported from here too
 from .sandbox import backend_names
-
-EXIT_BAD_INPUT = 2  # the input was wrong; the message says what to fix
-EXIT_INFRA = 3  # a rollout could not be scored for infrastructure reasons (sandbox, runtime, endpoint)
 
 
 def endpoint_arguments(parser: argparse.ArgumentParser) -> None:

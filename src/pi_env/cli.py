@@ -11,8 +11,6 @@ import time
 from pathlib import Path
 
 from .arguments import (
-    EXIT_BAD_INPUT,
-    EXIT_INFRA,
     agent_argument,
     backend_argument,
     config_from_args,
@@ -20,7 +18,7 @@ from .arguments import (
     endpoint_arguments,
     generation_arguments,
 )
-from .results import EXIT_INFRA_ERROR_KINDS
+from .errors import EXIT_BAD_INPUT, EXIT_INFRA, exit_code_for, exit_code_of
 
 # Subcommands whose code lives with their room. Each module has `add_arguments(parser)` and
 # `run(args) -> exit code`, and imports its heavy dependencies only inside `run`.
@@ -116,7 +114,8 @@ def _run(args) -> int:
     from pydantic import ValidationError
 
     from .endpoints import EndpointError
-    from .rollout import PiSessionFactory, unscored_by
+    from .results import unscored_result
+    from .rollout import PiSessionFactory
     from .sandbox import SandboxUnavailable
     from .task import TaskError, load_tasks
 
@@ -134,14 +133,11 @@ def _run(args) -> int:
             proxy_tokenizer=args.tokenizer,
         )
         factory = PiSessionFactory(config)
-    except (TaskError, EndpointError, ValidationError, ValueError, NotImplementedError) as error:
-        return _bad_input(error)
-    except SandboxUnavailable as error:
-        print(f"pi-env: {error}", file=sys.stderr)
-        return EXIT_INFRA
+    except (TaskError, EndpointError, ValidationError, ValueError, NotImplementedError, SandboxUnavailable) as error:
+        return _refused(error)  # bad input; a sandbox backend unavailable here: EXIT_INFRA (pi_env.errors)
     print(f"pi-env: {describe_sampling(config)}", file=sys.stderr, flush=True)
     if refused := _environments_not_honoured(tasks, args.backend, args.include_unsupported):
-        return _bad_input(refused)
+        return _refused(refused)
     out = args.out.open("w") if args.out else None
     infra_failures = 0
     results = []
@@ -151,10 +147,10 @@ def _run(args) -> int:
                 with factory.create(task) as session:
                     result = session.wait_for_completion()
             except (EndpointError, ValueError) as error:
-                return _bad_input(error)
+                return _refused(error)
             except Exception as error:  # noqa: BLE001 - one rollout's failure never loses the others
-                result = unscored_by(task.task_id, error)
-            infra_failures += result.error_kind in EXIT_INFRA_ERROR_KINDS
+                result = unscored_result(task.task_id, error)
+            infra_failures += exit_code_for(result.error_kind) == EXIT_INFRA
             results.append(result)
             line = result.model_dump_json()
             if out:
@@ -227,9 +223,10 @@ def _print_summary(result) -> None:
     )
 
 
-def _bad_input(error: Exception | str) -> int:
+def _refused(error: Exception | str) -> int:
+    """Say why the command stops; its exit code: the error's (pi_env.errors), EXIT_BAD_INPUT for words."""
     print(f"pi-env: {error}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+    return EXIT_BAD_INPUT if isinstance(error, str) else exit_code_of(error)
 
 
 def _doctor(args) -> int:

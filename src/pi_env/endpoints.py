@@ -18,9 +18,10 @@ from urllib.parse import urlparse
 
 from ._urls import without_userinfo
 from .config import PiConfig
+from .errors import BadInputError
 
 
-class EndpointError(ValueError):
+class EndpointError(BadInputError, ValueError):
     """The endpoint is unknown or incompletely configured; the message says what to set."""
 
 

@@ -66,6 +66,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from . import rollout
 from .config import Mode, PiConfig
+from .errors import unscored
 from .proxy.capture import TurnCapture
 from .proxy.records import TurnRecord
 from .proxy.rewrite import SAMPLING_KEYS
@@ -246,11 +247,12 @@ class HarnessSession(ResourceSession):
         try:
             result = self.pi_session.wait_for_completion()
         except Exception as error:  # noqa: BLE001 - a failed rollout is unscored, never 0
+            kind, message = unscored(error)
             return VerifyResult(
                 env_reward=None,
                 done=True,
-                metrics={"error_kind": "infra"},
-                artifacts={"error": f"{type(error).__name__}: {error}", **self._ids()},
+                metrics={"error_kind": kind},
+                artifacts={"error": message, **self._ids()},
             )
         passed = sum(1 for r in result.verify_results if r.passed)
         metrics = {

@@ -1,43 +1,66 @@
-"""What a rollout returns. Field names follow the reference Pi environment (task_id, sandbox_id,
-reward, agent_exit_code, wall_s, mode, setup_results, verify_results, proxy_turns, files,
-agent_log_tail, proxy_log_tail, error) plus what a trainer or evaluator also needs."""
+"""The value types a user or trainer sees, in one home: a rollout's result (`RolloutResult`,
+`CommandResult`), its events (`RolloutEvent`), its model calls (`RolloutTurn`), the training view
+(`TrainingTrace`, `TrainingSegment`, `TurnAlignment`), why it has no reward (`ErrorKind`, defined
+with the exception tree in pi_env.errors and re-exported here) and a policy version's value
+(`PolicyVersionValue`, the JSON scalar a trainer stamps on its weights). Each has one shape,
+every field says what it holds. Field names follow the reference Pi environment (task_id,
+sandbox_id, reward, agent_exit_code, wall_s, mode, setup_results, verify_results, proxy_turns,
+files, agent_log_tail, proxy_log_tail, error) plus what a trainer or evaluator also needs.
+
+Why here: the result is what every product of pi-env hands out (`run_rollout`, collect's records,
+the server's answers, the harness), and it holds all the others, so one module (layer 2, on
+pydantic only) lets a reader see the whole shape at once; pi_env.training keeps only the builder.
+
+The conversions between these and the other forms of a turn or a result, one place each:
+- gateway `TurnRecord` (pi_env.proxy.records, with its `TurnCapture`) -> `RolloutTurn`:
+  `pi_env.turns.rollout_turn` (and `proxy_trace` for a whole session);
+- `RolloutTurn`s -> `TrainingTrace`: `pi_env.training.build_training_trace`;
+- an exception -> an unscored result (`reward=None`, `error_kind`, `error`):
+  `pi_env.errors.unscored`, here as `unscored_result`;
+- `RolloutResult` -> a dataset record (results.jsonl) and its turns: `pi_env.collect.records.to_record`;
+- `RolloutResult` -> the server's JSON answer (keys scrubbed): `pi_env.server.rollouts.scrub_result`;
+- gateway `TurnRecord` -> OpenEnv's `TrainingTurn` (the harness): `pi_env.harness`.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from pydantic import BaseModel, Field
 
-# Why a rollout has no reward. Every kind means "do not train on this as a score".
-ErrorKind = Literal[
-    "setup_failed",  # a setup command failed: the task or its environment is broken
-    "agent_error",  # Pi never got going: it could not start, or its first call was refused
-    "agent_timeout",  # the agent's limit passed before Pi called the model (a later time-out is scored)
-    "endpoint_error",  # the model endpoint was unreachable, answered 5xx or broke an answer mid-stream
-    "gate_timeout",  # interception_gate: the trainer did not deliver a held call within gate_timeout_s
-    "invalid_reward",  # results of older pi-env only: a bad reward file is now a 0.0 (see verify_notes)
-    "no_verify",  # nothing to score: no verify commands and no reward file
-    "environment_unsupported",  # the backend cannot honour the task's environment (Harbor): never a score
-    "environment_build_failed",  # building the task's environment (Dockerfile) failed
-    "infra",  # the sandbox, runtime or harness failed
-    "internal",  # a bug in pi-env (an unexpected exception; the error holds its traceback): please report it
+from .errors import EXIT_INFRA_ERROR_KINDS, INFRA_ERROR_KINDS, ErrorKind, unscored
+
+__all__ = [
+    "EXIT_INFRA_ERROR_KINDS",
+    "INFRA_ERROR_KINDS",
+    "CommandResult",
+    "ErrorKind",
+    "EventKind",
+    "PolicyVersionValue",
+    "RolloutEvent",
+    "RolloutResult",
+    "RolloutTurn",
+    "TrainingSegment",
+    "TrainingTrace",
+    "TurnAlignment",
+    "unscored_result",
+    "valid_utf8",
 ]
-# The kinds where the infrastructure failed, not the agent: worth retrying. `pi-env run` /
-# `collect` exit with EXIT_INFRA when a rollout ends with one of EXIT_INFRA_ERROR_KINDS.
-INFRA_ERROR_KINDS: frozenset[str] = frozenset({"infra", "endpoint_error"})
-# With a bug of ours (`internal`: never retried), the kinds that are not the agent's doing.
-EXIT_INFRA_ERROR_KINDS: frozenset[str] = INFRA_ERROR_KINDS | {"internal"}
+
+# A policy version: a JSON scalar the trainer chooses (a training step, a checkpoint name), or
+# None when unknown. PiConfig.policy_version, each turn's, each segment's.
+PolicyVersionValue: TypeAlias = int | float | str | bool | None
 
 
 class CommandResult(BaseModel):
     """One setup or verify command as it ran: exit code (None when killed or timed out), output, time."""
 
-    cmd: str
+    cmd: str  # the shell command, as the task gave it
     exit_code: int | None  # None: killed or timed out (never read as success)
-    stdout: str = ""
+    stdout: str = ""  # its output, bounded
     stderr: str = ""
-    duration_s: float = 0.0
-    timed_out: bool = False
+    duration_s: float = 0.0  # wall time in the sandbox
+    timed_out: bool = False  # killed at its time limit
 
     @property
     def passed(self) -> bool:
@@ -49,16 +72,16 @@ class RolloutTurn(BaseModel):
     straight from the engine: ids and logprobs aligned 1:1 (a missing logprob is a null in
     place); when the engine gave no ids, `token_ids_missing_reason` says why."""
 
-    turn: int
-    finish_reason: str | None = None
-    completion_tokens: int | None = None
-    prompt_token_ids: list[int] = Field(default_factory=list)
-    completion_token_ids: list[int] = Field(default_factory=list)
-    per_token_logps: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[list[dict[str, Any]]] = Field(default_factory=list)
-    token_ids_source: str | None = None
-    token_ids_missing_reason: str | None = None
-    capture_fallback: str | None = None
+    turn: int  # the call's index in the rollout, from 0, in the order the agent made them
+    finish_reason: str | None = None  # the answer's (stop, tool_calls, length); None: not captured
+    completion_tokens: int | None = None  # the answer's usage.completion_tokens
+    prompt_token_ids: list[int] = Field(default_factory=list)  # the engine's ids of the prompt it ran
+    completion_token_ids: list[int] = Field(default_factory=list)  # the engine's ids of the answer
+    per_token_logps: list[float | None] = Field(default_factory=list)  # one per completion id
+    top_logprobs: list[list[dict[str, Any]]] = Field(default_factory=list)  # per completion token: the alternatives
+    token_ids_source: str | None = None  # "token_ids" (the engine's) or "logprob_tokens" (read from logprobs)
+    token_ids_missing_reason: str | None = None  # why there are no ids (None: there are, or not asked)
+    capture_fallback: str | None = None  # how a capture parameter the engine refused was worked around
     capture_worker_error: str | None = None  # why this answer was parsed on the gateway's event loop
     message: dict[str, Any] | None = None  # the assistant message as assembled from the stream
     # Token-in (docs/token-in.md): the renderer, how the prompt was made ("first", "bridged", or
@@ -67,24 +90,24 @@ class RolloutTurn(BaseModel):
     # The policy version that produced this call's answer (docs/async-rl.md): the one in force when
     # it was sent upstream (set_policy_version), unless the engine or the trainer reported its own;
     # `policy_version_source` says which ("gateway", "engine", "trainer"). None: never set, or never sent.
-    policy_version: int | float | str | bool | None = None
+    policy_version: PolicyVersionValue = None
     policy_version_source: str | None = None
     # Which replica answered (host:port, never credentials); `failed_over`: not the one the
     # rollout was on before this call (it failed, or was in back-off), docs/async-rl.md.
     replica: str | None = None
     failed_over: bool = False
-    latency_s: float | None = None
-    ttfb_s: float | None = None
-    timestamp: float | None = None
-    upstream_status: int | None = None
-    upstream_error: str | None = None
+    latency_s: float | None = None  # until the answer's last byte was relayed (or the call failed)
+    ttfb_s: float | None = None  # until the endpoint's first body byte
+    timestamp: float | None = None  # when the call reached the gateway (unix time)
+    upstream_status: int | None = None  # the endpoint's HTTP status; None: no answer (unreachable, hung)
+    upstream_error: str | None = None  # what went wrong upstream, short (no body a key could be in)
     # Why this call is not part of the task's conversation (an agent's own extra call, e.g.
     # OpenCode's "title" call without tools): left out of `messages` and of the training view, so
     # a trainer can leave it out of the loss. None: the conversation's own.
     extra_call: str | None = None
 
 
-EventKind = Literal["phase_start", "phase_end", "turn", "done"]
+EventKind = Literal["phase_start", "phase_end", "turn", "done"]  # RolloutEvent.kind
 
 
 class RolloutEvent(BaseModel):
@@ -94,8 +117,8 @@ class RolloutEvent(BaseModel):
 
     kind: EventKind
     elapsed_s: float  # since the rollout started
-    phase: str | None = None
-    turn: RolloutTurn | None = None
+    phase: str | None = None  # "phase_start" / "phase_end": which phase
+    turn: RolloutTurn | None = None  # "turn": the model call just recorded
     reward: float | None = None  # "done" only
     error_kind: ErrorKind | None = None  # "done" only
 
@@ -107,8 +130,8 @@ class RolloutResult(BaseModel):
     token-level view (transparent_proxy, interception_gate), `files` the work dir after the
     agent, `timings` seconds per phase."""
 
-    task_id: str
-    sandbox_id: str = ""
+    task_id: str  # the task's (PiTask.task_id)
+    sandbox_id: str = ""  # the sandbox the rollout ran in ("": it never got one)
     # The id the gateway sent upstream in PiConfig.gateway_session_header on every call of this
     # rollout (random, never its gateway token): what a router kept the rollout on a replica by.
     session_id: str | None = None
@@ -116,22 +139,23 @@ class RolloutResult(BaseModel):
     # ended (replica host:port, healthy, sessions, in_flight, calls, failures, last_error,
     # unhealthy_until), shared by the process's rollouts on it. None: one base URL.
     replicas: list[dict[str, Any]] | None = None
-    reward: float | None = None
+    reward: float | None = None  # in [0, 1]; None: unscored (see error_kind), never "0 by default"
+    # "reward_file": the verifier wrote it; "pass_rate": the share of verify commands that passed
     reward_source: Literal["reward_file", "pass_rate"] | None = None
-    error: str | None = None
-    error_kind: ErrorKind | None = None
-    agent_exit_code: int | None = None
+    error: str | None = None  # why unscored, in words (an internal error's holds its traceback)
+    error_kind: ErrorKind | None = None  # why unscored (pi_env.errors); None: scored
+    agent_exit_code: int | None = None  # the agent's process's; None: killed, or it never ran
     stop_reason: str | None = None  # the last answer's (stop, toolUse, length), or error / budget / timeout
     budget_exhausted: str | None = None  # "max_turns" / "max_total_tokens" when a budget ended it
     # The agent was stopped, by its time limit (stop_reason "timeout") or a budget ("budget"),
     # rather than ending on its own (a multi-step task: any step's). Scored on what it left, but
     # for agent_timeout (Pi never called the model): pi_env.judge, docs/isolation.md.
     truncated: bool = False
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # the whole rollout, seconds
     timings: dict[str, float] = Field(default_factory=dict)  # per phase, seconds
-    mode: str = "black_box"
-    endpoint: str = ""
-    model: str = ""
+    mode: str = "black_box"  # PiConfig.mode: black_box, transparent_proxy, interception_gate
+    endpoint: str = ""  # the endpoint's name (catalog entry, "oracle", or its URL without credentials)
+    model: str = ""  # the model the calls asked for
     agent: str = "pi"  # the coding agent that ran (PiConfig.agent.name)
     agent_version: str = ""
     pi_version: str = ""  # when the agent is Pi
@@ -142,9 +166,9 @@ class RolloutResult(BaseModel):
     # transparent_proxy: was the engine asked for its token ids, and why (catalog, probe, config)
     return_token_ids: bool | None = None
     return_token_ids_reason: str | None = None
-    setup_results: list[CommandResult] = Field(default_factory=list)
-    verify_results: list[CommandResult] = Field(default_factory=list)
-    proxy_turns: list[RolloutTurn] = Field(default_factory=list)
+    setup_results: list[CommandResult] = Field(default_factory=list)  # in order, up to the first that failed
+    verify_results: list[CommandResult] = Field(default_factory=list)  # every step's, in order
+    proxy_turns: list[RolloutTurn] = Field(default_factory=list)  # every model call, as the gateway saw it
     training: TrainingTrace | None = None  # transparent_proxy: the token-level training view
     trace_path: str | None = None  # the gateway's per-turn trace file (transparent_proxy)
     # The conversation as the gateway saw it (OpenAI chat messages; every assistant message is an
@@ -168,8 +192,8 @@ class RolloutResult(BaseModel):
     step_rewards: list[float | None] | None = None  # multi-step Harbor tasks: each step run, in order
     artifacts: dict[str, str] = Field(default_factory=dict)  # Harbor artifacts (sandbox path -> text), after verify
     environment: dict[str, Any] | None = None  # the task's built environment: layer/image, approximations
-    agent_log_tail: str = ""
-    proxy_log_tail: str = ""
+    agent_log_tail: str = ""  # the agent's output's end, then pi-env's own notes ("[pi-env] ...")
+    proxy_log_tail: str = ""  # the gateway session's notes and a line per model call
 
     @property
     def scored(self) -> bool:
@@ -210,6 +234,63 @@ def valid_utf8(value: Any) -> Any:
     return value
 
 
-from .training import TrainingTrace  # noqa: E402 - after RolloutResult's own names
+class TrainingSegment(BaseModel):
+    """One token sequence a trainer can score: turns whose prompts each extend the previous
+    prompt + completion, merged (pi_env.training)."""
+
+    turns: list[int] = Field(default_factory=list)  # the turns (RolloutTurn.turn) merged here, in order
+    token_ids: list[int] = Field(default_factory=list)  # the whole sequence, prompt and completions
+    loss_mask: list[int] = Field(default_factory=list)  # 1: generated by the model (train on it)
+    logprobs: list[float | None] = Field(default_factory=list)  # sampled logprob where mask is 1
+    prompt_length: int = 0  # tokens before the first generated one
+    # The policy version of each turn in `turns` (the weights that generated its completion).
+    policy_versions: list[PolicyVersionValue] = Field(default_factory=list)
+
+    def _extend(self, ids: list[int], *, generated: bool, logprobs: list[float | None] | None = None) -> None:
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1 if generated else 0] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [None] * len(ids))
+
+
+class TurnAlignment(BaseModel):
+    """Where one turn went in the training view."""
+
+    turn: int  # RolloutTurn.turn
+    segment: int | None  # its index in TrainingTrace.segments; None: the turn had no ids and is in no segment
+    extends_previous: bool  # its prompt starts with the previous turn's prompt + completion
+    note: str | None = None  # why it starts a new segment or is in none
+    extra_call: str | None = None  # an agent's call outside the task's conversation: in no segment
+
+
+class TrainingTrace(BaseModel):
+    """The training view of a rollout: turns whose prompt ids extend the previous prompt +
+    completion ids are merged into one sequence (`segments`, with a loss mask of 1 on generated
+    tokens and aligned logprobs); a turn that does not extend starts a new segment."""
+
+    segments: list[TrainingSegment] = Field(default_factory=list)  # the sequences, in the order begun
+    turns: list[TurnAlignment] = Field(default_factory=list)  # every turn, in order: where it went
+    # The policy versions the generated tokens came from (every turn in a segment): each distinct
+    # one in the order first used, and the oldest and newest when every one of them is a number
+    # (a training step): None when any is unknown (None) or not a number, so staleness is never
+    # computed from part of the tokens.
+    policy_versions: list[PolicyVersionValue] = Field(default_factory=list)
+    policy_version_min: int | float | None = None
+    policy_version_max: int | float | None = None
+
+    @property
+    def append_only(self) -> bool:
+        """One sequence holds every turn of the task's conversation (an agent's extra calls, such
+        as OpenCode's title, are in none): the cheapest and most faithful case for training."""
+        return len(self.segments) == 1 and all(t.segment == 0 for t in self.turns if t.extra_call is None)
+
 
 RolloutResult.model_rebuild()
+
+
+def unscored_result(task_id: str, error: BaseException, doing: str | None = None) -> RolloutResult:
+    """The result of a rollout (or a re-verification) that raised `error`, for `pi-env run`,
+    collect and reverify alike: reward None, with the kind and message of pi_env.errors.unscored
+    (`infra` for the sandbox, the runtime or the OS: retried; `internal`, a bug of ours, with its
+    traceback: never retried). Call it while handling `error`."""
+    kind, message = unscored(error, doing)
+    return RolloutResult(task_id=task_id, error_kind=kind, error=message)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from .agent.base import AgentRun, Installed
 from .agent.runtime import RuntimeInstallError
 from .config import PiConfig
 from .endpoints import Endpoint
+from .errors import unscored
 from .factory_state import FactoryState
 from .gate_api import GateAPI
 from .harbor.facts import is_harbor
@@ -38,9 +38,9 @@ from .phases import PhaseClock
 from .proxy.conversation import gateway_conversation
 from .proxy.gateway import GatewaySession, get_gateway
 from .read_budget import ReadBudget
-from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, RolloutTurn
+from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, RolloutTurn, unscored_result
 from .sandbox import Sandbox, SandboxBackend, SandboxError, SandboxProcess, SandboxSpec
-from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported, Network
+from .sandbox.base import Network
 from .specs import load_token_in, open_gateway_session, sandbox_spec, session_endpoint
 from .steps import StepOutcome, StepRunner
 from .task import PiTask
@@ -224,12 +224,8 @@ class PiSession(GateAPI):
                     self._start_agent(runtime, self.task)
                 else:
                     restore_workdir(_made(self.sandbox, "sandbox"), self._replay)
-        except EnvironmentUnsupported as error:
-            self._fail("environment_unsupported", str(error))
-        except EnvironmentBuildError as error:
-            self._fail("environment_build_failed", str(error))
-        except (SandboxError, RuntimeInstallError, OSError) as error:
-            self._fail("infra", f"{type(error).__name__}: {error}")
+        except (SandboxError, RuntimeInstallError, OSError) as error:  # the environment's kinds too (pi_env.errors)
+            self._fail(*unscored(error))
         finally:
             self._launched.set()
 
@@ -343,7 +339,7 @@ class PiSession(GateAPI):
                 try:
                     self._finish_agent()
                 except (SandboxError, OSError) as error:  # the sandbox failed, not the agent
-                    self._fail("infra", f"{type(error).__name__}: {error}")
+                    self._fail(*unscored(error))
             self._collect()
             self._result.make_valid_utf8()
             self._result.wall_s = self._clock.elapsed()
@@ -450,7 +446,7 @@ class PiSession(GateAPI):
                 old.close()
             room = room_for(sandbox, task, SETUP_PATHS)
         except (SandboxError, OSError) as error:
-            self._fail("infra", f"could not give verify a clean world: {type(error).__name__}: {error}")
+            self._fail(*unscored(error, "could not give verify a clean world"))
             return None
         refused, entered = None, Entered()
         limit = capped(task.timeouts.verify_s, self.config.verify_timeout_s)
@@ -471,7 +467,7 @@ class PiSession(GateAPI):
                 if isinstance(error, RoomError) and error.moved:
                     entered = Entered(error.moved)
                 if position == 0 and not (isinstance(error, RoomError) and error.agents):
-                    self._fail("infra", f"could not give verify a clean room: {type(error).__name__}: {error}")
+                    self._fail(*unscored(error, "could not give verify a clean room"))
                     leave(sandbox, task, entered)
                     return None
                 refused = f"reward 0.0: verify's room could not be made before command {position + 1} ({error})"
@@ -616,14 +612,5 @@ def run_rollout(
 
 
 def unscored_by(task_id: str, error: Exception) -> RolloutResult:
-    """The result of a rollout (or a re-verification) that raised, for `pi-env run`, collect and
-    reverify alike: `infra` for the sandbox, the Pi runtime or the OS (retried), else `internal`,
-    a bug of ours (not retried, never mixed with infrastructure, its traceback kept). Call it
-    while handling `error`."""
-    if isinstance(error, (SandboxError, RuntimeInstallError, OSError)):
-        return RolloutResult(task_id=task_id, error_kind="infra", error=f"{type(error).__name__}: {error}")
-    return RolloutResult(
-        task_id=task_id,
-        error_kind="internal",
-        error=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}",
-    )
+    """The result of a rollout that raised: pi_env.results.unscored_result (kept by this name)."""
+    return unscored_result(task_id, error)

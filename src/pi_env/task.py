@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 from collections.abc import Callable
@@ -12,8 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .errors import BadInputError
 
-class TaskError(ValueError):
+
+class TaskError(BadInputError, ValueError):
     """A task (or task file) is malformed; the message says where and what to fix."""
 
 
@@ -254,7 +257,7 @@ class PiTask(BaseModel):
     @classmethod
     def _format_facts(cls, metadata: dict[str, Any]) -> dict[str, Any]:
         # Another format's facts (metadata["harbor"]), checked by that format (TaskFormat.check).
-        for key, task_format in _FORMATS.items():
+        for key, task_format in (task_formats() if metadata else {}).items():
             if key in metadata:
                 task_format.check(metadata[key])
         return metadata
@@ -339,8 +342,9 @@ def _read_json(path: Path) -> Any:
 
 @dataclass(frozen=True)
 class TaskFormat:
-    """A task format beyond pi-env's JSON, plugged in by its own package (`pi_env.harbor`, which
-    `pi_env` imports): this module names no format, the format imports this module."""
+    """A task format beyond pi-env's JSON, plugged in by its own package (`pi_env.harbor`): the
+    package imports this module and registers its format; this module knows it only by the
+    package's name (FORMAT_PACKAGES), so nothing is loaded before a task needs a format."""
 
     key: str  # its facts live under PiTask.metadata[key]
     what: str  # what one of its task directories is, for load_tasks's error
@@ -350,11 +354,21 @@ class TaskFormat:
 
 
 _FORMATS: dict[str, TaskFormat] = {}
+# The packages that plug in a task format (each calls register_task_format when imported),
+# imported on first need: `import pi_env` loads none of them.
+FORMAT_PACKAGES = ("pi_env.harbor",)
 
 
 def register_task_format(task_format: TaskFormat) -> None:
     """`load_tasks` takes the format's directories; a task's metadata[key] is checked by it."""
     _FORMATS[task_format.key] = task_format
+
+
+def task_formats() -> dict[str, TaskFormat]:
+    """Every task format beyond pi-env's JSON, by its metadata key (FORMAT_PACKAGES loaded)."""
+    for package in FORMAT_PACKAGES:
+        importlib.import_module(package)  # at once when loaded; waits for another thread importing it
+    return _FORMATS
 
 
 def load_tasks(path: str | Path) -> list[PiTask]:
@@ -367,11 +381,11 @@ def load_tasks(path: str | Path) -> list[PiTask]:
         if files:
             tasks = [PiTask.from_file(p) for p in files]
         else:
-            task_format = next((f for f in _FORMATS.values() if f.task_dirs(path)), None)
+            task_format = next((f for f in task_formats().values() if f.task_dirs(path)), None)
             if task_format is None:
                 raise TaskError(
                     f"{path}: directory holds no *.json task files"
-                    + "".join(f" and no {f.what}" for f in _FORMATS.values())
+                    + "".join(f" and no {f.what}" for f in task_formats().values())
                 )
             tasks = task_format.load(path)
     elif path.suffix == ".jsonl":

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ..errors import InfraError
+
 SANDBOX_RUNTIME_DIR = "/opt/pi-env/runtime"  # where a runtime appears inside every sandbox
 NPM_INSTALL_TIMEOUT_S = 900
 COMPILE_CACHE_RELPATH = "compile-cache"
@@ -34,7 +36,7 @@ COMPILE_CACHE_KEY_SUFFIX = "+cc1"  # an install with a compile cache: its own ke
 WARM_UP_TIMEOUT_S = 180
 
 
-class RuntimeInstallError(RuntimeError):
+class RuntimeInstallError(InfraError, RuntimeError):
     """Installing the Pi runtime failed; the message says what and how to fix it."""
 
 

@@ -7,15 +7,13 @@ import sys
 from pathlib import Path
 
 from ..arguments import (
-    EXIT_BAD_INPUT,
-    EXIT_INFRA,
     backend_argument,
     config_from_args,
     describe_sampling,
     endpoint_arguments,
     generation_arguments,
 )
-from ..results import EXIT_INFRA_ERROR_KINDS
+from ..errors import EXIT_INFRA, exit_code_for, exit_code_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,12 +111,9 @@ def run(args) -> int:
         )
         print(f"pi-env: {describe_sampling(config)}", file=sys.stderr, flush=True)
         summary = runner.run()
-    except (TaskError, EndpointError, CollectError, ValidationError, ValueError) as error:
+    except (TaskError, EndpointError, CollectError, ValidationError, ValueError, SandboxUnavailable) as error:
         print(f"pi-env: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except SandboxUnavailable as error:
-        print(f"pi-env: {error}", file=sys.stderr)
-        return EXIT_INFRA
+        return exit_code_of(error)  # bad input; a sandbox backend unavailable here: EXIT_INFRA
     print_summary(summary)
     print(f"dataset: {args.out}/results.jsonl  report: {args.out}/report.png  card: {args.out}/README.md")
     if args.push_to_hub:
@@ -130,5 +125,4 @@ def run(args) -> int:
             print(f"pi-env: push to {args.push_to_hub} failed: {type(error).__name__}: {error}", file=sys.stderr)
             return EXIT_INFRA
         print(f"pushed: {url}")
-    unscored_infra = sum(v for k, v in summary.counts.get("errors", {}).items() if k in EXIT_INFRA_ERROR_KINDS)
-    return EXIT_INFRA if unscored_infra else 0
+    return max((exit_code_for(kind) for kind in summary.counts.get("errors", {})), default=0)

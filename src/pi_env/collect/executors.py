@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import PiConfig
-from ..results import RolloutResult
+from ..errors import BadInputError, InfraError
+from ..results import RolloutResult, unscored_result
 from ..task import PiTask
 
 if TYPE_CHECKING:
@@ -28,9 +29,16 @@ class Job:
     failed_attempts: list[dict] = field(default_factory=list)
 
 
-class BadInput(Exception):
+class EndpointUnusable(BadInputError):
     """The endpoint turned out unusable mid-run (checked before the run; its environment can
     still change): every other rollout would fail the same way, so the run stops."""
+
+
+BadInput = EndpointUnusable  # its name before pi_env.errors
+
+
+class WorkerLost(InfraError):
+    """A Ray worker or node died under a rollout (the message holds Ray's error)."""
 
 
 def worker_name() -> str:
@@ -82,11 +90,9 @@ def run_one(factory, task: PiTask, live: LiveSessions | None = None) -> RolloutR
             finally:
                 live.discard(session)
     except (EndpointError, TokenInUnavailable) as error:  # the configuration cannot work: every rollout would fail
-        raise BadInput(str(error)) from None
-    except Exception as error:  # noqa: BLE001 - never a score: see unscored_by
-        from ..rollout import unscored_by
-
-        return unscored_by(task.task_id, error)
+        raise EndpointUnusable(str(error)) from None
+    except Exception as error:  # noqa: BLE001 - never a score: see pi_env.errors.unscored
+        return unscored_result(task.task_id, error)
 
 
 class LocalExecutor:
@@ -138,7 +144,7 @@ def _ray_rollout(task_json: str, config_json: str, backend: str | None) -> dict:
         _worker_factory = (key, PiSessionFactory(config, backend))
     try:
         result = run_one(_worker_factory[1], PiTask.model_validate_json(task_json))
-    except BadInput as error:
+    except EndpointUnusable as error:
         return {"bad_input": str(error), "worker": worker_name()}
     return {"result": result.model_dump(mode="json"), "worker": worker_name()}
 
@@ -201,12 +207,10 @@ class RayExecutor:
         try:
             payload = self.ray.get(ref)
         except Exception as error:  # noqa: BLE001 - a worker or node died: infrastructure
-            result = RolloutResult(
-                task_id=job.task.task_id, error_kind="infra", error=f"ray: {type(error).__name__}: {str(error)[:2000]}"
-            )
-            return job, result, "ray"
+            lost = WorkerLost(f"{type(error).__name__}: {str(error)[:2000]}")
+            return job, unscored_result(job.task.task_id, lost, doing="ray"), "ray"
         if "bad_input" in payload:
-            return job, BadInput(payload["bad_input"]), payload["worker"]
+            return job, EndpointUnusable(payload["bad_input"]), payload["worker"]
         return job, RolloutResult.model_validate(payload["result"]), payload["worker"]
 
     def close(self, *, wait: bool = True) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import PiConfig
-from ..results import INFRA_ERROR_KINDS, RolloutResult
+from ..results import INFRA_ERROR_KINDS, RolloutResult, unscored_result
 from ..task import PiTask
 from .runner import METADATA, CollectError, _read_json, _write_json
 from .store import DISCARDED, RESULTS, read_records
@@ -247,10 +247,8 @@ def _one(factory, dataset: Path, record: dict, task: PiTask | None, retries: int
 def _verify(factory, task: PiTask, entries) -> RolloutResult:
     try:
         return factory.reverify(task, entries)
-    except Exception as error:  # noqa: BLE001 - never a score: see unscored_by
-        from ..rollout import unscored_by
-
-        return unscored_by(task.task_id, error)
+    except Exception as error:  # noqa: BLE001 - never a score: see pi_env.errors.unscored
+        return unscored_result(task.task_id, error)
 
 
 def _changed(old: float | None, new: float | None) -> bool | None:

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..arguments import EXIT_BAD_INPUT, EXIT_INFRA, backend_argument
-from ..results import EXIT_INFRA_ERROR_KINDS
+from ..arguments import backend_argument
+from ..errors import exit_code_for, exit_code_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,16 +55,13 @@ def run(args) -> int:
             retries=args.retries,
             progress=progress,
         )
-    except (TaskError, CollectError, StoreError, ValueError) as error:
+    except (TaskError, CollectError, StoreError, ValueError, SandboxUnavailable) as error:
         print(f"pi-env: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except SandboxUnavailable as error:
-        print(f"pi-env: {error}", file=sys.stderr)
-        return EXIT_INFRA
+        return exit_code_of(error)  # bad input; a sandbox backend unavailable here: EXIT_INFRA
     print(
         f"reverify: {summary.records} records, {summary.same} same, {summary.changed} changed, "
         f"{summary.unscored} unscored {json.dumps(summary.unscored_kinds)}"
         + (f"; tasks missing from --tasks: {', '.join(summary.missing_tasks[:20])}" if summary.missing_tasks else "")
     )
     print(f"lines: {summary.out}  summary: {summary.summary_path}")
-    return EXIT_INFRA if any(kind in EXIT_INFRA_ERROR_KINDS for kind in summary.unscored_kinds) else 0
+    return max((exit_code_for(kind) for kind in summary.unscored_kinds), default=0)

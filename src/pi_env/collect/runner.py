@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import PiConfig
+from ..errors import BadInputError
 from ..results import INFRA_ERROR_KINDS
 from ..task import PiTask
-from .executors import BadInput, Job, make_executor
+from .executors import EndpointUnusable, Job, make_executor
 from .records import record_id, to_record
 from .store import DISCARDED, RESULTS, ResultStore, StoreError, read_records
 from .workdirs import store_workdir
@@ -35,7 +36,7 @@ RETRY_KINDS = INFRA_ERROR_KINDS  # the infrastructure failed, not the agent: ret
 RETRY_BACKOFF_S = (1.0, 4.0, 15.0)
 
 
-class CollectError(ValueError):
+class CollectError(BadInputError, ValueError):
     """Bad input to a collect run (a filter, a store from another config); the message says what to fix."""
 
 
@@ -219,7 +220,7 @@ class CollectRunner:
                     continue
                 inflight -= 1
                 job, outcome, worker = finished
-                if isinstance(outcome, BadInput):
+                if isinstance(outcome, EndpointUnusable):
                     raise CollectError(f"task {job.task.task_id!r}: {outcome}")
                 if isinstance(outcome, BaseException):
                     raise outcome

@@ -18,13 +18,14 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..errors import BadInputError
 from ..results import valid_utf8
 
 RESULTS = "results.jsonl"
 DISCARDED = "discarded.jsonl"
 
 
-class StoreError(RuntimeError):
+class StoreError(BadInputError, RuntimeError):
     """The store cannot be used as it is (corrupt line, another writer); the message says what to do."""
 
 

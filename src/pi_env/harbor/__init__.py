@@ -5,8 +5,8 @@ approximated and refused.
 
 Importing this package plugs the Harbor format into `pi_env.task` (`register_task_format`):
 `load_tasks` then takes Harbor task directories, and a task's `metadata["harbor"]` is checked
-whenever a `PiTask` is validated. `pi_env` imports it, so it is plugged in before any task loads;
-`pi_env.task` itself names no format.
+whenever a `PiTask` is validated. `pi_env.task` imports it by name (`FORMAT_PACKAGES`) the first
+time a task needs a format, so `import pi_env` loads none of it.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pi_env.config import PiConfig
+from pi_env.errors import BadInputError
 from pi_env.task import PiTask
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -51,7 +52,7 @@ STAGES = (
 )
 
 
-class LeakError(RuntimeError):
+class LeakError(BadInputError, RuntimeError):
     """An eval task is also a training instance: the eval would not be held out."""
 
 

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pi_env.errors import InfraError
+
 if TYPE_CHECKING:
     from pi_env.proxy.capture import TurnCapture
 
@@ -57,7 +59,7 @@ COLLECT_EVERY = 256  # answers between the child's cycle collections (its garbag
 CLOSE_WAIT_S = 5.0  # how long closing the pool waits for answers in flight (see CapturePool.close)
 
 
-class CaptureWorkerError(RuntimeError):
+class CaptureWorkerError(InfraError, RuntimeError):
     """The worker could not assemble an answer (it could not start, died or raised)."""
 
 

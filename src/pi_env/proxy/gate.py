@@ -40,6 +40,7 @@ import msgspec
 from aiohttp import web
 
 from pi_env._aio import background_loop
+from pi_env.errors import BadInputError
 from pi_env.proxy.capture import ChoiceCapture, TurnCapture, sse_from_capture
 from pi_env.proxy.records import SessionStop, TurnRecord, check_policy_version
 from pi_env.proxy.rewrite import SAMPLING_KEYS, CaptureOptions
@@ -69,7 +70,7 @@ ALIVE_POLL_S = 0.02  # how often a waiting next_request asks whether the agent s
 GATE_TIMEOUT = "gate_timeout"
 
 
-class GateError(Exception):
+class GateError(BadInputError):
     """Base of everything `deliver` refuses."""
 
 

@@ -25,6 +25,8 @@ from urllib.parse import quote, quote_plus
 
 import msgspec
 
+from pi_env.errors import BadInputError
+
 # (method, raw request target) -> the path appended to the upstream base URL. Compared with
 # the raw target exactly: no query string, no percent-encoding, no `..`, no absolute form.
 ALLOWED_ROUTES = {
@@ -203,7 +205,7 @@ _Fields = msgspec.defstruct(
 _Fields.__doc__ = "The fields the policy reads; msgspec skips the rest of the body without building it."
 
 
-class PolicyError(ValueError):
+class PolicyError(BadInputError, ValueError):
     """The body cannot be relayed: the message says what to fix, `error_type` names the rule
     (the JSON error's "type")."""
 

@@ -38,6 +38,7 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
+from pi_env.errors import BadInputError
 from pi_env.proxy.capture import NO_TOP_LOGPROBS, ChoiceCapture, TurnCapture, json_array
 from pi_env.proxy.records import TokenInSpec, TurnRecord, Upstream
 from pi_env.proxy.rewrite import SAMPLING_KEYS, rewrite_request
@@ -55,7 +56,7 @@ CHATML_HERMES = "chatml-hermes"
 EXTRA_HINT = "token-in needs the optional extra: pip install 'pi-env[token-in]'"
 
 
-class TokenInUnavailable(ValueError):
+class TokenInUnavailable(BadInputError, ValueError):
     """Token-in cannot work for this session (no renderer, no tokenizer, no token-in endpoint);
     the message names what is missing and what to pass instead."""
 

@@ -25,6 +25,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from pi_env._urls import without_userinfo
+from pi_env.errors import EndpointFailure
 from pi_env.proxy.dialects.base import AnswerStream, Dialect, DialectCall
 from pi_env.proxy.policy import relayed_request_headers, scrub
 from pi_env.proxy.records import (
@@ -239,7 +240,7 @@ def describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-class ReplicasFailed(aiohttp.ClientError):
+class ReplicasFailed(EndpointFailure, aiohttp.ClientError):
     """Every replica of the session's endpoint failed a call before answering it."""
 
     def __init__(self, failures: list[str]):

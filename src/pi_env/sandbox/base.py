@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from ..errors import InfraError, exit_code_for
+
 # "none": loopback only; "full": the host's network (setup may install packages);
 # "gateway": no network, but the model gateway's Unix socket is bound at GATEWAY_SOCKET.
 Network = Literal["none", "full", "gateway"]
@@ -19,16 +21,22 @@ GATEWAY_SOCKET = "/run/pi-env/gateway.sock"
 RUNTIME_DIR = "/opt/pi-env"
 
 
-class SandboxError(RuntimeError):
+class SandboxError(InfraError, RuntimeError):
     """The sandbox itself failed (infrastructure), as opposed to a command inside it failing."""
 
 
 class EnvironmentUnsupported(SandboxError):
     """The backend cannot honour the spec's environment (the message says what and why)."""
 
+    error_kind = "environment_unsupported"
+    exit_code = exit_code_for("environment_unsupported")
+
 
 class EnvironmentBuildError(SandboxError):
     """Building the spec's environment failed (the message has the build log's tail)."""
+
+    error_kind = "environment_build_failed"
+    exit_code = exit_code_for("environment_build_failed")
 
 
 class SandboxUnavailable(SandboxError):

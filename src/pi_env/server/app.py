@@ -45,6 +45,7 @@ from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservatio
 from openenv.core.env_server.types import ConcurrencyConfig, Observation, State
 from pydantic import Field, ValidationError
 
+from ..errors import error_kind_of
 from .auth import ServerGuard, allowed_origins_from_env
 from .bodies import BoundedJsonBodies
 from .limiter import ServerBusy, idle_timeout_s
@@ -138,7 +139,8 @@ def build_mcp_server(service: RolloutService) -> FastMCP:
             raise ToolError(str(error)) from None
         except Exception as error:  # noqa: BLE001 - sandbox or runtime unavailable, ...: said, never a trace
             log.warning("run_rollout failed: %s", scrub(str(error), api_key))
-            raise ToolError(f"infra: {type(error).__name__}: {scrub(str(error), api_key)}") from None
+            kind = error_kind_of(error)  # pi_env.errors: the kind a rollout it ended would have
+            raise ToolError(f"{kind}: {type(error).__name__}: {scrub(str(error), api_key)}") from None
         return scrub_result(result.model_dump(mode="json"), api_key)
 
     argument_names = set(inspect.signature(run_rollout.fn if hasattr(run_rollout, "fn") else run_rollout).parameters)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 from ..endpoints import CATALOG
+from ..errors import BadInputError
 from ..task import PiTask
 
 ALLOW_ENV = "PI_ENV_ALLOWED_BASE_URLS"
@@ -34,7 +35,7 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 MAX_UPSTREAM_MESSAGE = 300
 
 
-class CallerError(ValueError):
+class CallerError(BadInputError, ValueError):
     """What a caller sent is not allowed; the message says what to send instead."""
 
 

@@ -31,6 +31,7 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 from .._aio import run_sync
+from ..errors import ServerCallError
 from ..results import RolloutResult
 from ..task import PiTask
 from .limiter import ServerBusy
@@ -38,14 +39,15 @@ from .limiter import ServerBusy
 DEFAULT_TIMEOUT_S = 3600.0
 
 
-class PiEnvError(RuntimeError):
-    """The server refused or failed the call; the message is the server's (it names the argument)."""
+# The server refused or failed the call (the message is the server's): pi_env.errors's
+# ServerCallError, still importable here by its first name (not pi_env.errors.PiEnvError, the base).
+PiEnvError = ServerCallError
 
 
 class PiEnv:
     """A client of `pi-env serve` over MCP streamable HTTP: `run_rollout` (sync) and
     `arun_rollout` (async) return a `RolloutResult`. `timeout_s` bounds a whole call, queue
-    included; `ServerBusy` and `PiEnvError` carry the server's message."""
+    included; `ServerBusy` and `ServerCallError` carry the server's message."""
 
     def __init__(
         self,
@@ -70,7 +72,7 @@ class PiEnv:
         """One rollout on the server. `task`: a PiTask, a task dict, a task JSON file or an
         instruction; or leave it out and pass the task fields (instruction=, verify=, ...).
         Other arguments as the MCP tool's (endpoint, model, api_key, mode, max_turns, ...).
-        Raises ServerBusy when the server's queue is full, PiEnvError for anything it refused."""
+        Raises ServerBusy when the server's queue is full, ServerCallError for anything it refused."""
         if task is not None:
             task = PiTask.from_file(task) if isinstance(task, Path) else PiTask.coerce(task)
             arguments["task"] = task.model_dump(mode="json", exclude_none=True)
@@ -138,19 +140,19 @@ class PiEnv:
                     )
                 )
             if answer is None:
-                raise PiEnvError(
+                raise ServerCallError(
                     f"{self.base_url}/mcp: the server closed the {name} call without an answer (it "
                     "stopped or crashed mid-call); the call's result is lost"
                 )
         except BaseExceptionGroup as group:  # anyio task groups wrap the transport's errors
-            raise PiEnvError(f"{self.base_url}/mcp: {_first_error(group)}") from None
+            raise ServerCallError(f"{self.base_url}/mcp: {_first_error(group)}") from None
         except httpx.HTTPError as error:
-            raise PiEnvError(f"{self.base_url}/mcp: {error}") from None
+            raise ServerCallError(f"{self.base_url}/mcp: {error}") from None
         text = "".join(getattr(block, "text", "") for block in answer.content)
         if answer.isError:
             if text.startswith("busy:"):
                 raise ServerBusy(text)
-            raise PiEnvError(text or f"{name} failed")
+            raise ServerCallError(text or f"{name} failed")
         return answer.structuredContent or json.loads(text)
 
     @asynccontextmanager

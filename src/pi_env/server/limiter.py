@@ -18,8 +18,10 @@ import threading
 from collections import deque
 from contextlib import asynccontextmanager
 
+from ..errors import InfraError
 
-class ServerBusy(RuntimeError):
+
+class ServerBusy(InfraError, RuntimeError):
     """Every rollout slot and queue place is taken: retry later."""
 
 

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from ..agent import agent_names
 from ..config import PiConfig
 from ..endpoints import CATALOG, ORACLE, EndpointError, resolve_endpoint
+from ..errors import BadInputError
 from ..results import RolloutEvent, RolloutResult
 from ..task import PiTask, TaskError
 from .callers import CallerError, caller_base_url, configured_base_urls, refuse_host_paths, short_upstream_error
@@ -43,7 +44,7 @@ LOCAL = "local"  # the server's own engine, when PI_ENV_LOCAL_BASE_URL names one
 MODES = ("black_box", "transparent_proxy")  # interception_gate needs the trainer in-process
 
 
-class BadArguments(ValueError):
+class BadArguments(BadInputError, ValueError):
     """A run_rollout call the server cannot run; the message names the argument and the fix."""
 
 

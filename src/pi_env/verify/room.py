@@ -49,6 +49,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from ..errors import InfraError
 from ..results import CommandResult
 from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox
 from ..sandbox.base import ExecResult, HostPaths, Network, RestoresHome
@@ -268,7 +269,7 @@ done
 """
 
 
-class RoomError(OSError):
+class RoomError(InfraError, OSError):
     """pi-env's own step could not make the room. `agents` True: what stood in its way was
     within the agent's reach (its files, its disk): a scored 0.0, never an unscored rollout."""
 

@@ -28,6 +28,7 @@ import tarfile
 from dataclasses import dataclass
 from typing import Literal
 
+from ..errors import BadInputError
 from ..sandbox import SANDBOX_HOME, SANDBOX_WORKDIR, Sandbox
 from ..sandbox.base import HostPaths
 
@@ -63,7 +64,7 @@ class KeptWorkdir:
     reason: str | None = None
 
 
-class UnsafeArchive(ValueError):
+class UnsafeArchive(BadInputError, ValueError):
     """A kept work dir that is not a plain tree within the limits (the message says what)."""
 
 

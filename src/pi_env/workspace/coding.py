@@ -34,6 +34,7 @@ import random
 import re
 from collections.abc import Callable, Collection, Sequence
 
+from pi_env.errors import BadInputError
 from pi_env.task import PiTask
 from pi_env.workspace.tasks import FAMILIES as DATA_FAMILIES
 from pi_env.workspace.tasks import WorkspaceTask, _word, check_disjoint, task_rng
@@ -647,7 +648,7 @@ def make_coding_splits(
     return train, evaluation
 
 
-class TemplateLeakError(ValueError):
+class TemplateLeakError(BadInputError, ValueError):
     """An unseen-pool task shares a template with a task of another pool."""
 
 

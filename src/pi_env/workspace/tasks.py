@@ -19,6 +19,8 @@ import string
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from pi_env.errors import BadInputError
+
 # Where the sandbox finds runtimes: it sees the host's /usr (and /bin through it), nothing else.
 SANDBOX_BIN_DIRS = ("/usr/local/bin", "/usr/bin", "/bin")
 
@@ -236,7 +238,7 @@ FAMILIES: dict[str, Callable[[random.Random], Problem]] = {
 # Generation and splits
 
 
-class SplitOverlapError(ValueError):
+class SplitOverlapError(BadInputError, ValueError):
     """A task appears in two splits that must be disjoint."""
 
 

@@ -23,10 +23,11 @@ from typing import Any, ClassVar, NamedTuple
 
 import msgspec
 
+from pi_env.errors import BadInputError
 from pi_env.proxy.capture import Assembler, MessageDelta, TurnCapture, WireChoice, WireChunk, parse_chunks
 
 
-class DialectError(Exception):
+class DialectError(BadInputError):
     """A request the dialect refuses, answered in the dialect's error shape with `status`."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
