@@ -48,7 +48,9 @@ __all__ = [
 ]
 
 # A policy version: a JSON scalar the trainer chooses (a training step, a checkpoint name), or
-# None when unknown. PiConfig.policy_version, each turn's, each segment's.
+# None when unknown. PiConfig.policy_version, each turn's, each segment's. The version in force
+# (shared, settable while sessions run) is held by pi_env.proxy.records.PolicyVersion, which
+# checks each value (check_policy_version) before the gateway stamps it on a call.
 PolicyVersionValue: TypeAlias = int | float | str | bool | None
 
 

@@ -43,7 +43,7 @@ from .sandbox import Sandbox, SandboxBackend, SandboxError, SandboxProcess, Sand
 from .sandbox.base import Network
 from .specs import load_token_in, open_gateway_session, sandbox_spec, session_endpoint
 from .steps import StepOutcome, StepRunner
-from .task import PiTask
+from .task import PiTask, TaskError
 from .task_setup import capped, run_command, run_setup
 from .training import TrainingTrace, build_training_trace
 from .turns import proxy_trace, rollout_turn, turn_log
@@ -113,12 +113,12 @@ class PiSessionFactory(FactoryState):
         `pi_env.verify.workdir.read_archive`), with no agent, gateway or model: a fresh sandbox
         with the task's files and setup as for a rollout, the work dir replaced by `workdir`
         where the agent would have run, then verify exactly as after an agent (verify's world,
-        the verifier's files staged, the reward). A multi-step task cannot be (ValueError)."""
+        the verifier's files staged, the reward). A multi-step task cannot be (TaskError, a ValueError)."""
         from .harbor import later_steps
 
         task = PiTask.coerce(task)
         if later_steps(task):
-            raise ValueError(f"task {task.task_id!r} has later steps: a kept work dir is the first step's only")
+            raise TaskError(f"task {task.task_id!r} has later steps: a kept work dir is the first step's only")
         with PiSession(self, task, on_event=on_event, replay=workdir) as session:
             session._start()
             return session.wait_for_completion()
