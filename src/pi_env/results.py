@@ -59,8 +59,8 @@ class CommandResult(BaseModel):
 
     cmd: str  # the shell command, as the task gave it
     exit_code: int | None  # None: killed or timed out (never read as success)
-    stdout: str = ""  # its output, bounded
-    stderr: str = ""
+    stdout: str = ""  # its output (the sandbox keeps the last 4 MiB)
+    stderr: str = ""  # its error output, bounded the same way
     duration_s: float = 0.0  # wall time in the sandbox
     timed_out: bool = False  # killed at its time limit
 
@@ -74,7 +74,7 @@ class RolloutTurn(BaseModel):
     straight from the engine: ids and logprobs aligned 1:1 (a missing logprob is a null in
     place); when the engine gave no ids, `token_ids_missing_reason` says why."""
 
-    turn: int  # the call's index in the rollout, from 0, in the order the agent made them
+    turn: int  # the call's index in its gateway session, from 0, in the order the agent made them
     finish_reason: str | None = None  # the answer's (stop, tool_calls, length); None: not captured
     completion_tokens: int | None = None  # the answer's usage.completion_tokens
     prompt_token_ids: list[int] = Field(default_factory=list)  # the engine's ids of the prompt it ran
@@ -156,7 +156,7 @@ class RolloutResult(BaseModel):
     wall_s: float = 0.0  # the whole rollout, seconds
     timings: dict[str, float] = Field(default_factory=dict)  # per phase, seconds
     mode: str = "black_box"  # PiConfig.mode: black_box, transparent_proxy, interception_gate
-    endpoint: str = ""  # the endpoint's name (catalog entry, "oracle", or its URL without credentials)
+    endpoint: str = ""  # the endpoint's name: a catalog entry (vllm, openai, ...), "oracle", or "url" for a URL
     model: str = ""  # the model the calls asked for
     agent: str = "pi"  # the coding agent that ran (PiConfig.agent.name)
     agent_version: str = ""
