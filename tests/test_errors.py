@@ -265,3 +265,30 @@ def test_a_rollout_failing_in_setup_with_a_dead_endpoint_or_a_sandbox_error_keep
         monkeypatch.setattr(PiSession, "_create_sandbox", broken)
         result = run_rollout(task)
         assert (result.reward, result.error_kind, result.error) == (None, kind, message)
+
+
+def test_the_tree_drawn_in_the_docstring_is_the_code():
+    """Each class the docstring's tree draws exists, under the parent drawn; each class of the
+    tree is drawn."""
+    import re
+
+    import pi_env.errors
+
+    by_name = {c.__name__: c for c in defined_exceptions()}
+    by_name.update({name: value for name, value in vars(pi_env.errors).items()
+                    if isinstance(value, type) and issubclass(value, PiEnvError)})
+    parents: list[str] = []
+    drawn = set()
+    for line in pi_env.errors.__doc__.splitlines():
+        found = re.match(r"^\s*((?:│   )*)([├└]── )?(\w+)", line)  # the ancestors' bars, the branch, the name
+        if not found or not (found.group(2) or found.group(3) == "PiEnvError"):
+            continue  # prose, or a drawn class's description continued
+        depth = len(found.group(1)) // 4 + bool(found.group(2))
+        name = found.group(3)
+        assert name in by_name, f"the tree draws {name}, which pi-env does not define"
+        if depth:
+            parent = by_name[parents[depth - 1]]
+            assert issubclass(by_name[name], parent) and by_name[name] is not parent, (name, parent)
+        parents[depth:] = [name]
+        drawn.add(name)
+    assert set(by_name) - drawn == set(), f"classes missing from the tree: {sorted(set(by_name) - drawn)}"

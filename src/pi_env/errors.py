@@ -48,15 +48,19 @@ a command exits with because of it.
     │                                         importable there as `PiEnvError` too)
     └── InternalError                        "internal"                 EXIT_INFRA (3), never retried
 
-A class's builtin base (in brackets) is kept where callers catch it as one. `PiEnvError` adds
-no state, so it mixes with any builtin, OSError included.
+A class's builtin base (in parentheses) is kept where callers catch it as one. `PiEnvError` adds
+no state, so it mixes with any builtin, OSError included. Outside the tree on purpose:
+`pi_env.verify.startup.pi_env_check.AgentError` (runs inside sandboxes on the standard library
+alone) and `pi_env.cli.Terminated` (SIGTERM unwinding like Ctrl-C, not an error).
 
 Most kinds are judged, not raised: `pi_env.judge` decides agent_error, endpoint_error, ... from
-what the gateway saw and a rollout records the kind. What is raised maps to a kind here, in one
-place: `unscored(error)` gives the kind and the message of an unscored result (used by the
-rollout's phases, `pi_env.results.unscored_result` for the rollouts that raise, collect's
-executors, reverify, the server and `pi-env run`), `exit_code_for(kind)` a command's exit code
-for a rollout that ended with `kind`, `exit_code_of(error)` for an error that ended the command.
+what the gateway saw and a rollout records the kind, so nothing raises the agent's and the
+task's classes today; they complete the tree so that every kind has its class (ERROR_CLASSES).
+What is raised maps to a kind here, in one place: `unscored(error)` gives the kind and the
+message of an unscored result (used by the rollout's phases, `pi_env.results.unscored_result`
+for the rollouts that raise in `pi-env run`, collect's executors and reverify, the harness and
+the server), `exit_code_for(kind)` a command's exit code for a rollout that ended with `kind`,
+`exit_code_of(error)` for an error that ended the command.
 """
 
 from __future__ import annotations
