@@ -99,7 +99,10 @@ def docstring_of(identifier: str) -> str | None:
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
             return ast.get_docstring(node)
         if isinstance(node, ast.ImportFrom) and any(alias.name == name for alias in node.names):
-            return docstring_of(f"{node.module}.{name}")
+            # a relative import counts from the module's package (the package itself for __init__)
+            package = parts[:split] if source.name == "__init__.py" else parts[: split - 1]
+            base = package[: len(package) - node.level + 1] if node.level else []
+            return docstring_of(".".join([*base, *([node.module] if node.module else [])] + [name]))
     return None
 
 

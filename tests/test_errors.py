@@ -239,7 +239,7 @@ def test_a_rollout_failing_in_setup_with_a_dead_endpoint_or_a_sandbox_error_keep
     import socket
 
     from pi_env import PiConfig, PiTask, run_rollout
-    from pi_env.rollout import PiSession
+    from pi_env.rollout import phases
     from pi_env.sandbox import SandboxError
     from pi_env.sandbox.base import EnvironmentBuildError
 
@@ -259,10 +259,10 @@ def test_a_rollout_failing_in_setup_with_a_dead_endpoint_or_a_sandbox_error_keep
     for error, kind, message in [(SandboxError("bwrap died"), "infra", "SandboxError: bwrap died"),
                                  (EnvironmentBuildError("the build failed"), "environment_build_failed",
                                   "the build failed")]:
-        def broken(self, runtime, error=error):
+        def broken(ctx, runtime, error=error):
             raise error
 
-        monkeypatch.setattr(PiSession, "_create_sandbox", broken)
+        monkeypatch.setattr(phases, "create_sandbox", broken)
         result = run_rollout(task)
         assert (result.reward, result.error_kind, result.error) == (None, kind, message)
 

@@ -273,7 +273,7 @@ def test_wait_for_completion_timeout_bounds_verify_and_every_caller():
                   solution=[{"tool": "bash", "command": "touch done.txt"}])
     with PiSessionFactory().create(task) as session:
         deadline = time.monotonic() + 60
-        while session._agent.poll() is None and time.monotonic() < deadline:  # the agent is done: verify next
+        while session.ctx.agent.poll() is None and time.monotonic() < deadline:  # the agent is done: verify next
             time.sleep(0.05)
         outcomes = {}
 

@@ -222,7 +222,7 @@ class HarnessSession(ResourceSession):
         turns = [
             _training_turn(record, self._node_id(record))
             for record in self._records()
-            if _generated(record) and self.pi_session._extra_call(record) is None  # OpenCode's title: not the task's
+            if _generated(record) and self.pi_session.extra_call(record) is None  # OpenCode's title: not the task's
         ]
         _link_sequences(turns)
         return TrainingTrace(turns=turns)
@@ -304,7 +304,7 @@ class HarnessSession(ResourceSession):
     @property
     def result(self) -> RolloutResult | None:
         """The finished rollout (pi-env's own record), or None while it runs."""
-        return self.pi_session._result if self.pi_session.finished else None
+        return self.pi_session.result
 
     def _records(self) -> list[TurnRecord]:
         gateway = self.pi_session.gateway_session

@@ -23,7 +23,7 @@ a call is not that proof: once a call is made, the gateway cannot always tell a 
 from the model's own long answer (an unstreamed answer's first byte is its last), so a
 time-out with a call in flight, the first one included, is scored.
 
-`PiSession` (rollout.py) gathers the facts, asks these, and applies the answer to its result.
+`PiSession` (pi_env.rollout) gathers the facts, asks these, and applies the answer to its result.
 """
 
 from __future__ import annotations

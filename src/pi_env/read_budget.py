@@ -6,7 +6,7 @@ spreads its output: the agent's own transcript after each agent (`transcript`, k
 untrusted `agent_transcript`), a task's artifacts after each step (`artifacts`), the work dir
 kept for reverify (`keep_workdir`) and the work dir's files on the result (`files`, when the
 rollout is collected). Each read takes what it read off what is left; a later one gets the rest.
-`PiSession` (rollout.py) holds one per rollout and decides when to read; this module decides
+`PiSession` (pi_env.rollout) holds one per rollout and decides when to read; this module decides
 how much.
 """
 

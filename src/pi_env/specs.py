@@ -1,5 +1,5 @@
 """What a rollout asks of the rooms it composes, worked out from its config and task alone;
-`PiSession` (rollout.py) opens the gateway session and the sandbox with these:
+`PiSession` (pi_env.rollout) opens the gateway session and the sandbox with these:
 
 - `session_endpoint`: the catalog's endpoint, the oracle's, or the trainer (interception_gate).
 - `capture_options`: what the gateway asks of the upstream in transparent_proxy (whether to ask

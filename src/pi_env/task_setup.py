@@ -2,7 +2,7 @@
 
 `run_setup`: `PiConfig.extra_setup_shell` then the task's `setup`, in order, each under the
 task's setup time limit (else the config's) and the task's network choice; the first that fails
-ends setup, and says why (the rollout fails `setup_failed`). The session (rollout.py) runs it
+ends setup, and says why (the rollout fails `setup_failed`). The session (pi_env.rollout) runs it
 before the agent, and again in a fresh verify sandbox when verify's world is rebuilt from
 scratch (pi_env.verify.world), where the results are not the rollout's. `run_command` is one
 command, setup's or verify's, as a `CommandResult`.

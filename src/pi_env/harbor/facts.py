@@ -1,7 +1,7 @@
 """What a Harbor task carries beyond a plain `PiTask`: `HarborFacts`, one typed model.
 
 The loader (`pi_env.harbor.loader`) writes it, and the rules applied at rollout time
-(`pi_env.harbor.rules`, `pi_env.steps`, the command line) read it, only through
+(`pi_env.harbor.rules`, `pi_env.rollout.steps`, the command line) read it, only through
 `harbor_facts(task)`. On a task it lives as JSON under `metadata["harbor"]`, the shape every
 version of the loader has written (task sets, collected datasets and the server's `task`
 argument carry it as is): keys added since the first loader have defaults, so an older task
@@ -52,7 +52,7 @@ class HarborEnvironment(BaseModel):
 
 class HarborStep(BaseModel):
     """One `[[steps]]` entry of a multi-step task, from `steps/<name>/` (paths already rewritten by
-    the path map). The first step is the task itself; `pi_env.steps` runs the others after it."""
+    the path map). The first step is the task itself; `pi_env.rollout.steps` runs the others after it."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -113,7 +113,7 @@ def load_harbor_task(task_dir: str | Path) -> PiTask:
     ]
     solution_env = _env_table(solution_cfg, "solution.env", task_dir, notes)
     steps = _steps(config, task_dir, rewrite, unsupported, solution_env)
-    if steps:  # multi-step: the task itself is the first step, the others run after it (pi_env.steps)
+    if steps:  # multi-step: the task itself is the first step, the others run after it (pi_env.rollout.steps)
         verify_files, solution, instruction_file = (
             steps[0].verify_files,
             [step.model_dump() for step in steps[0].solution] if steps[0].solution is not None else None,

@@ -1,7 +1,7 @@
 """The rules a rollout applies to a Harbor task, from its `HarborFacts` alone (never the task
 directory: the loader, `pi_env.harbor.loader`, is done by then).
 
-- Steps (`pi_env.steps` runs them): `later_steps` (the task each later step makes), `step_own`
+- Steps (`pi_env.rollout.steps` runs them): `later_steps` (the task each later step makes), `step_own`
   (a step's own files and setup), `step_gate` (min_reward), `combine_step_rewards`
   (multi_step_reward_strategy).
 - The environment: `unsupported_reasons` (what a backend cannot honour: never scored),

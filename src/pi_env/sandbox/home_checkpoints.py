@@ -1,5 +1,5 @@
 """The home checkpointed after setup and restored for verify: the world verify runs in
-(pi_env.rollout: PiSession._verify_world; the RestoresHome ability of base.py).
+(pi_env.rollout: verify in phases.verify, its world pi_env.verify.world; the RestoresHome ability of base.py).
 
 checkpoint_home() copies the home as setup left it, all but the work dir, to
 `<host dir>/setup-home`, outside the home where no command reaches it. restore_home() kills

@@ -2,7 +2,7 @@
 
 Verify must read the agent's work dir, so the work dir is where a hostile agent plants what it
 hopes the verifier will run instead of its own tools. What this module does about it, in the
-order a rollout calls it (`PiSession` in rollout.py; `record_setup`, `verify_env` and `reserve`
+order a rollout calls it (`PiSession` in pi_env.rollout; `record_setup`, `verify_env` and `reserve`
 through `world.py`'s `VerifyWorld`, which also restores the home or makes a fresh sandbox for
 verify; docs/isolation.md has the guarantees and the residue):
 

@@ -1,6 +1,6 @@
 """The world verify runs in, for one rollout: one the agent did not shape.
 
-`PiSession` (rollout.py) holds one `VerifyWorld` per sandbox spec and calls it twice:
+`PiSession` (pi_env.rollout) holds one `VerifyWorld` per sandbox spec and calls it twice:
 
 - `keep_setup` (after setup, before the agent): which of the verifier's files setup made
   (`record_setup`), the home checkpointed where the sandbox can put it back in place

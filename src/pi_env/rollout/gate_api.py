@@ -1,5 +1,5 @@
 """`GateAPI`: the trainer's side of an interception_gate rollout, mixed into `PiSession`
-(rollout.py). The trainer is the model: it takes each model call the agent makes, held by the
+(pi_env.rollout.session). The trainer is the model: it takes each model call the agent makes, held by the
 gateway's `InterceptionGate` (pi_env.proxy.gate), with `next_request()` and answers it with
 `deliver()`; neither waits past the agent's own time limit.
 """
@@ -10,20 +10,15 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import PiConfig
-    from .proxy.gate import GateCompletion, GateRequest
-    from .proxy.gateway import GatewaySession
-    from .sandbox import SandboxProcess
+    from ..proxy.gate import GateCompletion, GateRequest
+    from .context import RolloutContext
 
 
 class GateAPI:
     """next_request/deliver (and their async forms) over the session's gateway session. What it
-    reads of the session: its config, gateway session, agent process and the agent's deadline."""
+    reads of the session's context: the mode, the gateway session, the agent's process and deadline."""
 
-    config: PiConfig
-    gateway_session: GatewaySession | None
-    _agent: SandboxProcess | None
-    _agent_deadline: float
+    ctx: RolloutContext
 
     def next_request(self, timeout_s: float | None = None) -> GateRequest | None:
         """The agent's next model call, held until `deliver()`. None once the agent has exited
@@ -60,20 +55,22 @@ class GateAPI:
         self.deliver(request, completion)
 
     def _gate(self):
-        if self.config.mode != "interception_gate":
-            raise RuntimeError(f"next_request/deliver need mode='interception_gate', not {self.config.mode!r}")
-        if self.gateway_session is None:
+        ctx = self.ctx
+        if ctx.config.mode != "interception_gate":
+            raise RuntimeError(f"next_request/deliver need mode='interception_gate', not {ctx.config.mode!r}")
+        if ctx.gateway_session is None:
             raise RuntimeError("the session failed before its gateway session opened: there is nothing to answer")
-        return self.gateway_session.strategy
+        return ctx.gateway_session.strategy
 
     def _gate_wait(self, timeout_s: float | None):
         """The gate (None: no agent ever ran) and how long to wait: never past the agent's deadline."""
-        if self.config.mode != "interception_gate":
+        ctx = self.ctx
+        if ctx.config.mode != "interception_gate":
             self._gate()  # raises: not a gate session
-        if self.gateway_session is None or self._agent is None:
+        if ctx.gateway_session is None or ctx.agent is None:
             return None, 0.0
-        left = max(0.0, self._agent_deadline - time.monotonic())
-        return self.gateway_session.strategy, left if timeout_s is None else min(timeout_s, left)
+        left = max(0.0, ctx.agent_deadline - time.monotonic())
+        return ctx.gateway_session.strategy, left if timeout_s is None else min(timeout_s, left)
 
     def _agent_alive(self) -> bool:
-        return self._agent is not None and self._agent.poll() is None
+        return self.ctx.agent is not None and self.ctx.agent.poll() is None

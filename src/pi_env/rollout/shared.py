@@ -5,9 +5,9 @@ applied to it, and checked, once), create their sandboxes with one backend, run 
 (installed on the first session's start, then shared; the install itself is once per machine:
 pi_env.agent.runtime) and stamp their model calls with one policy version, which a trainer moves
 forward while sessions run (`set_policy_version`, docs/async-rl.md). None of this is a session's
-lifecycle, which is rollout.py's: `PiSessionFactory` there adds making the sessions (`create`,
-`reverify`), and `PiSession` reads its factory as a `FactoryState`, so this module imports
-nothing of rollout.py.
+lifecycle: `PiSessionFactory` (pi_env.rollout.factory) adds making the sessions (`create`,
+`reverify`), and a rollout's context reads its factory as a `FactoryState`, so this module
+imports nothing else of the rollout package.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
-from .agent import get_agent
-from .agent.base import Installed
-from .config import Mode, PiConfig
-from .proxy.records import PolicyVersion
-from .sandbox import SandboxBackend, get_backend
-from .specs import with_forced_sampling
+from ..agent import get_agent
+from ..agent.base import Installed
+from ..config import Mode, PiConfig
+from ..proxy.records import PolicyVersion
+from ..sandbox import SandboxBackend, get_backend
+from ..specs import with_forced_sampling
 
 
 class FactoryState:

@@ -1,6 +1,6 @@
 """A rollout's clock and its live events: `PhaseClock`.
 
-`PiSession` (rollout.py) names its phases (runtime, sandbox_create, setup, agent_start, agent,
+`PiSession` (pi_env.rollout.session) names its phases (pi_env.rollout.phases) (runtime, sandbox_create, setup, agent_start, agent,
 verify, keep_workdir, collect); the clock times each into `result.timings` (a phase entered
 more than once, as verify is in a multi-step task, adds up) and tells the caller's `on_event`
 listener of its start and end (`RolloutEvent`), as it does of each model call and of the end.
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from .results import EventKind, RolloutEvent
+from ..results import EventKind, RolloutEvent
 
 log = logging.getLogger(__name__)
 
