@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from .config import InterceptionGate
+
 if TYPE_CHECKING:
     from .config import PiConfig
     from .proxy.gate import GateCompletion, GateRequest
@@ -60,15 +62,15 @@ class GateAPI:
         self.deliver(request, completion)
 
     def _gate(self):
-        if self.config.mode != "interception_gate":
-            raise RuntimeError(f"next_request/deliver need mode='interception_gate', not {self.config.mode!r}")
+        if not isinstance(self.config.mode, InterceptionGate):
+            raise RuntimeError(f"next_request/deliver need mode='interception_gate', not {self.config.mode.name!r}")
         if self.gateway_session is None:
             raise RuntimeError("the session failed before its gateway session opened: there is nothing to answer")
         return self.gateway_session.strategy
 
     def _gate_wait(self, timeout_s: float | None):
         """The gate (None: no agent ever ran) and how long to wait: never past the agent's deadline."""
-        if self.config.mode != "interception_gate":
+        if not isinstance(self.config.mode, InterceptionGate):
             self._gate()  # raises: not a gate session
         if self.gateway_session is None or self._agent is None:
             return None, 0.0

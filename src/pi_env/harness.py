@@ -8,7 +8,7 @@ satisfy openenv's `LoopOwningSession` and `TrainableSession` protocols. It is wh
     from pi_env.harness import HarnessSessionFactory, dataset_rows
 
     tasks = load_tasks("tasks.jsonl")
-    config = PiConfig(endpoint="vllm", model="Qwen/Qwen3-8B")
+    config = PiConfig(endpoint={"name": "vllm", "model": "Qwen/Qwen3-8B"})
     worker = HarnessRolloutWorker(harness_session_factory=partial(HarnessSessionFactory, config, tasks=tasks),
                                   dataset=Dataset.from_list(dataset_rows(tasks)), ...)
 
@@ -65,7 +65,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("pi_env.harness needs the openenv package: pip install 'pi-env[openenv]'") from error
 
 from . import rollout
-from .config import Mode, PiConfig
+from .config import TRANSPARENT_PROXY, Mode, PiConfig
 from .proxy.capture import TurnCapture
 from .proxy.records import TurnRecord
 from .proxy.rewrite import SAMPLING_KEYS
@@ -98,7 +98,7 @@ class HarnessSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["Ha
     ):
         config = config or PiConfig()
         if mode is None and "mode" not in config.model_fields_set:
-            mode = "transparent_proxy"
+            mode = TRANSPARENT_PROXY
         super().__init__(config, sandbox_backend, mode, sampling=sampling, agent=agent)
         if isinstance(tasks, (str, Path)):
             tasks = load_tasks(tasks)
@@ -216,7 +216,7 @@ class HarnessSession(ResourceSession):
         extra calls outside the task's conversation (`RolloutTurn.extra_call`). Any other call
         without complete ids and logprobs raises ValueError (with the engine's reason): a
         trainer must not mistake a broken capture for an empty one."""
-        if self.pi_session.config.mode == "black_box":
+        if not self.pi_session.config.mode.captures:
             raise ValueError("black_box mode captures no tokens: a training trace needs mode='transparent_proxy'")
         turns = [
             _training_turn(record, self._node_id(record))

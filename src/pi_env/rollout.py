@@ -26,7 +26,7 @@ from typing import TypeVar
 
 from .agent.base import AgentRun, Installed
 from .agent.runtime import RuntimeInstallError
-from .config import PiConfig
+from .config import BlackBox, PiConfig
 from .endpoints import Endpoint
 from .factory_state import FactoryState
 from .gate_api import GateAPI
@@ -41,7 +41,7 @@ from .read_budget import ReadBudget
 from .results import CommandResult, ErrorKind, RolloutEvent, RolloutResult, RolloutTurn
 from .sandbox import Sandbox, SandboxBackend, SandboxError, SandboxProcess, SandboxSpec
 from .sandbox.base import EnvironmentBuildError, EnvironmentUnsupported, Network
-from .specs import load_token_in, open_gateway_session, sandbox_spec, session_endpoint
+from .specs import forced_sampling, load_token_in, open_gateway_session, sandbox_spec, session_endpoint
 from .steps import StepOutcome, StepRunner
 from .task import PiTask
 from .task_setup import capped, run_command, run_setup
@@ -150,14 +150,14 @@ class PiSession(GateAPI):
         self.gateway_session: GatewaySession | None = None
         self._agent: SandboxProcess | None = None
         self._agent_deadline = 0.0
-        self._result = RolloutResult(task_id=task.task_id, mode=self.config.mode)
+        self._result = RolloutResult(task_id=task.task_id, mode=self.config.mode.name)
         self._clock = PhaseClock(self._result.timings, on_event)  # phases timed, events reported (pi_env.phases)
         self._finisher: threading.Thread | None = None
         self._finished = threading.Event()
         self._finish_error: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._reads = ReadBudget(self.config.max_read_bytes)  # of what the agent wrote (pi_env.read_budget)
+        self._reads = ReadBudget(self.config.limits.max_read_bytes)  # of what the agent wrote (pi_env.read_budget)
         self._spec: SandboxSpec | None = None
         self._world: VerifyWorld | None = None  # verify's world (pi_env.verify.world), once the spec is known
         self._steps = StepRunner(self, task)  # a multi-step Harbor task's later steps (pi_env.steps)
@@ -184,8 +184,11 @@ class PiSession(GateAPI):
             self._launch(None)
             return
         self._resolve_endpoint()
+        mode = self.config.mode
         token_in = (
-            load_token_in(self.config, _made(self.endpoint, "endpoint")) if self.config.proxy_token_in else None
+            load_token_in(self.config, _made(self.endpoint, "endpoint"))
+            if not isinstance(mode, BlackBox) and mode.token_in
+            else None
         )  # bad input
         if background:
             self._launch_pending = lambda: self._launch(token_in)
@@ -241,8 +244,8 @@ class PiSession(GateAPI):
             self.endpoint.model,
             self.endpoint.synthetic,
         )
-        if config.mode != "black_box":  # black_box relays the agent's sampling as sent: nothing is forced
-            result.sampling = dict(config.proxy_sampling)
+        if config.mode.captures:  # black_box relays the agent's sampling as sent: nothing is forced
+            result.sampling = forced_sampling(config)
 
     def _open_gateway(self, token_in) -> None:
         result = self._result
@@ -270,8 +273,8 @@ class PiSession(GateAPI):
         self._world = VerifyWorld(
             self.factory.backend,
             self._spec,
-            caller_env=config.extra_env,
-            extra_setup=bool(config.extra_setup_shell),
+            caller_env=config.sandbox.extra_env,
+            extra_setup=bool(config.sandbox.extra_setup_shell),
             note=self._note,
         )
         self.sandbox = self.factory.backend.create(self._spec)
@@ -359,7 +362,7 @@ class PiSession(GateAPI):
         if self._replay is None:
             if not self._judge(self.task):
                 return
-            if self.config.keep_workdir:
+            if self.config.result.keep_workdir:
                 self._keep_workdir()
         with self._clock.phase("verify"):
             first = self._verify(self.task, 0)
@@ -374,7 +377,7 @@ class PiSession(GateAPI):
         if self._steps.more_after(0):
             result.workdir_not_kept = "a multi-step task: reverify scores single-step tasks only"
             return
-        limits = WorkdirLimits(config.keep_workdir_max_files, config.keep_workdir_max_bytes)
+        limits = WorkdirLimits(config.result.keep_workdir_max_files, config.result.keep_workdir_max_bytes)
         with self._clock.phase("keep_workdir"):
             result.workdir_archive, result.workdir_not_kept = self._reads.keep_workdir(
                 _made(self.sandbox, "sandbox"), limits
@@ -453,7 +456,7 @@ class PiSession(GateAPI):
             self._fail("infra", f"could not give verify a clean world: {type(error).__name__}: {error}")
             return None
         refused, entered = None, Entered()
-        limit = capped(task.timeouts.verify_s, self.config.verify_timeout_s)
+        limit = capped(task.timeouts.verify_s, self.config.limits.verify_timeout_s)
         network: Network = "full" if task.verify_network else "none"
         for position, command in enumerate(task.verify):
             try:
@@ -511,13 +514,13 @@ class PiSession(GateAPI):
                 turn.extra_call = extra.get(turn.turn)
             result.replicas = self.gateway_session.replica_health()
             result.proxy_log_tail = turn_log(result.proxy_log_tail, result.proxy_turns)
-            if config.mode in ("transparent_proxy", "interception_gate"):
+            if config.mode.captures:
                 result.training = build_training_trace(result.proxy_turns)
-        if self.sandbox is not None and config.result_max_files:
+        if self.sandbox is not None and config.result.max_files:
             try:
                 with self._clock.phase("collect"):
                     result.files = self._reads.files(
-                        self.sandbox, config.result_max_files, config.result_max_file_bytes
+                        self.sandbox, config.result.max_files, config.result.max_file_bytes
                     )
             except (SandboxError, OSError) as error:
                 result.agent_log_tail += f"\n[pi-env] could not collect files: {error}"
@@ -565,7 +568,9 @@ class PiSession(GateAPI):
         Idempotent (close() and a setup that close() interrupted may both call it)."""
         if self.gateway_session is not None:
             get_gateway().close_session(self.gateway_session)
-            if self.config.trace_dir is None and self.gateway_session.trace_path:
+            mode = self.config.mode
+            kept = not isinstance(mode, BlackBox) and mode.trace_dir is not None
+            if not kept and self.gateway_session.trace_path:
                 Path(self.gateway_session.trace_path).unlink(missing_ok=True)
                 self._result.trace_path = None
 
@@ -580,7 +585,7 @@ class PiSession(GateAPI):
         return run_command(_made(self.sandbox, "sandbox"), command, timeout_s, network, env=env)
 
     def _agent_limit(self, task: PiTask) -> float:
-        return capped(task.timeouts.agent_s, self.config.agent_timeout_s)
+        return capped(task.timeouts.agent_s, self.config.limits.agent_timeout_s)
 
     def _note(self, text: str) -> None:
         """pi-env's own word on the rollout, after the agent's log."""

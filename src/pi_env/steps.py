@@ -127,7 +127,7 @@ class StepRunner:
             session._check_open()
             outcome = session._run(
                 command,
-                capped(step.timeouts.setup_s, session.config.setup_timeout_s),
+                capped(step.timeouts.setup_s, session.config.limits.setup_timeout_s),
                 "full" if step.setup_network else "none",
             )
             session._result.setup_results.append(outcome)
@@ -145,7 +145,7 @@ class StepRunner:
         """The oracle replays each step's own solution: a new script, and the session's upstream
         key switched to it (Pi keeps its gateway token)."""
         session = self.session
-        if not (session.endpoint and session.endpoint.synthetic and session.config.endpoint == ORACLE):
+        if not (session.endpoint and session.endpoint.synthetic and session.config.endpoint.name == ORACLE):
             return
         endpoint = oracle_endpoint(step, submit_command=session.factory.agent.submit_command)
         self.endpoints.append(endpoint)

@@ -466,16 +466,14 @@ def rollout_config(cfg: LearnConfig, engine: Engine, temperature: float, max_tur
         else {}
     )
     return PiConfig(
-        endpoint="vllm",
-        base_url=engine.base_url,
-        model="policy",
-        api_key="none",
-        mode="transparent_proxy",
-        max_turns=max_turns or cfg.max_turns,
-        max_tokens=cfg.max_tokens,
-        agent_timeout_s=cfg.agent_timeout_s,
-        proxy_return_token_ids=True,
-        proxy_sampling={"temperature": temperature, "top_p": 1.0},
+        endpoint={"name": "vllm", "base_url": engine.base_url, "model": "policy", "api_key": "none"},
+        mode={
+            "name": "transparent_proxy",
+            "return_token_ids": True,
+            "sampling": {"temperature": temperature, "top_p": 1.0},
+        },
+        gateway={"max_turns": max_turns or cfg.max_turns, "max_tokens": cfg.max_tokens},
+        limits={"agent_timeout_s": cfg.agent_timeout_s},
         **token_in,
     )
 
