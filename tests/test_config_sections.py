@@ -105,8 +105,7 @@ def test_which_modes_honour_which_settings():
 
 
 def test_switching_mode_keeps_the_settings_both_modes_have():
-    config = PiConfig(mode={"name": "transparent_proxy", "sampling": {"seed": 1}, "trace_dir": "/t",
-                            "top_logprobs": 2})
+    config = PiConfig(mode={"name": "transparent_proxy", "sampling": {"seed": 1}, "trace_dir": "/t"})
     gate = config.in_mode("interception_gate")
     assert (gate.mode.name, gate.mode.sampling, gate.mode.trace_dir) == ("interception_gate", {"seed": 1}, "/t")
     assert config.mode.name == "transparent_proxy"  # a copy
@@ -204,3 +203,26 @@ def test_the_command_line_builds_the_sectioned_config(tmp_path):
     assert config_from_args(args, mode_settings={"trace_dir": "/t"}).mode.name == "black_box"
     with pytest.raises(ValueError, match="--token-in renders at the gateway, which black_box never does"):
         config_from_args(args, mode_settings={"token_in": True})
+
+
+def test_an_old_flat_assignment_changes_only_its_config():
+    config = PiConfig(mode="transparent_proxy")
+    copy = config.model_copy()
+    with pytest.warns(DeprecationWarning, match="set config.gateway.max_tokens"):
+        copy.max_tokens = 7
+    with pytest.warns(DeprecationWarning, match="set config.mode.top_logprobs"):
+        copy.proxy_top_logprobs = 2
+    assert (copy.gateway.max_tokens, copy.mode.top_logprobs) == (7, 2)
+    assert (config.gateway.max_tokens, config.mode.top_logprobs) == (4096, 5)
+    with pytest.raises(ValidationError), pytest.warns(DeprecationWarning):
+        copy.max_tokens = 0  # checked like the field
+    with pytest.raises(ValueError, match="gate_timeout_s is a setting of interception_gate"), \
+            pytest.warns(DeprecationWarning):
+        copy.gate_timeout_s = 5
+
+
+def test_switching_away_from_a_setting_the_new_mode_lacks_is_refused():
+    salted = PiConfig(mode={"name": "transparent_proxy", "cache_salt": True})
+    with pytest.raises(ValueError, match="mode.cache_salt is a setting of transparent_proxy, not of black_box"):
+        salted.in_mode("black_box")
+    assert PiConfig(mode="transparent_proxy").in_mode("black_box").mode.name == "black_box"  # defaults only

@@ -466,11 +466,19 @@ def modes_with(setting: str) -> list[str]:
 
 def switched_mode(current: BlackBox | TransparentProxy | InterceptionGate, name: str):
     """Mode `name`, carrying over the settings `current` has that it has too (sampling, trace_dir
-    and token-in between transparent_proxy and interception_gate)."""
+    and token-in between transparent_proxy and interception_gate); one set away from its default
+    that mode `name` does not have is refused, as in PiConfig(...)."""
     if current.name == name:
         return current
-    target = MODES[name]  # a KeyError names no mode: PiConfig's validation says which exist
+    if name not in MODES:
+        raise ValueError(f"mode: {name!r} is not one of {list(MODES)}")
+    target = MODES[name]
     shared = {key: value for key, value in current.model_dump(exclude_unset=True).items() if key != "name"}
+    for key, value in shared.items():
+        if key not in target.model_fields and value != type(current).model_fields[key].get_default(
+            call_default_factory=True
+        ):
+            raise ValueError(_not_in_mode(f"mode.{key}", key, name))
     return target(**{key: value for key, value in shared.items() if key in target.model_fields})
 
 
@@ -559,13 +567,17 @@ class PiConfig(BaseModel):
             path = FLAT_KEYS.get(name)
             if path is not None:
                 warnings.warn(f"PiConfig.{name} is deprecated: set config.{path}", DeprecationWarning, stacklevel=2)
-                *parents, field = path.split(".")
-                owner = self
+                top, *parents, field = path.split(".")
+                # A new section (a model_copy shares its sections: a flat field set on one never
+                # changed another), the value checked by the section's validate_assignment.
+                section = getattr(self, top).model_copy(deep=True)
+                owner = section
                 for parent in parents:
                     owner = getattr(owner, parent)
-                if parents == ["mode"] and field not in type(owner).model_fields:
+                if top == "mode" and field not in type(owner).model_fields:
                     raise ValueError(_not_in_mode(name, field, owner.name))
                 setattr(owner, field, value)
+                super().__setattr__(top, section)
                 return
             if name == "mode" and isinstance(value, str) and value in MODES:
                 value = switched_mode(self.mode, value)  # the settings both modes have carry over
@@ -646,8 +658,9 @@ def _check_mode_settings(data: dict[str, Any]) -> None:
 
 def _not_in_mode(key: str, field: str, mode: str) -> str:
     owners = modes_with(field)
+    path = "" if key == f"mode.{field}" else f" (mode.{field})"
     return (
-        f"{key} is a setting of {' and '.join(owners)} (mode.{field}), not of {mode}, the mode this config "
+        f"{key} is a setting of {' and '.join(owners)}{path}, not of {mode}, the mode this config "
         f"is in: give mode={{'name': {owners[0]!r}, {field!r}: ...}} or drop it"
     )
 

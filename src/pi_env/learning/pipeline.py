@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pi_env.config import PiConfig
+from pi_env.config import BLACK_BOX, TRANSPARENT_PROXY, PiConfig
 from pi_env.task import PiTask
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -468,7 +468,7 @@ def rollout_config(cfg: LearnConfig, engine: Engine, temperature: float, max_tur
     return PiConfig(
         endpoint={"name": "vllm", "base_url": engine.base_url, "model": "policy", "api_key": "none"},
         mode={
-            "name": "transparent_proxy",
+            "name": TRANSPARENT_PROXY,
             "return_token_ids": True,
             "sampling": {"temperature": temperature, "top_p": 1.0},
         },
@@ -524,7 +524,7 @@ def stage_oracle(cfg: LearnConfig) -> dict:
     records, wall = collect(
         train,
         cfg.path("oracle"),
-        PiConfig(endpoint="oracle", mode="black_box"),
+        PiConfig(endpoint="oracle", mode=BLACK_BOX),
         group_size=1,
         concurrency=cfg.concurrency,
     )
