@@ -226,3 +226,15 @@ def test_switching_away_from_a_setting_the_new_mode_lacks_is_refused():
     with pytest.raises(ValueError, match="mode.cache_salt is a setting of transparent_proxy, not of black_box"):
         salted.in_mode("black_box")
     assert PiConfig(mode="transparent_proxy").in_mode("black_box").mode.name == "black_box"  # defaults only
+
+
+def test_the_dataset_card_reads_a_saved_config_in_either_shape(tmp_path):
+    from pi_env.collect.card import build_card
+
+    saved = json.loads((FIXTURES / "redacted_flat_aff8787.json").read_text())["transparent_proxy"]
+    for config in (saved, PiConfig(endpoint="vllm", mode="transparent_proxy", agent={"pi": {"version": "1.5.0"}})
+                   .redacted()):
+        (tmp_path / "metadata.json").write_text(json.dumps({"config": config}))
+        card = build_card(tmp_path)
+        assert "endpoint: `vllm`" in card and "mode: `transparent_proxy`" in card
+        assert f"Pi {config.get('pi_version') or '1.5.0'}" in card
