@@ -61,7 +61,7 @@ class FactoryState:
 
     @property
     def policy_version(self):
-        """The policy version in force (PiConfig.policy_version until set_policy_version)."""
+        """The policy version in force (PiConfig.gateway.policy_version until set_policy_version)."""
         return self.policy.value
 
     @property

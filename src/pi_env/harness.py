@@ -14,7 +14,7 @@ satisfy openenv's `LoopOwningSession` and `TrainableSession` protocols. It is wh
 
 What the worker does with it, and what pi-env does in turn:
 - `factory(sampling=training_sampling({...}))`: those parameters are forced on every model call
-  at the gateway (`PiConfig.proxy_sampling`); a config whose mode nobody chose runs in
+  at the gateway (`PiConfig.mode.sampling`); a config whose mode nobody chose runs in
   transparent_proxy (token capture).
 - `create(prompt, seed=group_id, episode_id=rollout_id)`: the prompt (a message list, a string,
   a dataset row, a task dict or a `PiTask`) selects the task: a task of the factory's list whose

@@ -79,7 +79,7 @@ class PiSessionFactory(FactoryState):
         `seed` and `episode_id` follow openenv's `ResourceSessionFactory.create`: `episode_id`
         names the rollout (`session.episode_id`, and its trace file); `seed` is kept as
         `session.seed` and changes nothing in the rollout (Pi has no seed; a sampling seed is
-        `proxy_sampling["seed"]`). `pi_env.harness` chooses a task by it.
+        `mode.sampling["seed"]`). `pi_env.harness` chooses a task by it.
 
         `on_event` is told of each phase, each model call and the end (`RolloutEvent`), on
         whichever thread reached it (the caller's, the session's finishing thread, or the
@@ -372,7 +372,7 @@ class PiSession(GateAPI):
             self._score()
 
     def _keep_workdir(self) -> None:
-        """PiConfig.keep_workdir: the work dir as verify is about to see it (pi_env.verify.workdir)."""
+        """PiConfig.result.keep_workdir: the work dir as verify is about to see it (pi_env.verify.workdir)."""
         config, result = self.config, self._result
         if self._steps.more_after(0):
             result.workdir_not_kept = "a multi-step task: reverify scores single-step tasks only"

@@ -1,6 +1,6 @@
 """A task's setup commands run in a sandbox, and a command as the result records it.
 
-`run_setup`: `PiConfig.extra_setup_shell` then the task's `setup`, in order, each under the
+`run_setup`: `PiConfig.sandbox.extra_setup_shell` then the task's `setup`, in order, each under the
 task's setup time limit (else the config's) and the task's network choice; the first that fails
 ends setup, and says why (the rollout fails `setup_failed`). The session (rollout.py) runs it
 before the agent, and again in a fresh verify sandbox when verify's world is rebuilt from
