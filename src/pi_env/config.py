@@ -15,10 +15,12 @@ reference Pi environment where they fit (base_url, api_key, model, provider_name
       result    ResultSettings     what the result keeps of the work dir
 
 A bare string is short for a section's name: `endpoint="vllm"`, `agent="codex"`,
-`mode="transparent_proxy"` (that mode with its defaults). The flat keys of pi-env <= 0.x
-(`PiConfig(max_tokens=256, proxy_top_logprobs=3)`, and the flat dicts `redacted()` wrote into
-records and dataset cards) still load, each moved to its section path (`FLAT_KEYS`) with one
-DeprecationWarning naming them; reading `config.max_tokens` still works, with a warning too."""
+`mode="transparent_proxy"` (that mode with its defaults). The flat keys of the config before
+the sections (`PiConfig(max_tokens=256, proxy_top_logprobs=3)`, and the flat dicts `redacted()`
+wrote into records and dataset cards) still load, each moved to its section path (`FLAT_KEYS`)
+with one DeprecationWarning naming them; a flat key of another mode than the config's is refused
+(at its default, as every saved config holds it, it is dropped). Reading or setting
+`config.max_tokens` still works, with a warning too."""
 
 from __future__ import annotations
 
@@ -364,9 +366,9 @@ class InterceptionGate(_Capturing):
 ModeSettings = Annotated[BlackBox | TransparentProxy | InterceptionGate, Field(discriminator="name")]
 """`PiConfig.mode`: one of the modes, tagged by its `name`."""
 MODES: dict[str, type[BlackBox | TransparentProxy | InterceptionGate]] = {
-    "black_box": BlackBox,
-    "transparent_proxy": TransparentProxy,
-    "interception_gate": InterceptionGate,
+    BLACK_BOX: BlackBox,
+    TRANSPARENT_PROXY: TransparentProxy,
+    INTERCEPTION_GATE: InterceptionGate,
 }
 """Each mode's name and settings class: the one place the names are written."""
 
@@ -601,8 +603,8 @@ def _move_flat_keys(data: dict[str, Any]) -> list[tuple[str, str]]:
         value, path = data.pop(key), FLAT_KEYS[key]
         *parents, field = path.split(".")
         if parents == ["mode"]:
-            mode = data.setdefault("mode", {"name": "black_box"})
-            name = mode.name if isinstance(mode, _Named) else mode.get("name", "black_box")
+            mode = data.setdefault("mode", {"name": BLACK_BOX})
+            name = mode.name if isinstance(mode, _Named) else mode.get("name", BLACK_BOX)
             if field not in MODES.get(name, BlackBox).model_fields:
                 owner = MODES[modes_with(field)[0]]
                 if value == owner.model_fields[field].get_default(call_default_factory=True):
