@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from ..agent import agent_names
 from ..config import BLACK_BOX, TRANSPARENT_PROXY, PiConfig
+from ..config import MODES as CONFIG_MODES
 from ..endpoints import CATALOG, ORACLE, EndpointError, resolve_endpoint
 from ..results import RolloutEvent, RolloutResult
 from ..task import PiTask, TaskError
@@ -128,7 +129,11 @@ def sectioned_config(fields: dict[str, Any]) -> PiConfig:
     for argument, path in CONFIG_ARGUMENTS.items():
         value = fields[argument]
         section, *rest = path.split(".")
-        if value is None or (section == "mode" and rest[0] != fields["mode"]):
+        if value is None:
+            continue
+        if section == "mode" and rest[0] != fields["mode"]:
+            # The chosen mode has no use for it (as before, it is ignored), but it is checked as it always was.
+            CONFIG_MODES[rest[0]].model_validate({rest[-1]: value})
             continue
         sections.setdefault(section, {})[rest[-1]] = value
     sections["sandbox"] = {k: v for k, v in sections["sandbox"].items() if v is not None}
