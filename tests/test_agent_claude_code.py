@@ -219,7 +219,7 @@ def test_a_tasks_own_settings_hooks_mcp_and_binaries_change_nothing_and_its_tool
     assert result.error_kind is None and result.reward == 1.0, (result.verify_results, result.agent_log_tail)
     assert [t.upstream_status for t in result.proxy_turns] == [200] * 5 and dialects == ["messages"] * 5
     assert {r.body["model"] for r in server.requests} == {"scripted-model"}
-    assert {r.body["max_tokens"] for r in server.requests} == {PiConfig().max_tokens}
+    assert {r.body["max_tokens"] for r in server.requests} == {PiConfig().gateway.max_tokens}
     text = json.dumps([r.body for r in server.requests])
     for marker in ("CLAUDE-MD-MARKER", "CLAUDE-LOCAL-MARKER", "SKILL-MARKER", "COMMAND-MARKER", "AGENT-MARKER"):
         assert marker not in text, marker

@@ -207,7 +207,7 @@ def test_a_tasks_own_settings_env_hooks_mcp_and_binaries_change_nothing_and_its_
     # Every call reached the gateway, for the run's model, with the run's limit.
     assert [t.upstream_status for t in result.proxy_turns] == [200] * 5 and dialects == ["gemini"] * 5
     assert {r.body["model"] for r in server.requests} == {"scripted-model"}
-    assert [r.body["max_tokens"] for r in server.requests] == [PiConfig().max_tokens] * 5
+    assert [r.body["max_tokens"] for r in server.requests] == [PiConfig().gateway.max_tokens] * 5
     text = json.dumps([r.body for r in server.requests])
     for marker in ("SYSTEM-MD-MARKER", "COMMAND-MARKER", "AGENT-MARKER", "SKILL-MARKER", "evil-model", "10.9.9.9"):
         assert marker not in text, marker

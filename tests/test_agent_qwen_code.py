@@ -133,7 +133,7 @@ def test_a_tasks_own_settings_and_env_files_do_not_reconfigure_it_and_its_shell_
     assert result.error_kind is None and result.reward == 1.0, (result.verify_results, result.agent_log_tail)
     # Every call reached the gateway, for the run's model, with the run's limit.
     assert [t.upstream_status for t in result.proxy_turns] == [200, 200, 200]
-    assert [r.body["max_tokens"] for r in server.requests] == [PiConfig().max_tokens] * 3
+    assert [r.body["max_tokens"] for r in server.requests] == [PiConfig().gateway.max_tokens] * 3
     assert {r.body["model"] for r in server.requests} == {"scripted-model"}  # black_box: as the agent sent it
     assert not any("TASK-SKILL-MARKER" in json.dumps(r.body) for r in server.requests)
     outputs = tool_outputs(result)
