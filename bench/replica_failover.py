@@ -112,7 +112,10 @@ def run(rollouts: int, out: Path, *, concurrency: int = 4, seed: int | None = No
                 time.sleep(0.01)
 
         thread = threading.Thread(target=killer, daemon=True)
-        config = PiConfig(endpoint=[s.base_url for s in servers], model="scripted-model", api_key=KEY, mode=mode)
+        config = PiConfig(
+            endpoint={"name": [s.base_url for s in servers], "model": "scripted-model", "api_key": KEY},
+            mode=mode,
+        )
         started = time.monotonic()
         thread.start()
         try:

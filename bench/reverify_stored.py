@@ -61,7 +61,7 @@ def main() -> int:
     before = os.getloadavg()
     tasks = [task(i) for i in range(args.rollouts)]
     dataset = args.dataset or Path(tempfile.mkdtemp(prefix="pi-env-reverify-bench-"))
-    config = PiConfig(mode="black_box", keep_workdir=True)
+    config = PiConfig(mode="black_box", result={"keep_workdir": True})
     started = time.monotonic()
     collected = CollectRunner(tasks, dataset, config, concurrency=args.concurrency).run()
     collect_s = time.monotonic() - started

@@ -108,8 +108,12 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     print(f"model: {args.model_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, float32, CPU)")
 
-    config = PiConfig(mode="interception_gate", model="smollm2-135m-instruct", max_turns=args.max_turns,
-                      agent_timeout_s=300, gate_timeout_s=120)
+    config = PiConfig(
+        mode={"name": "interception_gate", "gate_timeout_s": 120},
+        endpoint={"model": "smollm2-135m-instruct"},
+        gateway={"max_turns": args.max_turns},
+        limits={"agent_timeout_s": 300},
+    )
     with PiSessionFactory(config).create(TASK) as session:
         while (request := session.next_request(120)) is not None:
             started = time.monotonic()

@@ -55,8 +55,12 @@ def main() -> None:
         max_steps=100,
     )
     # Pi talks to the same vLLM server through pi-env's gateway (OpenAI API under /v1).
-    pi = PiConfig(endpoint=f"{args.vllm_url}/v1", model=args.model, mode="transparent_proxy",
-                  max_turns=config.max_tool_calling_iterations, agent_timeout_s=900)
+    pi = PiConfig(
+        endpoint={"name": f"{args.vllm_url}/v1", "model": args.model},
+        mode="transparent_proxy",
+        gateway={"max_turns": config.max_tool_calling_iterations},
+        limits={"agent_timeout_s": 900},
+    )
     worker = HarnessRolloutWorker(
         harness_session_factory=partial(HarnessSessionFactory, pi, tasks=tasks),
         model_name=args.model,

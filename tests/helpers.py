@@ -60,7 +60,10 @@ def free_port(avoid: range = range(0)) -> int:
 
 def scripted_config(server: ScriptedServer, key: str, **overrides) -> PiConfig:
     """A config whose endpoint is the scripted server, as if it were a real model server."""
-    return PiConfig(endpoint=server.base_url, model="scripted-model", api_key=key, **overrides)
+    return PiConfig(
+        endpoint={"name": server.base_url, "model": "scripted-model", "api_key": key},
+        **overrides,
+    )
 
 
 def processes_of_uid(uid: int) -> list[tuple[int, str]]:

@@ -68,7 +68,7 @@ HELLO_TURNS = [write("hello.txt", "hi\n"), bash("cat hello.txt"), ScriptedTurn(t
 @pytest.mark.slow
 def test_a_scripted_rollout_scores_one_with_every_call_recorded(server):
     key = server.add_script(HELLO_TURNS)
-    result, dialects = rollout(HELLO, scripted_config(server, key, agent=CLAUDE, max_tokens=1234))
+    result, dialects = rollout(HELLO, scripted_config(server, key, agent=CLAUDE, gateway={"max_tokens": 1234}))
     assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
     assert result.agent == CLAUDE and result.agent_version == "2.1.332"
     assert result.stop_reason == "stop"
@@ -114,7 +114,7 @@ def test_an_upstream_error_is_final_and_the_turn_budget_stops_it_cleanly(server)
     assert result.error_kind == "endpoint_error" and result.reward is None, (result.error_kind, result.error)
 
     key = server.add_script(HELLO_TURNS)
-    result, dialects = rollout(HELLO, scripted_config(server, key, agent=CLAUDE, max_turns=1))
+    result, dialects = rollout(HELLO, scripted_config(server, key, agent=CLAUDE, gateway={"max_turns": 1}))
     assert result.stop_reason == "budget" and result.error_kind is None, (result.error, result.agent_log_tail)
     assert len(server.requests) == 3 and dialects == ["messages"]  # one more upstream call, then the stop
 
@@ -219,7 +219,7 @@ def test_a_tasks_own_settings_hooks_mcp_and_binaries_change_nothing_and_its_tool
     assert result.error_kind is None and result.reward == 1.0, (result.verify_results, result.agent_log_tail)
     assert [t.upstream_status for t in result.proxy_turns] == [200] * 5 and dialects == ["messages"] * 5
     assert {r.body["model"] for r in server.requests} == {"scripted-model"}
-    assert {r.body["max_tokens"] for r in server.requests} == {PiConfig().max_tokens}
+    assert {r.body["max_tokens"] for r in server.requests} == {PiConfig().gateway.max_tokens}
     text = json.dumps([r.body for r in server.requests])
     for marker in ("CLAUDE-MD-MARKER", "CLAUDE-LOCAL-MARKER", "SKILL-MARKER", "COMMAND-MARKER", "AGENT-MARKER"):
         assert marker not in text, marker
@@ -239,7 +239,12 @@ def test_transparent_proxy_records_token_ids_with_its_tools_narrowed(server):
     options = {"tools": ["Bash", "Edit", "Read", "Write"], "system_prompt": "You are a coding agent. SP-MARKER"}
     agent = {"name": CLAUDE, "options": options}  # a smaller request
     result, dialects = rollout(
-        HELLO, scripted_config(server, key, agent=agent, mode="transparent_proxy", proxy_return_token_ids=True)
+        HELLO, scripted_config(
+            server,
+            key,
+            agent=agent,
+            mode={"name": "transparent_proxy", "return_token_ids": True},
+        )
     )
     assert result.reward == 1.0 and result.error_kind is None, result.error
     assert len(result.proxy_turns) == 3 and dialects == ["messages"] * 3
@@ -270,11 +275,7 @@ def test_token_in_keeps_a_rollout_one_training_sequence(tmp_path):
             token_server,
             key,
             agent=CLAUDE,
-            mode="transparent_proxy",
-            proxy_return_token_ids=True,
-            proxy_token_in=True,
-            proxy_tokenizer=str(tokenizer_dir),
-            trace_dir=str(tmp_path),
+            mode={"name": "transparent_proxy", "return_token_ids": True, "token_in": True, "tokenizer": str(tokenizer_dir), "trace_dir": str(tmp_path)},
         )
         result, dialects = rollout(HELLO, config)
     assert result.reward == 1.0 and result.error_kind is None, (result.error, result.agent_log_tail)
@@ -318,7 +319,7 @@ def test_interception_gate_hands_its_calls_to_the_trainer():
 
 def test_its_configuration_points_only_at_the_gateway():
     """Offline facts of prepare/command: no sandbox needed."""
-    config = PiConfig(agent=CLAUDE, max_tokens=777)
+    config = PiConfig(agent=CLAUDE, gateway={"max_tokens": 777})
     agent = get_agent(config)
     run = AgentRun(config, Endpoint(name="e", base_url="http://upstream.invalid/v1", model="m1"), "tok", "do it")
 

@@ -66,7 +66,7 @@ HELLO_TURNS = [ex("printf 'hi\\n' > hello.txt"), ex("cat hello.txt"), ScriptedTu
 @pytest.mark.slow
 def test_a_scripted_rollout_scores_one_with_every_call_recorded_as_responses(server):
     key = server.add_script(HELLO_TURNS)
-    result, records = rollout(HELLO, scripted_config(server, key, agent=CODEX, max_tokens=1234))
+    result, records = rollout(HELLO, scripted_config(server, key, agent=CODEX, gateway={"max_tokens": 1234}))
     assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
     assert result.agent == CODEX and result.agent_version == "0.171.0"
     assert result.stop_reason == "stop"
@@ -231,7 +231,12 @@ def test_a_tasks_own_config_does_not_reconfigure_it_and_its_tools_stay_in_the_sa
 def test_transparent_proxy_records_token_ids(server):
     key = server.add_script(HELLO_TURNS)
     result, _ = rollout(
-        HELLO, scripted_config(server, key, agent=CODEX, mode="transparent_proxy", proxy_return_token_ids=True)
+        HELLO, scripted_config(
+            server,
+            key,
+            agent=CODEX,
+            mode={"name": "transparent_proxy", "return_token_ids": True},
+        )
     )
     assert result.reward == 1.0 and result.error_kind is None, result.error
     assert len(result.proxy_turns) == 3
@@ -265,11 +270,7 @@ def test_token_in_keeps_the_task_conversation_one_training_sequence(tmp_path):
             token_server,
             key,
             agent=CODEX,
-            mode="transparent_proxy",
-            proxy_return_token_ids=True,
-            proxy_token_in=True,
-            proxy_tokenizer=str(tokenizer_dir),
-            trace_dir=str(tmp_path),
+            mode={"name": "transparent_proxy", "return_token_ids": True, "token_in": True, "tokenizer": str(tokenizer_dir), "trace_dir": str(tmp_path)},
         )
         result = run_rollout(HELLO, config)
     assert result.reward == 1.0 and result.error_kind is None, (result.error, result.agent_log_tail)
@@ -328,7 +329,7 @@ class FakeInstall:
 
 def test_its_configuration_points_only_at_the_gateway():
     """Offline facts of prepare/command: no sandbox needed."""
-    config = PiConfig(agent=CODEX, max_tokens=777, context_window=9999)
+    config = PiConfig(agent={"name": CODEX, "context_window": 9999}, gateway={"max_tokens": 777})
     agent = get_agent(config)
     run = AgentRun(config, Endpoint(name="e", base_url="http://upstream.invalid/v1", model="m1"), "tok-9f3a", "do it")
     argv, env, stdin = agent.command(FakeInstall(), run)  # type: ignore[arg-type]
@@ -355,7 +356,7 @@ def test_its_configuration_points_only_at_the_gateway():
     assert features["plugins"] is features["remote_plugin"] is features["apps"] is features["hooks"] is False
     assert settings["model_context_window"] == 9999
     assert "model_reasoning_effort" not in settings and settings["model_reasoning_summary"] == "none"
-    thinking = codex_config(AgentRun(PiConfig(agent=CODEX, thinking="high"), run.endpoint, "tok", "x"))
+    thinking = codex_config(AgentRun(PiConfig(agent={"name": CODEX, "thinking": "high"}), run.endpoint, "tok", "x"))
     assert thinking["model_reasoning_effort"] == "high" and thinking["model_reasoning_summary"] == "auto"
     assert "model_instructions_file" not in settings
     assert codex_config(run, system_prompt=True)["model_instructions_file"] == SYSTEM_PROMPT_PATH

@@ -69,7 +69,7 @@ HELLO_TURNS = [write_file("hello.txt", "hi\n"), shell("cat hello.txt"), Scripted
 @pytest.mark.slow
 def test_a_scripted_rollout_scores_one_with_every_call_recorded(server):
     key = server.add_script(HELLO_TURNS)
-    result, dialects = rollout(HELLO, scripted_config(server, key, agent=GEMINI, max_tokens=1234))
+    result, dialects = rollout(HELLO, scripted_config(server, key, agent=GEMINI, gateway={"max_tokens": 1234}))
     assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
     assert result.agent == GEMINI and result.agent_version == "0.61.0"
     assert result.stop_reason == "stop"
@@ -207,7 +207,7 @@ def test_a_tasks_own_settings_env_hooks_mcp_and_binaries_change_nothing_and_its_
     # Every call reached the gateway, for the run's model, with the run's limit.
     assert [t.upstream_status for t in result.proxy_turns] == [200] * 5 and dialects == ["gemini"] * 5
     assert {r.body["model"] for r in server.requests} == {"scripted-model"}
-    assert [r.body["max_tokens"] for r in server.requests] == [PiConfig().max_tokens] * 5
+    assert [r.body["max_tokens"] for r in server.requests] == [PiConfig().gateway.max_tokens] * 5
     text = json.dumps([r.body for r in server.requests])
     for marker in ("SYSTEM-MD-MARKER", "COMMAND-MARKER", "AGENT-MARKER", "SKILL-MARKER", "evil-model", "10.9.9.9"):
         assert marker not in text, marker
@@ -229,7 +229,12 @@ def test_a_tasks_own_settings_env_hooks_mcp_and_binaries_change_nothing_and_its_
 def test_transparent_proxy_records_token_ids(server):
     key = server.add_script(HELLO_TURNS)
     result, dialects = rollout(
-        HELLO, scripted_config(server, key, agent=GEMINI, mode="transparent_proxy", proxy_return_token_ids=True)
+        HELLO, scripted_config(
+            server,
+            key,
+            agent=GEMINI,
+            mode={"name": "transparent_proxy", "return_token_ids": True},
+        )
     )
     assert result.reward == 1.0 and result.error_kind is None, result.error
     assert len(result.proxy_turns) == 3 and dialects == ["gemini"] * 3
@@ -256,11 +261,7 @@ def test_token_in_keeps_a_rollout_one_training_sequence(tmp_path):
             token_server,
             key,
             agent=GEMINI,
-            mode="transparent_proxy",
-            proxy_return_token_ids=True,
-            proxy_token_in=True,
-            proxy_tokenizer=str(tokenizer_dir),
-            trace_dir=str(tmp_path),
+            mode={"name": "transparent_proxy", "return_token_ids": True, "token_in": True, "tokenizer": str(tokenizer_dir), "trace_dir": str(tmp_path)},
         )
         result, dialects = rollout(HELLO, config)
     assert result.reward == 1.0 and result.error_kind is None, (result.error, result.agent_log_tail)
@@ -302,7 +303,7 @@ def test_interception_gate_hands_its_calls_to_the_trainer():
 
 def test_its_configuration_points_only_at_the_gateway():
     """Offline facts of prepare/command: no sandbox needed."""
-    config = PiConfig(agent=GEMINI, max_tokens=777)
+    config = PiConfig(agent=GEMINI, gateway={"max_tokens": 777})
     agent = get_agent(config)
     run = AgentRun(config, Endpoint(name="e", base_url="http://upstream.invalid/v1", model="m1"), "tok", "do it")
 

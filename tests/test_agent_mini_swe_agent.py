@@ -69,7 +69,7 @@ def test_its_command_runs_the_venv_isolated_behind_the_launcher_with_absolute_co
 
 
 def test_its_config_points_only_at_the_gateway_with_a_bounded_step_limit():
-    config = PiConfig(agent=MINI, max_tokens=777, max_turns=9)
+    config = PiConfig(agent=MINI, gateway={"max_tokens": 777, "max_turns": 9})
     run = agent_run(config)
     mini = mini_config(run, get_agent(config).step_limit, 60)
     assert mini["model"]["model_name"] == "openai/m1" and mini["model"]["model_class"] == "litellm"
@@ -79,8 +79,8 @@ def test_its_config_points_only_at_the_gateway_with_a_bounded_step_limit():
     assert mini["agent"]["step_limit"] == 9 and mini["run"]["task"] == "do it"
     assert mini["environment"]["cwd"] == SANDBOX_WORKDIR and mini["environment"]["environment_class"] == "local"
     assert "upstream.invalid" not in json.dumps(mini)
-    assert get_agent(PiConfig(agent=MINI, max_turns=None)).step_limit == 50
-    assert get_agent(PiConfig(agent={"name": MINI, "options": {"step_limit": 4}}, max_turns=9)).step_limit == 4
+    assert get_agent(PiConfig(agent=MINI, gateway={"max_turns": None})).step_limit == 50
+    assert get_agent(PiConfig(agent={"name": MINI, "options": {"step_limit": 4}}, gateway={"max_turns": 9})).step_limit == 4
     for bad in (0, -1, "5", True, 2.5):
         with pytest.raises(ValueError, match="step_limit"):
             _ = get_agent(PiConfig(agent={"name": MINI, "options": {"step_limit": bad}})).step_limit
@@ -115,7 +115,7 @@ HELLO_TURNS = [bash("printf 'hi\\n' > hello.txt && pwd"), bash("cat hello.txt"),
 @pytest.mark.slow
 def test_a_scripted_rollout_scores_one_with_every_call_recorded(server):
     key = server.add_script(HELLO_TURNS)
-    result = rollout(HELLO, scripted_config(server, key, agent=MINI, max_tokens=1234))
+    result = rollout(HELLO, scripted_config(server, key, agent=MINI, gateway={"max_tokens": 1234}))
     assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
     assert result.agent == MINI and result.agent_version == "2.4.6"
     assert [t.upstream_status for t in result.proxy_turns] == [200, 200, 200]
@@ -150,7 +150,7 @@ def test_examples_score_one_through_the_oracle(task):
 def test_its_step_limit_ends_a_run_that_never_submits(server):
     key = server.add_script([bash("echo step >> steps.txt")] * 8)
     task = PiTask(task_id="mini-steps", instruction="Loop.", verify=["test -s steps.txt"])
-    result = rollout(task, scripted_config(server, key, agent=MINI, max_turns=3))
+    result = rollout(task, scripted_config(server, key, agent=MINI, gateway={"max_turns": 3}))
     assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
     assert len(result.proxy_turns) == 3 and len(server.requests) == 3
     assert result.agent_transcript[-1]["extra"]["exit_status"] == "LimitsExceeded"
@@ -217,8 +217,12 @@ def test_a_tasks_files_do_not_reconfigure_it_and_its_shell_has_no_network_nor_th
 @pytest.mark.slow
 def test_transparent_proxy_records_token_ids_of_its_unstreamed_calls(server):
     key = server.add_script(HELLO_TURNS)
-    result = rollout(HELLO, scripted_config(server, key, agent=MINI, mode="transparent_proxy",
-                                            proxy_return_token_ids=True))
+    result = rollout(HELLO, scripted_config(
+        server,
+        key,
+        agent=MINI,
+        mode={"name": "transparent_proxy", "return_token_ids": True},
+    ))
     assert result.reward == 1.0 and result.error_kind is None, result.error
     assert len(result.proxy_turns) == 3
     for turn in result.proxy_turns:
@@ -240,8 +244,12 @@ def test_token_in_keeps_a_rollout_one_training_sequence(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
     with ScriptedServer(token_engine=TokenEngine(tokenizer)) as token_server:
         key = token_server.add_script(HELLO_TURNS)
-        config = scripted_config(token_server, key, agent=MINI, mode="transparent_proxy", proxy_return_token_ids=True,
-                                 proxy_token_in=True, proxy_tokenizer=str(tokenizer_dir), trace_dir=str(tmp_path))
+        config = scripted_config(
+            token_server,
+            key,
+            agent=MINI,
+            mode={"name": "transparent_proxy", "return_token_ids": True, "token_in": True, "tokenizer": str(tokenizer_dir), "trace_dir": str(tmp_path)},
+        )
         result = run_rollout(HELLO, config)
     assert result.reward == 1.0 and result.error_kind is None, (result.error, result.agent_log_tail)
     assert [t.token_in["outcome"] for t in result.proxy_turns] == ["first", "bridged", "bridged"]

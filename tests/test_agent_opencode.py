@@ -67,7 +67,7 @@ HELLO_TURNS = [write("hello.txt", "hi\n"), bash("cat hello.txt"), ScriptedTurn(t
 @pytest.mark.slow
 def test_a_scripted_rollout_scores_one_with_every_call_recorded_and_the_title_call_marked(server):
     key = server.add_script(HELLO_TURNS)
-    result = rollout(HELLO, scripted_config(server, key, agent=OPENCODE, max_tokens=1234))
+    result = rollout(HELLO, scripted_config(server, key, agent=OPENCODE, gateway={"max_tokens": 1234}))
     assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
     assert result.agent == OPENCODE and result.agent_version == "1.18.33"
     assert result.stop_reason == "stop"
@@ -187,7 +187,12 @@ def test_a_tasks_own_config_does_not_reconfigure_it_and_its_tools_stay_in_the_sa
 def test_transparent_proxy_records_token_ids(server):
     key = server.add_script(HELLO_TURNS)
     result = rollout(
-        HELLO, scripted_config(server, key, agent=OPENCODE, mode="transparent_proxy", proxy_return_token_ids=True)
+        HELLO, scripted_config(
+            server,
+            key,
+            agent=OPENCODE,
+            mode={"name": "transparent_proxy", "return_token_ids": True},
+        )
     )
     assert result.reward == 1.0 and result.error_kind is None, result.error
     assert len(result.proxy_turns) == 4
@@ -221,11 +226,7 @@ def test_token_in_keeps_the_task_conversation_one_training_sequence(tmp_path):
             token_server,
             key,
             agent=OPENCODE,
-            mode="transparent_proxy",
-            proxy_return_token_ids=True,
-            proxy_token_in=True,
-            proxy_tokenizer=str(tokenizer_dir),
-            trace_dir=str(tmp_path),
+            mode={"name": "transparent_proxy", "return_token_ids": True, "token_in": True, "tokenizer": str(tokenizer_dir), "trace_dir": str(tmp_path)},
         )
         result = run_rollout(HELLO, config)
     assert result.reward == 1.0 and result.error_kind is None, (result.error, result.agent_log_tail)
@@ -264,7 +265,7 @@ def test_a_side_call_between_two_turns_does_not_break_the_bridge(tmp_path):
 
 def test_its_configuration_points_only_at_the_gateway():
     """Offline facts of prepare/command: no sandbox needed."""
-    config = PiConfig(agent=OPENCODE, max_tokens=777, context_window=9999)
+    config = PiConfig(agent={"name": OPENCODE, "context_window": 9999}, gateway={"max_tokens": 777})
     agent = get_agent(config)
     run = AgentRun(config, Endpoint(name="e", base_url="http://upstream.invalid/v1", model="m1"), "tok", "do it")
 

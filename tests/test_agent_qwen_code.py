@@ -63,7 +63,7 @@ HELLO_TURNS = [write_file("hello.txt", "hi\n"), shell("cat hello.txt"), Scripted
 
 def test_a_scripted_rollout_scores_one_with_every_call_recorded(server):
     key = server.add_script(HELLO_TURNS)
-    result = rollout(HELLO, scripted_config(server, key, agent=QWEN, max_tokens=1234))
+    result = rollout(HELLO, scripted_config(server, key, agent=QWEN, gateway={"max_tokens": 1234}))
     assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
     assert result.agent == QWEN and result.agent_version == "0.24.4"
     assert result.stop_reason == "stop"
@@ -133,7 +133,7 @@ def test_a_tasks_own_settings_and_env_files_do_not_reconfigure_it_and_its_shell_
     assert result.error_kind is None and result.reward == 1.0, (result.verify_results, result.agent_log_tail)
     # Every call reached the gateway, for the run's model, with the run's limit.
     assert [t.upstream_status for t in result.proxy_turns] == [200, 200, 200]
-    assert [r.body["max_tokens"] for r in server.requests] == [PiConfig().max_tokens] * 3
+    assert [r.body["max_tokens"] for r in server.requests] == [PiConfig().gateway.max_tokens] * 3
     assert {r.body["model"] for r in server.requests} == {"scripted-model"}  # black_box: as the agent sent it
     assert not any("TASK-SKILL-MARKER" in json.dumps(r.body) for r in server.requests)
     outputs = tool_outputs(result)
@@ -145,7 +145,12 @@ def test_a_tasks_own_settings_and_env_files_do_not_reconfigure_it_and_its_shell_
 def test_transparent_proxy_records_token_ids(server):
     key = server.add_script(HELLO_TURNS)
     result = rollout(
-        HELLO, scripted_config(server, key, agent=QWEN, mode="transparent_proxy", proxy_return_token_ids=True)
+        HELLO, scripted_config(
+            server,
+            key,
+            agent=QWEN,
+            mode={"name": "transparent_proxy", "return_token_ids": True},
+        )
     )
     assert result.reward == 1.0 and result.error_kind is None, result.error
     assert len(result.proxy_turns) == 3
@@ -170,11 +175,7 @@ def test_token_in_keeps_a_rollout_one_training_sequence(tmp_path):
             token_server,
             key,
             agent=QWEN,
-            mode="transparent_proxy",
-            proxy_return_token_ids=True,
-            proxy_token_in=True,
-            proxy_tokenizer=str(tokenizer_dir),
-            trace_dir=str(tmp_path),
+            mode={"name": "transparent_proxy", "return_token_ids": True, "token_in": True, "tokenizer": str(tokenizer_dir), "trace_dir": str(tmp_path)},
         )
         result = run_rollout(HELLO, config)
     assert result.reward == 1.0 and result.error_kind is None, (result.error, result.agent_log_tail)
@@ -188,7 +189,7 @@ def test_token_in_keeps_a_rollout_one_training_sequence(tmp_path):
 
 def test_its_configuration_points_only_at_the_gateway():
     """Offline facts of prepare/command: no sandbox needed."""
-    config = PiConfig(agent=QWEN, max_tokens=777)
+    config = PiConfig(agent=QWEN, gateway={"max_tokens": 777})
     agent = get_agent(config)
     run = AgentRun(config, Endpoint(name="e", base_url="http://upstream.invalid/v1", model="m1"), "tok", "do it")
 

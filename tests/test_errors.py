@@ -251,7 +251,7 @@ def test_a_rollout_failing_in_setup_with_a_dead_endpoint_or_a_sandbox_error_keep
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # closed again: nothing listens there
-    dead = PiConfig(endpoint=f"http://127.0.0.1:{port}/v1", model="m", api_key="k")
+    dead = PiConfig(endpoint={"name": f"http://127.0.0.1:{port}/v1", "model": "m", "api_key": "k"})
     result = run_rollout(PiTask(instruction="x", verify=["true"]), dead)
     assert (result.reward, result.error_kind) == (None, "endpoint_error") and "unreachable" in result.error
 

@@ -472,9 +472,12 @@ FILE_TASK = {"task_id": "gate-file", "instruction": "Create made.txt containing 
              "verify": ["grep -qx hello made.txt"]}
 
 
-def gate_factory(**overrides) -> PiSessionFactory:
-    return PiSessionFactory(PiConfig(mode="interception_gate", model="trainer-model", agent_timeout_s=60,
-                                     **overrides))
+def gate_factory(**mode_settings) -> PiSessionFactory:
+    return PiSessionFactory(PiConfig(
+        mode={"name": "interception_gate", **mode_settings},
+        endpoint={"model": "trainer-model"},
+        limits={"agent_timeout_s": 60},
+    ))
 
 
 @pytest.mark.needs_bwrap

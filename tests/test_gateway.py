@@ -991,7 +991,7 @@ def test_engine_extras_are_refused_unless_the_session_allows_them(gateway, serve
         error = json.loads(raw)["error"]
         (name,) = extra
         assert status == 400 and error["type"] == "field_not_allowed", raw
-        assert f"`{name}` ({RESTRICTED_FIELDS[name]})" in error["message"] and "gateway_allow_fields" in error["message"]
+        assert f"`{name}` ({RESTRICTED_FIELDS[name]})" in error["message"] and "gateway.allow_fields" in error["message"]
         assert server.requests == []
     finally:
         gateway.close_session(session)

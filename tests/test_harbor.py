@@ -275,7 +275,7 @@ def test_artifacts_are_read_within_the_rollouts_read_budget_and_binary_is_named_
     key = server.add_script([
         bash("mkdir -p out && echo 'text kept' > out/a.txt && for i in $(seq 200); do "
              "head -c 262144 /dev/urandom > out/b$i.bin; done"), ScriptedTurn(text="done")])
-    result = run_rollout(task, scripted_config(server, key).model_copy(update={"max_read_bytes": 8 << 20}))
+    result = run_rollout(task, scripted_config(server, key, limits={"max_read_bytes": 8 << 20}))
     assert result.error_kind is None and result.reward == 1.0, result.error
     artifacts = {k.removeprefix("/root/workdir/out/"): v for k, v in result.artifacts.items()}
     assert artifacts["a.txt"] == "text kept\n"

@@ -84,9 +84,13 @@ def test_harness_without_openenv_names_the_extra():
 def test_core_factory_forces_sampling_only_where_it_can():
     from pi_env import PiSessionFactory
 
-    factory = PiSessionFactory(PiConfig(proxy_sampling={"seed": 3}), sampling={"temperature": 0.7, "top_k": -1})
-    assert factory.config.mode == "transparent_proxy"  # nobody chose a mode: the one that can force it
-    assert factory.config.proxy_sampling == {"seed": 3, "temperature": 0.7, "top_k": -1}
+    factory = PiSessionFactory(PiConfig(), sampling={"temperature": 0.7, "top_k": -1})
+    assert factory.config.mode.name == "transparent_proxy"  # nobody chose a mode: the one that can force it
+    assert factory.config.mode.sampling == {"temperature": 0.7, "top_k": -1}
+    chosen = PiConfig(mode={"name": "transparent_proxy", "sampling": {"seed": 3}})
+    factory = PiSessionFactory(chosen, sampling={"temperature": 0.7, "top_k": -1})
+    assert factory.config.mode.sampling == {"seed": 3, "temperature": 0.7, "top_k": -1}
+    assert chosen.mode.sampling == {"seed": 3}  # the caller's config is not changed
     with pytest.raises(ValueError, match="black_box relays"):
         PiSessionFactory(PiConfig(mode="black_box"), sampling={"temperature": 1.0})
     with pytest.raises(ValueError, match="black_box relays"):
@@ -141,12 +145,12 @@ def test_factory_is_openenv_and_picklable_as_trl_passes_it(oe):
 
     from pi_env.harness import HarnessSessionFactory
 
-    make = partial(HarnessSessionFactory, PiConfig(endpoint="http://127.0.0.1:9/v1", model="m"), tasks=TASKS)
+    make = partial(HarnessSessionFactory, PiConfig(endpoint={"name": "http://127.0.0.1:9/v1", "model": "m"}), tasks=TASKS)
     factory = pickle.loads(pickle.dumps(make))(sampling=training_sampling({"temperature": 0.6}))  # TRL spawns
     assert isinstance(factory, oe.ResourceSessionFactory)
     assert isinstance(factory, pi_env.PiSessionFactory)  # the core factory itself, with openenv's contract
     assert factory.config.mode == "transparent_proxy"
-    assert factory.config.proxy_sampling == {"temperature": 0.6, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+    assert factory.config.mode.sampling == {"temperature": 0.6, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                                              "frequency_penalty": 0.0, "presence_penalty": 0.0,
                                              "repetition_penalty": 1.0}
     assert HarnessSessionFactory(PiConfig(mode="black_box")).config.mode == "black_box"  # a chosen mode stays
@@ -164,7 +168,7 @@ def test_sessions_satisfy_openenv_and_the_training_trace_passes_its_validation(o
 
     factory = factory_for(TWO_TURNS, sampling=training_sampling({"temperature": 0.7}))
     factory.set_policy_version(7)  # the trainer's step: every turn says which weights made it
-    key = factory.config.api_key
+    key = factory.config.endpoint.api_key
     with factory.create([{"role": "user", "content": "write a.txt"}], seed=11, episode_id="ep-1") as session:
         assert isinstance(session, oe.ResourceSession)
         assert isinstance(session, oe.LoopOwningSession) and isinstance(session, oe.TrainableSession)
@@ -247,7 +251,7 @@ def test_training_sampling_is_forced_on_every_model_call(factory_for, server):
     factory = factory_for(TWO_TURNS, sampling=sampling)
     with factory.create("write a.txt") as session:
         session.wait_for_completion(timeout_s=120)
-    requests = [r.body for r in server.requests if r.api_key == factory.config.api_key]
+    requests = [r.body for r in server.requests if r.api_key == factory.config.endpoint.api_key]
     assert len(requests) == 2
     for body in requests:
         assert {k: body.get(k) for k in sampling} == sampling  # top_k 0 arrives as openenv's -1

@@ -139,7 +139,11 @@ def test_trace_files_are_private_and_deleted_unless_kept(server, tmp_path):
     key = server.add_script([bash("echo hi > a.txt"), ScriptedTurn(text="done")], api_key="sk-trace-0123456789")
     task = PiTask(task_id=f"trace-retention-{os.getpid()}", instruction="write a.txt", verify=["test -f a.txt"])
     kept_dir = tmp_path / "traces"
-    result = run_rollout(task, scripted_config(server, key, mode="transparent_proxy", trace_dir=str(kept_dir)))
+    result = run_rollout(task, scripted_config(
+        server,
+        key,
+        mode={"name": "transparent_proxy", "trace_dir": str(kept_dir)},
+    ))
     trace = Path(result.trace_path)
     assert result.reward == 1.0 and trace.parent == kept_dir and len(trace.read_text().splitlines()) == 2
     assert stat.S_IMODE(kept_dir.stat().st_mode) == 0o700 and stat.S_IMODE(trace.stat().st_mode) == 0o600

@@ -97,7 +97,7 @@ def test_collect_scores_hostile_rollouts_once_and_keeps_the_rest(tmp_path):
 
 def test_huge_session_files_do_not_balloon_the_host_process(tmp_path):
     """Two 250 MB session files (2.4 GB peak RSS in the pi-env process with three, before reads
-    were bounded per rollout by PiConfig.max_read_bytes) and three of 20 MB, together within that
+    were bounded per rollout by PiConfig.limits.max_read_bytes) and three of 20 MB, together within that
     budget: the agent's transcript gets at most read_budget.TRANSCRIPT_MAX_BYTES of it (parsed,
     the three held 700 MB)."""
     line = '{"type":"message","message":{"role":"user","content":"padding padding padding"}}'

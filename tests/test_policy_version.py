@@ -99,7 +99,7 @@ def test_a_header_name_the_gateway_cannot_own_is_refused_with_the_field(name):
     with pytest.raises(ValueError, match="session_header"):
         Routing(session_header=name)
     with pytest.raises(ValueError, match="gateway_session_header"):
-        PiConfig(gateway_session_header=name)
+        PiConfig(gateway={"session_header": name})
 
 
 # ------------------------------------------------------------------------ the policy version
@@ -165,7 +165,7 @@ def test_a_version_that_is_not_a_json_scalar_is_refused(version):
     with pytest.raises((TypeError, ValueError), match="version"):
         PolicyVersion().set(version)
     with pytest.raises(ValueError, match="policy_version"):
-        PiConfig(policy_version=version)
+        PiConfig(gateway={"policy_version": version})
 
 
 # ------------------------------------------------------------------------------ cache_salt
@@ -204,10 +204,10 @@ def test_no_cache_salt_unless_asked(gateway, server):
 def test_cache_salt_where_bodies_are_not_rewritten_is_refused_with_what_to_fix(gateway, server, mode):
     with pytest.raises(ValueError, match="cache_salt.*transparent_proxy"):
         gateway.open_session(Upstream(server.base_url, REAL_KEY), mode=mode, routing=Routing(cache_salt=True))
-    with pytest.raises(ValueError, match="use mode='transparent_proxy', or gateway_cache_salt=False"):
-        PiConfig(mode=mode, gateway_cache_salt=True)
-    salted = PiConfig(mode="transparent_proxy", gateway_cache_salt=True)  # fine
-    with pytest.raises(ValueError, match="use mode='transparent_proxy', or gateway_cache_salt=False"):
+    with pytest.raises(ValueError, match="cache_salt is a setting of transparent_proxy, not of " + mode):
+        PiConfig(mode={"name": mode, "cache_salt": True})
+    salted = PiConfig(mode={"name": "transparent_proxy", "cache_salt": True})  # fine
+    with pytest.raises(ValueError, match="cache_salt is a setting of transparent_proxy, not of " + mode):
         PiSessionFactory(salted, mode=mode)  # the factory's mode= is checked like the field
 
 
@@ -274,8 +274,8 @@ def test_a_factorys_version_reaches_its_running_rollouts_and_every_record(server
     from pi_env.collect.records import to_record
 
     key = server.add_script([bash("echo 1 > a.txt"), bash("echo 2 >> a.txt"), ScriptedTurn(text="done")])
-    salt = {"gateway_cache_salt": True} if mode == "transparent_proxy" else {}
-    factory = PiSessionFactory(scripted_config(server, key, mode=mode, policy_version=10, **salt))
+    salt = {"cache_salt": True} if mode == "transparent_proxy" else {}
+    factory = PiSessionFactory(scripted_config(server, key, mode={"name": mode, **salt}, gateway={"policy_version": 10}))
     task = PiTask(task_id="v", instruction="write a.txt", verify=["test -f a.txt"])
 
     def on_event(event):

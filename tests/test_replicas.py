@@ -343,9 +343,9 @@ def test_the_transparent_fallback_re_sends_to_the_sessions_replica(gateway, make
 def test_a_one_url_list_is_a_plain_endpoint(gateway, make_replicas):
     (server,) = make_replicas(1, TEXTS).servers
     url = server.base_url
-    assert PiConfig(endpoint=[url], model="m") == PiConfig(endpoint=url, model="m")
-    assert PiConfig(endpoint=f"{url},", model="m").endpoint == url  # a trailing comma is not a second replica
-    endpoint = resolve_endpoint(PiConfig(endpoint=[url], model="m"))
+    assert PiConfig(endpoint={"name": [url], "model": "m"}) == PiConfig(endpoint={"name": url, "model": "m"})
+    assert PiConfig(endpoint={"name": f"{url},", "model": "m"}).endpoint == url  # a trailing comma is not a second replica
+    endpoint = resolve_endpoint(PiConfig(endpoint={"name": [url], "model": "m"}))
     assert endpoint.base_urls == () and endpoint.base_url == url
     session = gateway.open_session(Upstream(url, KEY, "m", base_urls=(url,)))
     try:
@@ -358,17 +358,17 @@ def test_a_one_url_list_is_a_plain_endpoint(gateway, make_replicas):
 
 def test_the_list_is_given_as_a_list_or_comma_separated_and_checked():
     urls = ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000"]
-    assert PiConfig(endpoint=",".join(urls), model="m").endpoint == urls
-    endpoint = resolve_endpoint(PiConfig(endpoint=urls, model="m"))
+    assert PiConfig(endpoint={"name": ",".join(urls), "model": "m"}).endpoint.name == urls
+    endpoint = resolve_endpoint(PiConfig(endpoint={"name": urls, "model": "m"}))
     assert endpoint.base_urls == ("http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1")
-    vllm = resolve_endpoint(PiConfig(endpoint="vllm", base_url=" , ".join(urls), model="m"))
+    vllm = resolve_endpoint(PiConfig(endpoint={"name": "vllm", "base_url": " , ".join(urls), "model": "m"}))
     assert vllm.base_urls == endpoint.base_urls and vllm.name == "vllm"
     with pytest.raises(ValueError, match="several replicas are given as http"):
-        PiConfig(endpoint=["http://10.0.0.1:8000/v1", "vllm"], model="m")
+        PiConfig(endpoint={"name": ["http://10.0.0.1:8000/v1", "vllm"], "model": "m"})
     from pi_env.endpoints import EndpointError
 
     with pytest.raises(EndpointError, match="twice"):
-        resolve_endpoint(PiConfig(endpoint=[urls[1], urls[1] + "/v1"], model="m"))
+        resolve_endpoint(PiConfig(endpoint={"name": [urls[1], urls[1] + "/v1"], "model": "m"}))
 
 
 def test_credentials_in_the_urls_are_never_shown(gateway, make_replicas, tmp_path):
@@ -391,7 +391,7 @@ def test_credentials_in_the_urls_are_never_shown(gateway, make_replicas, tmp_pat
     finally:
         gateway.close_session(session)
     assert session.turns[1].failed_over and session.turns[2].upstream_error
-    config = PiConfig(endpoint=",".join(urls), model="m")
+    config = PiConfig(endpoint={"name": ",".join(urls), "model": "m"})
     shown += [json.dumps(config.redacted()), repr(config)]
     assert all("s3cretpw" not in text for text in shown)
     assert any("127.0.0.1" in text for text in shown)

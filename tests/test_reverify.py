@@ -54,7 +54,7 @@ pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ds")
-    config = PiConfig(mode="black_box", keep_workdir=True, keep_workdir_max_bytes=CAP)
+    config = PiConfig(mode="black_box", result={"keep_workdir": True, "keep_workdir_max_bytes": CAP})
     CollectRunner(TASKS, out, config, concurrency=2).run()
     return out
 

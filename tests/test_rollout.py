@@ -141,7 +141,7 @@ def test_unreachable_endpoint_is_an_endpoint_error():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # closed again: nothing listens there
-    config = PiConfig(endpoint=f"http://127.0.0.1:{port}/v1", model="m", api_key="k")
+    config = PiConfig(endpoint={"name": f"http://127.0.0.1:{port}/v1", "model": "m", "api_key": "k"})
     result = run_rollout(PiTask(instruction="x", verify=["true"]), config)
     assert result.reward is None and result.error_kind == "endpoint_error"
     assert "unreachable" in result.error
@@ -150,7 +150,7 @@ def test_unreachable_endpoint_is_an_endpoint_error():
 def test_max_turns_budget_stops_the_agent_and_still_scores():
     steps = [{"tool": "bash", "command": f"echo {i} >> log.txt"} for i in range(6)]
     task = PiTask(task_id="budget", instruction="x", verify=["test $(wc -l < log.txt) -ge 1"], solution=steps)
-    result = run_rollout(task, PiConfig(max_turns=2))
+    result = run_rollout(task, PiConfig(gateway={"max_turns": 2}))
     assert result.stop_reason == "budget" and result.budget_exhausted == "max_turns" and result.error_kind is None
     assert result.reward == 1.0 and result.truncated
     assert result.files["log.txt"] == "0\n1\n"
@@ -240,7 +240,7 @@ def test_hostile_agent_gets_nothing(server, tmp_path):
 def test_fork_bomb_is_contained():
     task = PiTask(task_id="forkbomb", instruction="x", verify=["true"], timeouts={"agent_s": 20},
                   solution=[{"tool": "bash", "command": "timeout 5 bash -c ':(){ :|:& };:' ; echo survived"}])
-    result, uid = rollout_with_uid(task, PiConfig(max_processes=64))
+    result, uid = rollout_with_uid(task, PiConfig(limits={"max_processes": 64}))
     assert result.error_kind in (None, "agent_timeout")
     assert processes_of_uid(uid) == []
 
@@ -326,7 +326,7 @@ def test_legacy_pi_073_on_system_node(server):
     the task's .pi/ is masked instead."""
     from pi_env.config import LEGACY_PI_PACKAGE
 
-    legacy = dict(pi_package=LEGACY_PI_PACKAGE, pi_version="0.73.1")
+    legacy = {"agent": {"pi": {"package": LEGACY_PI_PACKAGE, "version": "0.73.1"}}}
     result = run_rollout(EXAMPLES[0], PiConfig(**legacy))
     assert result.reward == 1.0 and result.pi_version == "0.73.1", (result.error, result.agent_log_tail)
     files = {".pi/settings.json": json.dumps({"retry": {"enabled": True}}), ".pi/SYSTEM.md": "PWNED-SYSTEM-PROMPT"}
@@ -347,8 +347,11 @@ def test_transparent_proxy_captures_every_turn_with_engine_ids(server, tmp_path)
     upstream_key = "sk-upstream-never-in-trace"
     turns = [bash("echo hi > a.txt"), ScriptedTurn(reasoning="checking", text="All done.")]
     server.add_script(turns, api_key=upstream_key)
-    config = scripted_config(server, upstream_key, mode="transparent_proxy", trace_dir=str(tmp_path),
-                             proxy_sampling={"temperature": 0.0, "seed": 7}, proxy_top_logprobs=3)
+    config = scripted_config(
+        server,
+        upstream_key,
+        mode={"name": "transparent_proxy", "trace_dir": str(tmp_path), "sampling": {"temperature": 0.0, "seed": 7}, "top_logprobs": 3},
+    )
     result = run_rollout(PiTask(instruction="write a.txt", verify=["test -f a.txt"]), config)
     assert result.reward == 1.0 and result.error_kind is None
     assert len(result.proxy_turns) == 2
@@ -375,7 +378,7 @@ def test_transparent_proxy_captures_every_turn_with_engine_ids(server, tmp_path)
 
 def test_token_budget_ends_the_rollout_cleanly(server):
     key = server.add_script([bash(f"echo {i} >> log.txt") for i in range(5)] + [ScriptedTurn(text="done")])
-    config = scripted_config(server, key, mode="transparent_proxy", max_total_tokens=1)
+    config = scripted_config(server, key, mode="transparent_proxy", gateway={"max_total_tokens": 1})
     result = run_rollout(PiTask(instruction="x", verify=["test -f log.txt"]), config)
     assert result.stop_reason == "budget" and result.budget_exhausted == "max_total_tokens"
     assert result.error_kind is None and result.reward == 1.0  # what the agent did is still scored
@@ -420,7 +423,10 @@ def test_a_failing_event_listener_does_not_fail_the_rollout():
 def test_the_system_prompt_in_the_result_is_the_text_the_model_saw(tmp_path):
     """messages[0] is the system message exactly as the model was sent it (the gateway's record),
     appended text too; Pi's session file (which has it only as `sections`) is the untrusted extra."""
-    config = PiConfig(mode="transparent_proxy", append_system_prompt="Answer in French.", trace_dir=str(tmp_path))
+    config = PiConfig(
+        mode={"name": "transparent_proxy", "trace_dir": str(tmp_path)},
+        agent={"pi": {"append_system_prompt": "Answer in French."}},
+    )
     result = run_rollout(EXAMPLES[0], config)
     assert result.reward == 1.0, result.error
     system = result.messages[0]
@@ -450,7 +456,7 @@ def test_an_agents_own_slow_call_at_its_time_limit_is_scored(server, mode, strea
     the group: for any streamed call, and before that for an unstreamed one too)."""
     key = server.add_script([bash(own_call(stream)), ScriptedTurn(text="late", fault=Fault(hang_s=60)),
                              ScriptedTurn(text="done")])
-    config = scripted_config(server, key).model_copy(update={"mode": mode})
+    config = scripted_config(server, key, mode=mode)
     result = run_rollout(PiTask(instruction="x", verify=["test -f solved.txt"], timeouts={"agent_s": 6}), config)
     assert result.stop_reason == "timeout" and result.truncated and result.proxy_turns[-1].upstream_status is None
     assert result.error_kind is None and result.reward == 0.0, (result.error_kind, result.error)

@@ -143,7 +143,7 @@ def test_missing_image_says_how_to_build_it(backend):
 def test_real_rollout_in_a_container(backend, task_id):
     """The real Pi CLI (the host's glibc Node, mounted read-only) runs in the Debian image and
     reaches the model only through the gateway socket."""
-    result = run_rollout(EXAMPLES[task_id], PiConfig(sandbox_backend="podman"))
+    result = run_rollout(EXAMPLES[task_id], PiConfig(sandbox={"backend": "podman"}))
     assert result.error_kind is None, (result.error, result.agent_log_tail)
     assert result.reward == 1.0 and result.synthetic and result.endpoint == "oracle"
     assert all(turn.upstream_status == 200 for turn in result.proxy_turns)

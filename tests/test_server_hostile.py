@@ -652,7 +652,7 @@ def test_task_memory_and_disk_only_lower_the_config_caps():
     from pi_env.specs import sandbox_spec
 
     runtime = SimpleNamespace(root="/nonexistent", archive_dir=None, supports=lambda flag: True)
-    config = PiConfig(max_total_memory_bytes=1 << 30, max_disk_bytes=2 << 30)
+    config = PiConfig(limits={"max_total_memory_bytes": 1 << 30, "max_disk_bytes": 2 << 30})
     for limits, memory, disk in (({"memory_mb": 1 << 20, "storage_mb": 1 << 20}, 1 << 30, 2 << 30),
                                  ({"memory_mb": 512, "storage_mb": 256}, 512 << 20, 256 << 20),
                                  ({}, 1 << 30, 2 << 30)):

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from pydantic import BaseModel
 
 from pi_env.config import PiConfig
 from pi_env.endpoints import EndpointError, resolve_endpoint
@@ -77,10 +78,10 @@ def test_bundled_examples_load():
 
 
 def test_config_hides_the_key():
-    config = PiConfig(api_key="sk-secret-123", endpoint="openai")
-    assert "sk-secret-123" not in repr(config) and config.redacted()["api_key"] == "***"
+    config = PiConfig(endpoint={"name": "openai", "api_key": "sk-secret-123"})
+    assert "sk-secret-123" not in repr(config) and config.redacted()["endpoint"]["api_key"] == "***"
     with pytest.raises(ValueError, match="unknown Pi tools"):
-        PiConfig(tools=["read", "browser"])
+        PiConfig(agent={"pi": {"tools": ["read", "browser"]}})
 
 
 def test_endpoint_catalog_precedence(monkeypatch):
@@ -88,16 +89,18 @@ def test_endpoint_catalog_precedence(monkeypatch):
     monkeypatch.setenv("VLLM_MODEL", "qwen")
     endpoint = resolve_endpoint(PiConfig(endpoint="vllm"))
     assert endpoint.base_url == "http://127.0.0.2:9000/v1" and endpoint.model == "qwen" and endpoint.disable_thinking
-    explicit = resolve_endpoint(PiConfig(endpoint="vllm", base_url="http://127.0.0.1:8001/v1", model="m"))
+    explicit = resolve_endpoint(PiConfig(
+        endpoint={"name": "vllm", "base_url": "http://127.0.0.1:8001/v1", "model": "m"},
+    ))
     assert explicit.base_url == "http://127.0.0.1:8001/v1" and explicit.model == "m"
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with pytest.raises(EndpointError, match="OPENAI_API_KEY"):
         resolve_endpoint(PiConfig(endpoint="openai"))
     monkeypatch.setenv("HF_TOKEN", "hf_x")
-    hf = resolve_endpoint(PiConfig(endpoint="hf_router", model="org/model"))
+    hf = resolve_endpoint(PiConfig(endpoint={"name": "hf_router", "model": "org/model"}))
     assert hf.api_key == "hf_x" and hf.base_url == "https://router.huggingface.co/v1"
     assert hf.max_top_logprobs == 5 and hf.return_token_ids is False
-    raw = resolve_endpoint(PiConfig(endpoint="http://127.0.0.1:5000", model="m"))
+    raw = resolve_endpoint(PiConfig(endpoint={"name": "http://127.0.0.1:5000", "model": "m"}))
     assert raw.base_url == "http://127.0.0.1:5000/v1"
     with pytest.raises(EndpointError, match="unknown endpoint"):
         resolve_endpoint(PiConfig(endpoint="nope"))
@@ -106,10 +109,19 @@ def test_endpoint_catalog_precedence(monkeypatch):
 
 
 def test_every_config_field_says_what_it_is():
-    """Each PiConfig field carries a docstring (its description: the API page and --help show it)."""
-    from pi_env.config import PiConfig
+    """Each PiConfig field, in every section and mode, carries a docstring (its description: the
+    API page and --help show it)."""
+    from pi_env.config import MODES, PiConfig
 
-    undocumented = [name for name, field in PiConfig.model_fields.items() if not (field.description or "").strip()]
+    models = [PiConfig, *MODES.values()]
+    undocumented = []
+    while models:
+        model = models.pop()
+        for name, field in model.model_fields.items():
+            if not (field.description or "").strip():
+                undocumented.append(f"{model.__name__}.{name}")
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                models.append(field.annotation)
     assert not undocumented, f"PiConfig fields without a docstring: {undocumented}"
 
 
@@ -117,22 +129,23 @@ def test_run_help_shows_the_config_fields_own_words():
     import subprocess
     import sys
 
-    from pi_env.config import PiConfig
+    from pi_env.config import EndpointSettings
 
     shown = subprocess.run([sys.executable, "-m", "pi_env.cli", "run", "--help"], capture_output=True, text=True,
                            timeout=60).stdout
     flat = " ".join(shown.split())
-    assert "upstream key" in flat and " ".join(PiConfig.model_fields["model"].description.split()) in flat
+    assert "upstream key" in flat and " ".join(EndpointSettings.model_fields["model"].description.split()) in flat
 
 
 def test_max_tokens_is_the_one_cap_and_the_old_second_knob_still_loads():
     assert "proxy_max_tokens_cap" not in PiConfig.model_fields
     # The smaller of the two was in force before they were one knob, so an old config keeps it.
-    for given, expected in [({"proxy_max_tokens_cap": 64}, 64), ({"max_tokens": 48, "proxy_max_tokens_cap": 96}, 48),
-                            ({"max_tokens": 300, "proxy_max_tokens_cap": 200}, 200)]:
+    for given, expected in [({"proxy_max_tokens_cap": 64}, 64),
+                            ({"gateway": {"max_tokens": 48}, "proxy_max_tokens_cap": 96}, 48),
+                            ({"gateway": {"max_tokens": 300}, "proxy_max_tokens_cap": 200}, 200)]:
         with pytest.warns(DeprecationWarning, match="max_tokens is the one cap"):
             config = PiConfig(**given)
-        assert config.max_tokens == expected == config.proxy_max_tokens_cap
+        assert config.gateway.max_tokens == expected == config.proxy_max_tokens_cap
         assert "proxy_max_tokens_cap" not in config.model_dump()
     with pytest.raises(ValueError, match="greater than 0"), pytest.warns(DeprecationWarning):
         PiConfig(proxy_max_tokens_cap=0)
@@ -144,5 +157,5 @@ def test_a_base_url_the_api_path_cannot_be_joined_to_is_refused(url):
     """`http://host/#` would swallow the gateway's /chat/completions: the call (and the key) would
     go to http://host/. Refused with what to give instead."""
     with pytest.raises(ValueError, match="no \\? or #"):
-        PiConfig(base_url=url)
-    assert PiConfig(base_url="http://user:pw@127.0.0.1:9/v1").base_url  # user:password stays the operator's choice
+        PiConfig(endpoint={"base_url": url})
+    assert PiConfig(endpoint={"base_url": "http://user:pw@127.0.0.1:9/v1"}).endpoint.base_url  # user:password stays the operator's choice

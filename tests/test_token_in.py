@@ -248,8 +248,11 @@ def test_collect_stops_at_once_with_what_is_missing_instead_of_storing_failures(
     from pi_env.collect import CollectError, CollectRunner
     from pi_env.collect.store import read_records
 
-    config = scripted_config(server, server.add_script([ScriptedTurn(text="x")]), mode="transparent_proxy",
-                             proxy_token_in=True, proxy_tokenizer=str(tokenizer_dir))
+    config = scripted_config(
+        server,
+        server.add_script([ScriptedTurn(text="x")]),
+        mode={"name": "transparent_proxy", "token_in": True, "tokenizer": str(tokenizer_dir)},
+    )
     tasks = [PiTask(task_id=f"t{i}", instruction="x", verify=["true"]) for i in range(3)]
     with pytest.raises(CollectError, match="has no token-in /v1/completions"):
         CollectRunner(tasks, tmp_path / "out", config, concurrency=2).run()
@@ -587,9 +590,11 @@ def test_pi_rollouts_stay_one_sequence_with_token_in_and_break_without(token_ser
     results = {}
     for token_in in (False, True):
         key = token_server.add_script(turns)
-        config = scripted_config(token_server, key, mode="transparent_proxy", proxy_return_token_ids=True,
-                                 proxy_token_in=token_in, proxy_tokenizer=str(tokenizer_dir),
-                                 trace_dir=str(tmp_path))
+        config = scripted_config(
+            token_server,
+            key,
+            mode={"name": "transparent_proxy", "return_token_ids": True, "token_in": token_in, "tokenizer": str(tokenizer_dir), "trace_dir": str(tmp_path)},
+        )
         results[token_in] = run_rollout(task, config)
     plain, token_in = results[False], results[True]
     for result in (plain, token_in):
@@ -688,21 +693,27 @@ def test_token_in_is_refused_where_the_gateway_does_not_render():
 
     from pi_env import PiConfig
 
-    with pytest.raises(ValidationError, match="proxy_token_in renders at the gateway.*transparent_proxy"):
-        PiConfig(proxy_token_in=True)
+    with pytest.raises(ValidationError, match="token_in is a setting of transparent_proxy and interception_gate"):
+        PiConfig(mode={"name": "black_box", "token_in": True})
 
 
 def test_session_start_names_what_is_missing(server, token_server, tokenizer_dir, tmp_path):
     from pi_env import PiSessionFactory
 
     task = PiTask(instruction="x", verify=["true"])
-    plain_engine = scripted_config(server, server.add_script([ScriptedTurn(text="x")]), mode="transparent_proxy",
-                                   proxy_token_in=True, proxy_tokenizer=str(tokenizer_dir))
+    plain_engine = scripted_config(
+        server,
+        server.add_script([ScriptedTurn(text="x")]),
+        mode={"name": "transparent_proxy", "token_in": True, "tokenizer": str(tokenizer_dir)},
+    )
     with pytest.raises(TokenInUnavailable, match=rf"endpoint 127.0.0.1:{server.port} has no token-in"):
         PiSessionFactory(plain_engine).create(task)
     no_template = make_tokenizer_dir(tmp_path / "plain", corpus()[:3], chat_template="{{ messages }}")
-    unknown_model = scripted_config(token_server, token_server.add_script([ScriptedTurn(text="x")]),
-                                    mode="transparent_proxy", proxy_token_in=True, proxy_tokenizer=str(no_template))
+    unknown_model = scripted_config(
+        token_server,
+        token_server.add_script([ScriptedTurn(text="x")]),
+        mode={"name": "transparent_proxy", "token_in": True, "tokenizer": str(no_template)},
+    )
     with pytest.raises(TokenInUnavailable, match="no renderer for the model"):
         PiSessionFactory(unknown_model).create(task)
 

@@ -86,7 +86,7 @@ def _config(backend: str, needs: str) -> PiConfig:
     with made.create(SandboxSpec()) as sandbox:
         if sandbox.exec(NEEDS[needs], timeout_s=60).exit_code != 0:
             pytest.skip(f"the {backend} backend's userland has no {needs}")
-    return PiConfig(sandbox_backend=backend)
+    return PiConfig(sandbox={"backend": backend})
 
 
 def _task(name: str, fields: dict, files: dict[str, str]) -> PiTask:
@@ -334,7 +334,7 @@ def test_a_reward_file_written_by_the_agents_program_is_ignored_and_noted():
 
 def test_a_path_shim_in_the_work_dir_does_not_replace_the_verifiers_tool():
     # A task whose PATH starts in the work dir (as a Dockerfile's ENV may): the agent's bin/grep.
-    config = PiConfig(extra_env={"PATH": "/root/workdir/bin:/usr/local/bin:/usr/bin:/bin"})
+    config = PiConfig(sandbox={"extra_env": {"PATH": "/root/workdir/bin:/usr/local/bin:/usr/bin:/bin"}})
     task = PiTask(task_id="path-shim", instruction="print 42", verify=["python3 solution.py | grep -qx 42"],
                   solution=[{"tool": "write", "path": "solution.py", "content": "print(41)\n"},
                             {"tool": "write", "path": "bin/grep", "content": "#!/bin/sh\nexit 0\n"},

@@ -79,7 +79,7 @@ def _config(backend: str, needs: str = "true") -> PiConfig:
     with made.create(SandboxSpec()) as sandbox:
         if sandbox.exec(needs, timeout_s=60).exit_code != 0:
             pytest.skip(f"the {backend} backend's userland fails `{needs}`")
-    return PiConfig(sandbox_backend=backend)
+    return PiConfig(sandbox={"backend": backend})
 
 
 @pytest.mark.parametrize("backend", ["local", "podman"])
@@ -280,7 +280,7 @@ def test_an_agent_that_fills_its_capped_home_is_still_verified_and_scored():
     task = PiTask(task_id="fill-home", instruction="x", setup=["head -c 8M /dev/zero > $HOME/.setup-blob"],
                   verify=["test -f solved.txt"],
                   solution=[{"tool": "bash", "command": "rm $HOME/.setup-blob; head -c 64M /dev/zero > fill; echo filled"}])
-    result = run_rollout(task, PiConfig(max_disk_bytes=32 << 20))
+    result = run_rollout(task, PiConfig(limits={"max_disk_bytes": 32 << 20}))
     assert result.error_kind is None, (result.error, result.agent_log_tail[-2000:])
     assert result.reward == 0.0 and [r.exit_code for r in result.verify_results] == [1]
     assert "setup's home was restored only in part" in result.agent_log_tail

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 
+from pydantic import BaseModel
+
 from .agent import agent_names
-from .config import PiConfig
+from .config import BLACK_BOX, DEFAULT_MAX_TOKENS, MODES, TRANSPARENT_PROXY, BlackBox, PiConfig
 from .errors import EXIT_BAD_INPUT, EXIT_INFRA  # noqa: F401 - their home is pi_env.errors; imported from here too
 from .sandbox import backend_names
 
@@ -21,14 +23,24 @@ def endpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "answering is retried on another)",
     )
     for name in ("base_url", "model", "api_key"):
-        parser.add_argument("--" + name.replace("_", "-"), default=None, help=field_help(name))
+        parser.add_argument("--" + name.replace("_", "-"), default=None, help=field_help(f"endpoint.{name}"))
 
 
 def field_help(name: str) -> str:
-    """A PiConfig field's docstring, as a flag's help."""
-    description = PiConfig.model_fields[name].description
+    """A PiConfig field's docstring (`endpoint.base_url`: a section's field), as a flag's help."""
+    *sections, field = name.split(".")
+    model: type[BaseModel] = PiConfig
+    for section in sections:
+        model = _section_model(model, section)
+    description = model.model_fields[field].description
     assert description is not None, f"PiConfig.{name} has no docstring (its description)"
     return " ".join(description.split()).replace("%", "%%")
+
+
+def _section_model(model: type[BaseModel], section: str) -> type[BaseModel]:
+    annotation = model.model_fields[section].annotation
+    assert isinstance(annotation, type) and issubclass(annotation, BaseModel), f"{section} is not a section"
+    return annotation
 
 
 def backend_argument(parser: argparse.ArgumentParser, default: str | None = "local") -> None:
@@ -66,13 +78,13 @@ def generation_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=None,
         metavar="N",
-        help="max_tokens of every model call: what Pi asks for, and the gateway's cap (default 4096)",
+        help=f"max_tokens of every model call: what Pi asks for, and the gateway's cap (default {DEFAULT_MAX_TOKENS})",
     )
     parser.add_argument(
         "--sampling",
         default=None,
         metavar="NAME=VALUE,...",
-        help="sampling forced on every model call at the gateway (proxy_sampling), e.g. "
+        help="sampling forced on every model call at the gateway (mode.sampling), e.g. "
         "temperature=0,top_p=1,seed=7; needs transparent_proxy. Without it Pi sends no "
         "temperature, so the engine's default applies (vLLM: 1.0)",
     )
@@ -88,43 +100,51 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def config_from_args(args, **extra) -> PiConfig:
-    """The PiConfig of a command's flags. `extra["mode"]` None: the command's default, which is
-    transparent_proxy when --sampling is given (only it can force sampling)."""
-    fields = dict(
-        endpoint=args.endpoint,
-        base_url=args.base_url,
-        model=args.model,
-        api_key=args.api_key,
-        sandbox_backend=args.backend,
-        **extra,
+def config_from_args(args, *, mode: str | None = None, mode_settings: dict | None = None, **sections) -> PiConfig:
+    """The PiConfig of a command's flags. `mode` None: the command's default, which is
+    transparent_proxy when --sampling is given (only it can force sampling). `sections`: each
+    section's settings from the command's own flags (`gateway={"max_turns": 3}`); `mode_settings`:
+    its mode flags (--trace-dir, --token-in, ...), each ignored by a mode that has no use for it,
+    as it always was, but for --token-in, which black_box cannot honour."""
+    fields: dict = {name: {k: v for k, v in values.items() if v is not None} for name, values in sections.items()}
+    fields.setdefault("endpoint", {}).update(
+        {"name": args.endpoint, "base_url": args.base_url, "model": args.model, "api_key": args.api_key}
     )
+    fields.setdefault("sandbox", {})["backend"] = args.backend
     if getattr(args, "agent", None) is not None:
         fields["agent"] = {"name": args.agent, "version": getattr(args, "agent_version", None)}
     if getattr(args, "max_tokens", None) is not None:
-        fields["max_tokens"] = args.max_tokens
+        fields.setdefault("gateway", {})["max_tokens"] = args.max_tokens
+    settings = {k: v for k, v in (mode_settings or {}).items() if v is not None}
     if getattr(args, "sampling", None) is not None:
         from .proxy.rewrite import parse_sampling
 
-        fields["proxy_sampling"] = parse_sampling(args.sampling)
-        if fields.get("mode") == "black_box":
+        settings["sampling"] = parse_sampling(args.sampling)
+        if mode == BLACK_BOX:
             raise ValueError(
                 "--sampling is forced on model calls by the gateway in transparent_proxy; --mode "
                 "black_box relays the agent's sampling as sent: drop --mode or use --mode "
                 "transparent_proxy"
             )
-        fields["mode"] = fields.get("mode") or "transparent_proxy"
+        mode = mode or TRANSPARENT_PROXY
+    chosen = MODES[mode or BLACK_BOX]
+    if settings.get("token_in") and "token_in" not in chosen.model_fields:
+        raise ValueError(
+            f"--token-in renders at the gateway, which {chosen().name} never does: use --mode transparent_proxy"
+        )
+    fields["mode"] = {"name": chosen().name, **{k: v for k, v in settings.items() if k in chosen.model_fields}}
+    fields["endpoint"] = {k: v for k, v in fields["endpoint"].items() if v is not None}
     return PiConfig(**{k: v for k, v in fields.items() if v is not None})
 
 
 def describe_sampling(config: PiConfig) -> str:
     """Which sampling the model calls get, in words (printed by run and collect)."""
-    if config.mode != "black_box" and config.proxy_sampling:
-        forced = ", ".join(f"{k}={v}" for k, v in config.proxy_sampling.items())
-        return f"sampling forced at the gateway: {forced}; max_tokens {config.max_tokens}"
+    if not isinstance(config.mode, BlackBox) and config.mode.sampling:
+        forced = ", ".join(f"{k}={v}" for k, v in config.mode.sampling.items())
+        return f"sampling forced at the gateway: {forced}; max_tokens {config.gateway.max_tokens}"
     if config.agent.name != "pi":
-        return f"no sampling forced: {config.agent.name}'s own sampling goes as sent; max_tokens {config.max_tokens}"
+        return f"no sampling forced: {config.agent.name}'s own sampling goes as sent; max_tokens {config.gateway.max_tokens}"
     return (
         f"no sampling forced: Pi sends no temperature, so the engine's default applies (vLLM: 1.0); "
-        f"max_tokens {config.max_tokens}"
+        f"max_tokens {config.gateway.max_tokens}"
     )

@@ -18,6 +18,7 @@ from .arguments import (
     endpoint_arguments,
     generation_arguments,
 )
+from .config import BLACK_BOX, TRANSPARENT_PROXY
 from .errors import EXIT_BAD_INPUT, EXIT_INFRA, exit_code_for, exit_code_of
 
 # Subcommands whose code lives with their room. Each module has `add_arguments(parser)` and
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--mode",
         default=None,
-        choices=["black_box", "transparent_proxy"],
+        choices=[BLACK_BOX, TRANSPARENT_PROXY],
         help="black_box (default) or transparent_proxy (the default with --sampling)",
     )
     generation_arguments(run)
@@ -124,13 +125,14 @@ def _run(args) -> int:
         config = config_from_args(
             args,
             mode=args.mode,
-            max_turns=args.max_turns,
-            agent_timeout_s=args.agent_timeout,
-            max_total_tokens=args.max_total_tokens,
-            trace_dir=args.trace_dir,
-            proxy_token_in=args.token_in,
-            proxy_renderer=args.renderer,
-            proxy_tokenizer=args.tokenizer,
+            gateway={"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens},
+            limits={"agent_timeout_s": args.agent_timeout},
+            mode_settings={
+                "trace_dir": args.trace_dir,
+                "token_in": args.token_in,
+                "renderer": args.renderer,
+                "tokenizer": args.tokenizer,
+            },
         )
         factory = PiSessionFactory(config)
     except (TaskError, EndpointError, ValidationError, ValueError, NotImplementedError, SandboxUnavailable) as error:
@@ -250,33 +252,33 @@ def _doctor(args) -> int:
             print(f"[FAIL] {name}: {error}")
 
     def sandbox_check() -> str:
-        sandbox = get_backend(config.sandbox_backend).create(SandboxSpec())
+        sandbox = get_backend(config.sandbox.backend).create(SandboxSpec())
         try:  # the Sandbox protocol has close(), not the context manager every backend adds
             outcome = sandbox.exec("echo sandbox-ok", timeout_s=30)
         finally:
             sandbox.close()
         if outcome.stdout.strip() != "sandbox-ok":
             raise SandboxError(f"unexpected output {outcome.stdout!r} {outcome.stderr!r}")
-        return f"backend {config.sandbox_backend!r} runs commands"
+        return f"backend {config.sandbox.backend!r} runs commands"
 
     def runtime_check() -> str:
         agent = get_agent(config)
-        installed = agent.install(config.runtime_cache_dir)
+        installed = agent.install(config.sandbox.runtime_cache_dir)
         return f"{agent.name} {installed.version} ({agent.package}) at {installed.root}"
 
     def installed_agents() -> str:
-        cache = Path(config.runtime_cache_dir) if config.runtime_cache_dir else default_cache_dir()
+        cache = Path(config.sandbox.runtime_cache_dir) if config.sandbox.runtime_cache_dir else default_cache_dir()
         found = sorted(record.parent.name for record in (cache / "runtimes").glob("*/runtime.json"))
         return ", ".join(found) or f"none yet in {cache} (each installs on its first rollout)"
 
     def endpoint_check() -> str:
-        if config.endpoint == ORACLE:
+        if config.endpoint.name == ORACLE:
             return "oracle (built-in; replays each task's solution)"
         endpoint = resolve_endpoint(config)
         return _probe_models(endpoint)
 
     check("sandbox", sandbox_check)
-    if config.sandbox_backend in ("local", "podman"):
+    if config.sandbox.backend in ("local", "podman"):
         from .sandbox.totals import host_totals
 
         totals = host_totals()

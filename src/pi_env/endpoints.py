@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from ._urls import without_userinfo
-from .config import PiConfig
+from .config import PiConfig, TransparentProxy
 from .errors import BadInputError
 
 
@@ -114,9 +114,14 @@ def normalize_base_url(url: str) -> str:
     return url
 
 
+def _disable_thinking(config: PiConfig) -> bool | None:
+    """transparent_proxy's `disable_thinking` (only it rewrites requests); None: the endpoint's default."""
+    return config.mode.disable_thinking if isinstance(config.mode, TransparentProxy) else None
+
+
 def resolve_endpoint(config: PiConfig) -> Endpoint:
     """The upstream for a non-oracle config. Raises EndpointError with what to set."""
-    name = config.endpoint
+    name = config.endpoint.name
     if name == ORACLE:
         raise EndpointError("the oracle endpoint is resolved per task (pi_env.oracle)")
     if isinstance(name, list) or name.startswith(("http://", "https://")):
@@ -125,22 +130,21 @@ def resolve_endpoint(config: PiConfig) -> Endpoint:
             name="url",
             base_url=urls[0],
             base_urls=urls if len(urls) > 1 else (),
-            api_key=config.api_key,
-            model=_require_model(config.model, "a raw URL endpoint"),
+            api_key=config.endpoint.api_key,
+            model=_require_model(config.endpoint.model, "a raw URL endpoint"),
             compat=OPEN_SERVER_COMPAT,
-            disable_thinking=bool(config.proxy_disable_thinking),
+            disable_thinking=bool(_disable_thinking(config)),
         )
     entry = CATALOG.get(name)
     if entry is None:
         raise EndpointError(f"unknown endpoint {name!r}; use one of {endpoint_names()} or an http(s) URL")
-    base_url = config.base_url or os.environ.get(entry.url_env) or entry.default_url
-    api_key = config.api_key or next((os.environ[k] for k in entry.key_envs if os.environ.get(k)), None)
-    model = config.model or os.environ.get(entry.model_env) or entry.default_model
+    base_url = config.endpoint.base_url or os.environ.get(entry.url_env) or entry.default_url
+    api_key = config.endpoint.api_key or next((os.environ[k] for k in entry.key_envs if os.environ.get(k)), None)
+    model = config.endpoint.model or os.environ.get(entry.model_env) or entry.default_model
     if name != "vllm" and not api_key:
         raise EndpointError(f"endpoint {name!r} needs an API key: pass --api-key or set {' or '.join(entry.key_envs)}")
-    disable_thinking = (
-        entry.disable_thinking if config.proxy_disable_thinking is None else config.proxy_disable_thinking
-    )
+    forced = _disable_thinking(config)
+    disable_thinking = entry.disable_thinking if forced is None else forced
     urls = base_urls(base_url)
     return Endpoint(
         name=name,

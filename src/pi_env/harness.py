@@ -8,13 +8,13 @@ satisfy openenv's `LoopOwningSession` and `TrainableSession` protocols. It is wh
     from pi_env.harness import HarnessSessionFactory, dataset_rows
 
     tasks = load_tasks("tasks.jsonl")
-    config = PiConfig(endpoint="vllm", model="Qwen/Qwen3-8B")
+    config = PiConfig(endpoint={"name": "vllm", "model": "Qwen/Qwen3-8B"})
     worker = HarnessRolloutWorker(harness_session_factory=partial(HarnessSessionFactory, config, tasks=tasks),
                                   dataset=Dataset.from_list(dataset_rows(tasks)), ...)
 
 What the worker does with it, and what pi-env does in turn:
 - `factory(sampling=training_sampling({...}))`: those parameters are forced on every model call
-  at the gateway (`PiConfig.proxy_sampling`); a config whose mode nobody chose runs in
+  at the gateway (`PiConfig.mode.sampling`); a config whose mode nobody chose runs in
   transparent_proxy (token capture).
 - `create(prompt, seed=group_id, episode_id=rollout_id)`: the prompt (a message list, a string,
   a dataset row, a task dict or a `PiTask`) selects the task: a task of the factory's list whose
@@ -65,7 +65,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("pi_env.harness needs the openenv package: pip install 'pi-env[openenv]'") from error
 
 from . import rollout
-from .config import Mode, PiConfig
+from .config import TRANSPARENT_PROXY, Mode, PiConfig
 from .errors import unscored
 from .proxy.capture import TurnCapture
 from .proxy.records import TurnRecord
@@ -99,7 +99,7 @@ class HarnessSessionFactory(rollout.PiSessionFactory, ResourceSessionFactory["Ha
     ):
         config = config or PiConfig()
         if mode is None and "mode" not in config.model_fields_set:
-            mode = "transparent_proxy"
+            mode = TRANSPARENT_PROXY
         super().__init__(config, sandbox_backend, mode, sampling=sampling, agent=agent)
         if isinstance(tasks, (str, Path)):
             tasks = load_tasks(tasks)
@@ -217,7 +217,7 @@ class HarnessSession(ResourceSession):
         extra calls outside the task's conversation (`RolloutTurn.extra_call`). Any other call
         without complete ids and logprobs raises ValueError (with the engine's reason): a
         trainer must not mistake a broken capture for an empty one."""
-        if self.pi_session.config.mode == "black_box":
+        if not self.pi_session.config.mode.captures:
             raise ValueError("black_box mode captures no tokens: a training trace needs mode='transparent_proxy'")
         turns = [
             _training_turn(record, self._node_id(record))

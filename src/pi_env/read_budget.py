@@ -1,7 +1,7 @@
 """What the agent wrote, read back onto the host within one budget per rollout: `ReadBudget`.
 
 Every byte a rollout reads of what the agent left in its sandbox comes out of one budget,
-`PiConfig.max_read_bytes`, so an agent cannot make the host read more than that however it
+`PiConfig.limits.max_read_bytes`, so an agent cannot make the host read more than that however it
 spreads its output: the agent's own transcript after each agent (`transcript`, kept only as the
 untrusted `agent_transcript`), a task's artifacts after each step (`artifacts`), the work dir
 kept for reverify (`keep_workdir`) and the work dir's files on the result (`files`, when the

@@ -10,7 +10,7 @@
   the config's budgets, limits, gate deadline and routing, reading the factory's policy version.
 - `sandbox_spec`: mounts, limits (the task's may lower the config's, never raise them), the environment to build and
   whether setup and verify get root of a container (Harbor's tasks).
-- `with_forced_sampling`: `PiSessionFactory(sampling=...)` over `proxy_sampling`.
+- `with_forced_sampling`: `PiSessionFactory(sampling=...)` over `mode.sampling`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 
 from .agent.base import FORWARDER_PATH, LAUNCHER_PATH, Agent, Installed
-from .config import PiConfig
+from .config import TRANSPARENT_PROXY, BlackBox, InterceptionGate, PiConfig, TransparentProxy
 from .endpoints import OPEN_SERVER_COMPAT, ORACLE, Endpoint, resolve_endpoint, supports_return_token_ids
 from .harbor.facts import is_harbor
 from .harbor.rules import environment_spec
@@ -44,15 +44,15 @@ from .verify import RESERVE_DIR, startup_mount
 def session_endpoint(config: PiConfig, task: PiTask, submit_command: str | None = None) -> Endpoint:
     """The endpoint the agent's calls go to (through the gateway). Raises EndpointError with what
     to set. `submit_command`: the agent's (`Agent.submit_command`), for the oracle's last call."""
-    if config.mode == "interception_gate":  # the trainer is the model: no upstream at all
+    if isinstance(config.mode, InterceptionGate):  # the trainer is the model: no upstream at all
         return Endpoint(
-            name="interception_gate",
+            name=config.mode.name,
             base_url="http://interception-gate.invalid/v1",
-            model=config.model or "trainer",
+            model=config.endpoint.model or "trainer",
             compat=OPEN_SERVER_COMPAT,
             return_token_ids=False,
         )
-    if config.endpoint == ORACLE:
+    if config.endpoint.name == ORACLE:
         return oracle_endpoint(task, submit_command=submit_command)
     return resolve_endpoint(config)
 
@@ -62,8 +62,8 @@ def upstream(config: PiConfig, endpoint: Endpoint) -> Upstream:
         endpoint.base_url,
         endpoint.api_key,
         endpoint.model,
-        connect_timeout_s=config.upstream_connect_timeout_s,
-        read_timeout_s=config.upstream_read_timeout_s,
+        connect_timeout_s=config.gateway.upstream_connect_timeout_s,
+        read_timeout_s=config.gateway.upstream_read_timeout_s,
         base_urls=endpoint.base_urls,
     )
 
@@ -71,28 +71,34 @@ def upstream(config: PiConfig, endpoint: Endpoint) -> Upstream:
 def capture_options(config: PiConfig, endpoint: Endpoint, result: RolloutResult) -> CaptureOptions:
     """The gateway session's capture options; in transparent_proxy the `return_token_ids`
     decision and its reason are recorded on `result`."""
-    if config.mode != "transparent_proxy":  # only it rewrites requests: nothing to decide, no probe
+    mode = config.mode
+    # Only transparent_proxy rewrites requests: the other modes keep its defaults, decide nothing, probe nothing.
+    proxy = mode if isinstance(mode, TransparentProxy) else TransparentProxy()
+    if not isinstance(mode, TransparentProxy):
         return_token_ids = False
     else:
-        if config.proxy_return_token_ids is None:
+        if mode.return_token_ids is None:
             return_token_ids, why = supports_return_token_ids(endpoint)
         else:
-            return_token_ids, why = config.proxy_return_token_ids, "PiConfig.proxy_return_token_ids"
+            return_token_ids, why = mode.return_token_ids, "PiConfig.mode.return_token_ids"
         result.return_token_ids, result.return_token_ids_reason = return_token_ids, why
         result.proxy_log_tail = f"return_token_ids={return_token_ids} ({why})"
-    disable_thinking = (
-        endpoint.disable_thinking if config.proxy_disable_thinking is None else config.proxy_disable_thinking
-    )
-    top_logprobs = min(config.proxy_top_logprobs, endpoint.max_top_logprobs)
+    disable_thinking = endpoint.disable_thinking if proxy.disable_thinking is None else proxy.disable_thinking
+    top_logprobs = min(proxy.top_logprobs, endpoint.max_top_logprobs)
     return CaptureOptions(
-        logprobs=config.proxy_logprobs,
+        logprobs=proxy.logprobs,
         top_logprobs=top_logprobs,
         return_token_ids=return_token_ids,
-        max_tokens_cap=config.max_tokens,
+        max_tokens_cap=config.gateway.max_tokens,
         disable_thinking=disable_thinking,
         model=endpoint.model,
-        sampling=dict(config.proxy_sampling),
+        sampling=forced_sampling(config),
     )
+
+
+def forced_sampling(config: PiConfig) -> dict[str, float | int]:
+    """The sampling the gateway forces on every call: the mode's; black_box forces none."""
+    return {} if isinstance(config.mode, BlackBox) else dict(config.mode.sampling)
 
 
 def load_token_in(config: PiConfig, endpoint: Endpoint):
@@ -100,18 +106,21 @@ def load_token_in(config: PiConfig, endpoint: Endpoint):
     TokenInUnavailable (a ValueError) naming what is missing."""
     from .proxy.token_in import check_endpoint_sync, load_renderer
 
-    spec = load_renderer(config.proxy_renderer, config.proxy_tokenizer or endpoint.model)
-    if config.mode == "transparent_proxy":
+    mode = config.mode
+    if isinstance(mode, BlackBox):  # PiConfig allows token_in only in the capturing modes
+        raise ValueError("token-in renders at the gateway, which black_box never does")
+    spec = load_renderer(mode.renderer, mode.tokenizer or endpoint.model)
+    if isinstance(mode, TransparentProxy):
         check_endpoint_sync(upstream(config, endpoint), spec)
     return spec
 
 
 def trace_path(config: PiConfig, task_id: str, episode_id: str) -> str | None:
-    if config.mode == "black_box":
+    if isinstance(config.mode, BlackBox):
         return None
     # Retention: a trace_dir is kept on purpose (collect puts it in its dataset); without one
     # the trace is scratch in a private dir and deleted by close().
-    directory = Path(config.trace_dir) if config.trace_dir else private_scratch_dir("pi-env-traces")
+    directory = Path(config.mode.trace_dir) if config.mode.trace_dir else private_scratch_dir("pi-env-traces")
     safe_id, safe_episode = (re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] for name in (task_id, episode_id))
     return str(directory / f"{safe_id}-{safe_episode}-{uuid.uuid4().hex[:8]}.jsonl")
 
@@ -130,24 +139,24 @@ def open_gateway_session(
     records its decisions on `result`."""
     return get_gateway().open_session(
         upstream(config, endpoint),
-        mode=config.mode,
-        max_turns=config.max_turns,
-        max_total_tokens=config.max_total_tokens,
-        max_tokens_cap=config.max_tokens,
+        mode=config.mode.name,
+        max_turns=config.gateway.max_turns,
+        max_total_tokens=config.gateway.max_total_tokens,
+        max_tokens_cap=config.gateway.max_tokens,
         capture=capture_options(config, endpoint, result),
         trace_path=trace_path(config, task_id, episode_id),
         token_in=token_in,
-        allow_fields=config.gateway_allow_fields,
+        allow_fields=config.gateway.allow_fields,
         limits=SessionLimits(
-            max_request_bytes=config.gateway_max_request_bytes,
-            max_concurrent_calls=config.gateway_max_concurrent_calls,
+            max_request_bytes=config.gateway.max_request_bytes,
+            max_concurrent_calls=config.gateway.max_concurrent_calls,
         ),
-        gate_timeout_s=config.gate_timeout_s,
+        gate_timeout_s=config.mode.gate_timeout_s if isinstance(config.mode, InterceptionGate) else None,
         policy=policy,
         routing=Routing(
-            session_header=config.gateway_session_header,
-            cache_salt=config.gateway_cache_salt,
-            version_header=config.policy_version_header,
+            session_header=config.gateway.session_header,
+            cache_salt=isinstance(config.mode, TransparentProxy) and config.mode.cache_salt,
+            version_header=config.gateway.policy_version_header,
         ),
     )
 
@@ -165,13 +174,13 @@ def sandbox_spec(
         },
         gateway_socket=gateway_socket,
         limits=SandboxLimits(
-            max_processes=config.max_processes,
-            max_file_bytes=config.max_file_bytes,
-            max_memory_bytes=config.max_memory_bytes,
-            max_total_memory_bytes=capped(_mb(task.limits.memory_mb), config.max_total_memory_bytes),
-            max_disk_bytes=capped(_mb(task.limits.storage_mb), config.max_disk_bytes),
+            max_processes=config.limits.max_processes,
+            max_file_bytes=config.limits.max_file_bytes,
+            max_memory_bytes=config.limits.max_memory_bytes,
+            max_total_memory_bytes=capped(_mb(task.limits.memory_mb), config.limits.max_total_memory_bytes),
+            max_disk_bytes=capped(_mb(task.limits.storage_mb), config.limits.max_disk_bytes),
         ),
-        env=dict(config.extra_env),
+        env=dict(config.sandbox.extra_env),
         agent_masked_paths=(RESERVE_DIR, *agent.masked_paths(installed)),
         archive_dir=installed.archive_dir,
         environment=environment_spec(task, backend),
@@ -182,19 +191,21 @@ def sandbox_spec(
 
 def with_forced_sampling(config: PiConfig, sampling: Mapping[str, float | int], *, explicit_mode: bool) -> PiConfig:
     """`sampling=` (what a trainer passes, e.g. openenv's `training_sampling(...)`) over
-    `proxy_sampling`: forced on every model call. black_box relays the agent's sampling as sent
+    `mode.sampling`: forced on every model call. black_box relays the agent's sampling as sent
     and so cannot force it: a mode nobody chose becomes transparent_proxy, a chosen black_box is refused."""
-    mode = config.mode
-    if mode == "black_box":
+    if isinstance(config.mode, BlackBox):
         if explicit_mode or "mode" in config.model_fields_set:
             raise ValueError(
                 "sampling= is forced on model calls by the gateway in transparent_proxy; black_box "
                 "relays the agent's sampling as sent: use mode='transparent_proxy'"
             )
-        mode = "transparent_proxy"
-    config = config.model_copy()
-    config.mode = mode  # validate_assignment: checked like any PiConfig field
-    config.proxy_sampling = {**config.proxy_sampling, **dict(sampling)}
+        config = config.in_mode(TRANSPARENT_PROXY)
+    else:
+        config = config.model_copy()
+    mode = config.mode
+    assert not isinstance(mode, BlackBox)
+    # A new mode object (the copy shares the old one), its merged sampling checked like any setting.
+    config.mode = type(mode)(**{**mode.model_dump(exclude_unset=True), "sampling": {**mode.sampling, **sampling}})
     return config
 
 

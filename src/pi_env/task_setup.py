@@ -1,6 +1,6 @@
 """A task's setup commands run in a sandbox, and a command as the result records it.
 
-`run_setup`: `PiConfig.extra_setup_shell` then the task's `setup`, in order, each under the
+`run_setup`: `PiConfig.sandbox.extra_setup_shell` then the task's `setup`, in order, each under the
 task's setup time limit (else the config's) and the task's network choice; the first that fails
 ends setup, and says why (the rollout fails `setup_failed`). The session (pi_env.rollout) runs it
 before the agent, and again in a fresh verify sandbox when verify's world is rebuilt from
@@ -52,12 +52,12 @@ def run_setup(
     """Each setup command's result appended to `results` as it ends; None when all passed, else
     why the first that failed did. `check_open` raises once the session is closed: before each
     command, and after a failure (close() killed it: not the task's failure)."""
-    for command in [*config.extra_setup_shell, *task.setup]:
+    for command in [*config.sandbox.extra_setup_shell, *task.setup]:
         check_open()
         outcome = run_command(
             sandbox,
             command,
-            capped(task.timeouts.setup_s, config.setup_timeout_s),
+            capped(task.timeouts.setup_s, config.limits.setup_timeout_s),
             "full" if task.setup_network else "none",
         )
         results.append(outcome)

@@ -67,11 +67,13 @@ def test_each_agents_token_in_rollout_is_one_exact_sequence(agent, vllm_engine, 
                   regex=forced_call(tool, argument))
     run_sync(relay.start(), timeout=30)
     try:
-        config = PiConfig(agent={"name": agent, "options": options}, endpoint=relay.base_url,
-                          model=vllm_engine.model, proxy_return_token_ids=True, mode="transparent_proxy",
-                          proxy_token_in=True, proxy_renderer="auto", proxy_tokenizer=str(vllm_engine.model_dir),
-                          max_turns=FORCED_CALLS + 1, max_tokens=96, context_window=8192, proxy_top_logprobs=1,
-                          trace_dir=str(tmp_path))
+        config = PiConfig(
+            agent={"name": agent, "options": options, "context_window": 8192},
+            endpoint={"name": relay.base_url, "model": vllm_engine.model},
+            mode={"name": "transparent_proxy", "return_token_ids": True, "token_in": True, "renderer": "auto",
+                  "tokenizer": str(vllm_engine.model_dir), "top_logprobs": 1, "trace_dir": str(tmp_path)},
+            gateway={"max_turns": FORCED_CALLS + 1, "max_tokens": 96},
+        )
         factory = PiSessionFactory(config)
 
         def rollout(index: int):

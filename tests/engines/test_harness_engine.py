@@ -21,9 +21,12 @@ def test_training_trace_from_vllm_passes_openenv_validation(openenv_harness, vll
 
     from pi_env.harness import HarnessSessionFactory
 
-    config = PiConfig(endpoint=vllm_engine.base_url, model=vllm_engine.model, proxy_return_token_ids=True,
-                      max_turns=3, context_window=8192, max_tokens=48,
-                      proxy_sampling={"seed": SEED}, trace_dir=str(tmp_path))
+    config = PiConfig(
+        endpoint={"name": vllm_engine.base_url, "model": vllm_engine.model},
+        mode={"name": "transparent_proxy", "return_token_ids": True, "sampling": {"seed": SEED}, "trace_dir": str(tmp_path)},
+        gateway={"max_turns": 3, "max_tokens": 48},
+        agent={"context_window": 8192},
+    )
     factory = HarnessSessionFactory(config, sampling=training_sampling({"temperature": 1.0}))
     task = PiTask(task_id="engine-harness", instruction="Say hello in one short sentence.", verify=["true"],
                   timeouts={"agent_s": 600})

@@ -88,9 +88,12 @@ def test_forced_tool_call_streams_through_with_ids(vllm_engine):
 
 
 def test_pi_rollout_against_the_engine_has_ids_and_logprobs_on_every_turn(vllm_engine, tmp_path):
-    config = PiConfig(endpoint=vllm_engine.base_url, model=vllm_engine.model, mode="transparent_proxy",
-                      proxy_return_token_ids=True, max_turns=3, context_window=8192,
-                      max_tokens=64, proxy_sampling={"temperature": 0.0, "seed": SEED}, trace_dir=str(tmp_path))
+    config = PiConfig(
+        endpoint={"name": vllm_engine.base_url, "model": vllm_engine.model},
+        mode={"name": "transparent_proxy", "return_token_ids": True, "sampling": {"temperature": 0.0, "seed": SEED}, "trace_dir": str(tmp_path)},
+        gateway={"max_turns": 3, "max_tokens": 64},
+        agent={"context_window": 8192},
+    )
     task = PiTask(task_id="engine-hello", instruction="Say hello in one short sentence.", verify=["true"],
                   timeouts={"agent_s": 600})
     result = run_rollout(task, config)

@@ -126,12 +126,12 @@ def relay(vllm_engine):
 
 
 def rollout(relay, vllm_engine, tmp_path, token_in: bool, index: int):
-    config = PiConfig(endpoint=relay.base_url, model=vllm_engine.model, proxy_return_token_ids=True,
-                      mode="transparent_proxy", proxy_token_in=token_in, proxy_renderer="auto",
-                      proxy_tokenizer=str(vllm_engine.model_dir), max_turns=FORCED_CALLS + 1, max_tokens=96,
-                      context_window=8192, proxy_top_logprobs=1,
-                      proxy_sampling={"temperature": 0.0, "seed": 1000 + index},
-                      trace_dir=str(tmp_path / ("token-in" if token_in else "plain")))
+    config = PiConfig(
+        endpoint={"name": relay.base_url, "model": vllm_engine.model},
+        mode={"name": "transparent_proxy", "return_token_ids": True, "token_in": token_in, "renderer": "auto", "tokenizer": str(vllm_engine.model_dir), "top_logprobs": 1, "sampling": {"temperature": 0.0, "seed": 1000 + index}, "trace_dir": str(tmp_path / ("token-in" if token_in else "plain"))},
+        gateway={"max_turns": FORCED_CALLS + 1, "max_tokens": 96},
+        agent={"context_window": 8192},
+    )
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta"]
     task = PiTask(task_id=f"token-in-{index}", instruction=f"Task {index}: look around the work dir with bash, "
                   f"then say in one sentence what notes.txt is about ({words[index % 10]}).",

@@ -112,7 +112,9 @@ class Agent(ABC):
         found = {AGENT_ROOT: installed.root}
         if self.uses_launcher:
             if self._launcher_node is None:  # once per agent: sandbox_spec asks on every rollout
-                self._launcher_node = ensure_launcher_node(self.config.node_version, self.config.runtime_cache_dir)
+                self._launcher_node = ensure_launcher_node(
+                    self.config.agent.node_version, self.config.sandbox.runtime_cache_dir
+                )
             found[LAUNCHER_NODE_DIR] = str(self._launcher_node)
         return found
 

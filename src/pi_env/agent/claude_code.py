@@ -129,7 +129,7 @@ def claude_env(run: AgentRun) -> dict[str, str]:
         "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
         "ANTHROPIC_SMALL_FAST_MODEL": model,
         "CLAUDE_CODE_SUBAGENT_MODEL": model,
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(run.config.max_tokens),
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(run.config.gateway.max_tokens),
         # One attempt per call: the gateway's answer is final (measured: a 500 was otherwise
         # retried with back-off, 7 calls in 60 s), and no client timeout but the sandbox's (a
         # call the gate holds for a trainer, a slow engine); its default is 600 s.
@@ -154,7 +154,7 @@ def claude_env(run: AgentRun) -> dict[str, str]:
         "NO_COLOR": "1",
         "CI": "1",
     }
-    if run.config.thinking == "off":
+    if run.config.agent.thinking == "off":
         env["MAX_THINKING_TOKENS"] = "0"
     return env
 

@@ -110,7 +110,7 @@ def codex_config(run: AgentRun, system_prompt: bool = False) -> dict:
     asked, nothing fetched or sent anywhere else (`system_prompt`: its base instructions are the
     option's file)."""
     config = run.config
-    thinking = config.thinking if config.thinking and config.thinking != "off" else None
+    thinking = config.agent.thinking if config.agent.thinking and config.agent.thinking != "off" else None
     settings: dict = {
         "model": run.model,
         "model_provider": PROVIDER,
@@ -120,7 +120,7 @@ def codex_config(run: AgentRun, system_prompt: bool = False) -> dict:
         "web_search": "disabled",  # a hosted tool: no open engine runs it
         "project_doc_max_bytes": 0,  # no AGENTS.md of the task's (nor of any dir above it)
         "project_doc_fallback_filenames": [],
-        "model_context_window": config.context_window,
+        "model_context_window": config.agent.context_window,
         "model_auto_compact_token_limit": NO_AUTO_COMPACT,
         "model_reasoning_summary": "auto" if thinking else "none",
         "show_raw_agent_reasoning": True,  # reasoning_content is the model's own text

@@ -97,7 +97,7 @@ def gemini_settings(run: AgentRun, exclude_tools: list[str]) -> dict:
     """HERMETIC_SETTINGS for one run: every call's maxOutputTokens is the run's max_tokens (an
     override on the `base` alias, which every model the CLI resolves extends)."""
     settings = json.loads(json.dumps(HERMETIC_SETTINGS))
-    limit = {"generateContentConfig": {"maxOutputTokens": run.config.max_tokens}}
+    limit = {"generateContentConfig": {"maxOutputTokens": run.config.gateway.max_tokens}}
     settings["modelConfigs"] = {"customOverrides": [{"match": {"model": "base"}, "modelConfig": limit}]}
     if exclude_tools:
         settings["tools"] = {"exclude": exclude_tools}
@@ -146,7 +146,7 @@ class GeminiCliAgent(Agent):
         return ensure_runtime(
             self.package,
             self.version,
-            self.config.node_version,
+            self.config.agent.node_version,
             cache_dir,
             progress,
             bin_name="gemini",
@@ -216,7 +216,7 @@ def build_gemini_compile_cache(agent: GeminiCliAgent, runtime: PiRuntime, stagin
     bwrap = shutil.which("bwrap")
     if not bwrap:
         raise RuntimeInstallError("bwrap is not installed")
-    node = ensure_launcher_node(agent.config.node_version, cache_dir) / "bin" / "node"  # a host path
+    node = ensure_launcher_node(agent.config.agent.node_version, cache_dir) / "bin" / "node"  # a host path
     task = PiTask(task_id="compile-cache-warm-up", instruction="Create hello.txt containing hello.", verify=[])
     home = Path(tempfile.mkdtemp(prefix="warm-up-home-"))
     server = ThreadingHTTPServer(("127.0.0.1", 0), _WarmUpModel)

@@ -143,7 +143,7 @@ def mini_config(run: AgentRun, step_limit: int, command_timeout_s: int) -> dict[
             "model_kwargs": {
                 "api_base": run.base_url,
                 "api_key": run.token,
-                "max_tokens": config.max_tokens,
+                "max_tokens": config.gateway.max_tokens,
                 "max_retries": 0,
                 "drop_params": True,
             },
@@ -175,7 +175,7 @@ class MiniSweAgent(Agent):
     def step_limit(self) -> int:
         value = self.settings.options.get("step_limit")
         if value is None:
-            return self.config.max_turns or DEFAULT_STEP_LIMIT
+            return self.config.gateway.max_turns or DEFAULT_STEP_LIMIT
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"mini-swe-agent's step_limit must be a positive integer, not {value!r}")
         return value

@@ -102,11 +102,11 @@ def opencode_config(run: AgentRun) -> dict:
     model = {
         "name": run.model,
         "tool_call": True,
-        "reasoning": bool(config.thinking and config.thinking != "off"),
+        "reasoning": bool(config.agent.thinking and config.agent.thinking != "off"),
         "temperature": True,
         "attachment": False,
         "modalities": {"input": ["text"], "output": ["text"]},
-        "limit": {"context": config.context_window, "output": config.max_tokens},
+        "limit": {"context": config.agent.context_window, "output": config.gateway.max_tokens},
         "cost": {"input": 0, "output": 0},
     }
     return {

@@ -39,7 +39,7 @@ def models_json(config: PiConfig, endpoint: Endpoint, session_token: str, base_u
     compat = dict(endpoint.compat)
     return {
         "providers": {
-            config.provider_name: {
+            config.agent.pi.provider_name: {
                 "baseUrl": base_url or f"http://127.0.0.1:{FORWARDER_PORT}/v1",
                 "api": "openai-completions",
                 "apiKey": session_token,
@@ -47,10 +47,10 @@ def models_json(config: PiConfig, endpoint: Endpoint, session_token: str, base_u
                 "models": [
                     {
                         "id": endpoint.model,
-                        "reasoning": bool(config.thinking and config.thinking != "off"),
+                        "reasoning": bool(config.agent.thinking and config.agent.thinking != "off"),
                         "input": ["text"],
-                        "contextWindow": config.context_window,
-                        "maxTokens": config.max_tokens,
+                        "contextWindow": config.agent.context_window,
+                        "maxTokens": config.gateway.max_tokens,
                         "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
                     }
                 ],
@@ -86,28 +86,28 @@ def pi_command(runtime: PiRuntime, config: PiConfig, endpoint: Endpoint) -> list
         runtime.sandbox_cli,
         "-p",
         "--model",
-        f"{config.provider_name}/{endpoint.model}",
+        f"{config.agent.pi.provider_name}/{endpoint.model}",
         "--session-dir",
         SESSION_DIR,
         "--tools",
-        ",".join(config.tools) if config.tools else "",
+        ",".join(config.agent.pi.tools) if config.agent.pi.tools else "",
         "-ne",
         "-nc",
         "-ns",
         "-np",
         "--no-themes",
     ]
-    if not config.tools:
+    if not config.agent.pi.tools:
         command[command.index("--tools") : command.index("--tools") + 2] = ["--no-tools"]
     for flag in ("-na", "--no-mcp"):  # newer Pi only
         if runtime.supports(flag):
             command.append(flag)
-    if config.thinking:
-        command += ["--thinking", config.thinking]
-    if config.system_prompt:
-        command += ["--system-prompt", config.system_prompt]
-    if config.append_system_prompt:
-        command += ["--append-system-prompt", config.append_system_prompt]
+    if config.agent.thinking:
+        command += ["--thinking", config.agent.thinking]
+    if config.agent.pi.system_prompt:
+        command += ["--system-prompt", config.agent.pi.system_prompt]
+    if config.agent.pi.append_system_prompt:
+        command += ["--append-system-prompt", config.agent.pi.append_system_prompt]
     return command
 
 
@@ -181,14 +181,14 @@ class PiAgent(Agent):
 
     @property
     def version(self) -> str:
-        return self.settings.version or self.config.pi_version
+        return self.settings.version or self.config.agent.pi.version
 
     def install(self, cache_dir: str | None, progress: Callable[[str], None] | None = None) -> PiRuntime:
         config = self.config
         return ensure_runtime(
-            config.pi_package,
+            config.agent.pi.package,
             self.version,
-            config.node_version,
+            config.agent.node_version,
             cache_dir,
             progress,
             warm=lambda runtime, staging: build_compile_cache(self, runtime, staging),

@@ -55,7 +55,7 @@ def qwen_env(runtime: PiRuntime, run: AgentRun) -> dict[str, str]:
         "OPENAI_BASE_URL": run.base_url,
         "OPENAI_API_KEY": run.token,
         "OPENAI_MODEL": run.model,
-        "QWEN_CODE_MAX_OUTPUT_TOKENS": str(run.config.max_tokens),
+        "QWEN_CODE_MAX_OUTPUT_TOKENS": str(run.config.gateway.max_tokens),
         "QWEN_TELEMETRY_ENABLED": "false",
         "QWEN_USAGE_STATISTICS_ENABLED": "false",
         "QWEN_CODE_DISABLE_PRECONNECT": "1",
@@ -87,7 +87,7 @@ class QwenCodeAgent(Agent):
         return ensure_runtime(
             self.package,
             self.version,
-            self.config.node_version,
+            self.config.agent.node_version,
             cache_dir,
             progress,
             bin_name="qwen",

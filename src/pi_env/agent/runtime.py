@@ -240,7 +240,7 @@ def _install(
         if not _satisfies(node_version, required):
             raise RuntimeInstallError(
                 f"node {node_version} does not satisfy {package}@{version}'s "
-                f"engines.node {required!r}; set PiConfig.node_version"
+                f"engines.node {required!r}; set PiConfig.agent.node_version"
             )
     bins = manifest.get("bin")
     bin_entry = bins.get(bin_name) or next(iter(bins.values())) if isinstance(bins, dict) else bins

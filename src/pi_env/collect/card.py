@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from .store import RESULTS
 
@@ -51,8 +52,9 @@ def build_card(out_dir: Path) -> str:
         f"tasks: {counts.get('tasks', 0)}, group size: {run.get('group_size', '?')}",
         f"- scored: {counts.get('scored', 0)}, mean reward: {counts.get('mean_reward')}, "
         f"unscored by kind: {counts.get('errors') or 'none'}",
-        f"- endpoint: `{config.get('endpoint')}`, model: {', '.join(counts.get('models') or ['?'])}, "
-        f"mode: `{config.get('mode')}`, Pi {', '.join(counts.get('pi_versions') or [str(config.get('pi_version'))])}",
+        f"- endpoint: `{_saved(config, 'endpoint', 'name')}`, model: {', '.join(counts.get('models') or ['?'])}, "
+        f"mode: `{_saved(config, 'mode', 'name')}`, "
+        f"Pi {', '.join(counts.get('pi_versions') or [str(_saved(config, 'agent', 'pi', 'version'))])}",
     ]
     if synthetic:
         body += [
@@ -109,3 +111,12 @@ def push_to_hub(out_dir: str | Path, repo_id: str, *, private: bool = False, tok
         commit_message=f"pi-env collect: {records} records",
     )
     return str(getattr(commit, "commit_url", commit))
+
+
+def _saved(config: dict, *path: str):
+    """A setting of a saved config: in sections, or flat (a dataset collected before them)."""
+    flat = {("endpoint", "name"): "endpoint", ("mode", "name"): "mode", ("agent", "pi", "version"): "pi_version"}
+    value: Any = config
+    for part in path:
+        value = value.get(part) if isinstance(value, dict) else None
+    return config.get(flat[path]) if value is None else value

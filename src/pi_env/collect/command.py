@@ -13,6 +13,7 @@ from ..arguments import (
     endpoint_arguments,
     generation_arguments,
 )
+from ..config import BLACK_BOX, TRANSPARENT_PROXY
 from ..errors import EXIT_INFRA, exit_code_for, exit_code_of
 
 
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode",
         default=None,
-        choices=["black_box", "transparent_proxy"],
+        choices=[BLACK_BOX, TRANSPARENT_PROXY],
         help="transparent_proxy (default) records token ids and logprobs for training",
     )
     generation_arguments(parser)
@@ -86,12 +87,16 @@ def run(args) -> int:
     try:
         config = config_from_args(
             args,
-            mode=args.mode or "transparent_proxy",
-            max_turns=args.max_turns,
-            agent_timeout_s=args.agent_timeout,
-            trace_dir=args.trace_dir or str(Path(args.out) / "traces"),
-            keep_workdir=args.keep_workdir or None,
-            keep_workdir_max_bytes=int(args.keep_workdir_max_mb * (1 << 20)) if args.keep_workdir_max_mb else None,
+            mode=args.mode or TRANSPARENT_PROXY,
+            gateway={"max_turns": args.max_turns},
+            limits={"agent_timeout_s": args.agent_timeout},
+            mode_settings={"trace_dir": args.trace_dir or str(Path(args.out) / "traces")},
+            result={
+                "keep_workdir": args.keep_workdir or None,
+                "keep_workdir_max_bytes": int(args.keep_workdir_max_mb * (1 << 20))
+                if args.keep_workdir_max_mb
+                else None,
+            },
         )
         runner = CollectRunner(
             args.tasks,

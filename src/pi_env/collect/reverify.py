@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import PiConfig
+from ..config import FLAT_KEYS, PiConfig
 from ..results import INFRA_ERROR_KINDS, RolloutResult, unscored_result
 from ..task import PiTask
 from .runner import METADATA, CollectError, _read_json, _write_json
@@ -100,7 +100,10 @@ def reverify(
     if concurrency < 1 or retries < 0:
         raise CollectError("concurrency must be >= 1, retries >= 0")
     by_id = _tasks_by_id(load_tasks(tasks) if isinstance(tasks, (str, Path)) else [PiTask.coerce(t) for t in tasks])
-    config = (config or dataset_config(dataset)).model_copy(update={"keep_workdir": False, "result_max_files": 0})
+    config = config or dataset_config(dataset)
+    config = config.model_copy(
+        update={"result": config.result.model_copy(update={"keep_workdir": False, "max_files": 0})}
+    )
     path = output_path(dataset, out)
     records = list(read_records(dataset, kept_only=False))
     summary = ReverifySummary(out=path, summary_path=path.with_name(path.stem + ".summary.json"), records=len(records))
@@ -144,7 +147,11 @@ def dataset_config(dataset: Path) -> PiConfig:
     """The config a dataset was collected with (metadata.json, without secrets), for what verify
     depends on: the backend, limits, timeouts, extra setup and environment."""
     stored = (_read_json(dataset / METADATA) or {}).get("config") or {}
-    data = {name: value for name, value in stored.items() if name in PiConfig.model_fields and name != "api_key"}
+    # In sections, or flat (a dataset collected before them: loaded with a DeprecationWarning).
+    known = {*PiConfig.model_fields, *FLAT_KEYS, "proxy_max_tokens_cap"}
+    data = {name: value for name, value in stored.items() if name in known and name != "api_key"}
+    if isinstance(data.get("endpoint"), dict):
+        data["endpoint"] = {name: value for name, value in data["endpoint"].items() if name != "api_key"}
     try:
         return PiConfig.model_validate(data)
     except ValueError as error:
@@ -207,7 +214,7 @@ def _one(factory, dataset: Path, record: dict, task: PiTask | None, retries: int
     if later_steps(task):
         return unscored("multi_step_unsupported", REVERIFY_ERROR_KINDS["multi_step_unsupported"])
     config = factory.config
-    limits = WorkdirLimits(config.keep_workdir_max_files, config.keep_workdir_max_bytes)
+    limits = WorkdirLimits(config.result.keep_workdir_max_files, config.result.keep_workdir_max_bytes)
     path = dataset / workdir_file(record["id"])  # from the id, never from the record's text
     try:
         size = path.stat().st_size

@@ -45,7 +45,8 @@ def run(args) -> int:
         if args.backend:
             from .reverify import dataset_config
 
-            config = dataset_config(args.dataset).model_copy(update={"sandbox_backend": args.backend})
+            config = dataset_config(args.dataset)
+            config = config.model_copy(update={"sandbox": config.sandbox.model_copy(update={"backend": args.backend})})
         summary = reverify(
             args.dataset,
             args.tasks,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import PiConfig
+from ..config import TRANSPARENT_PROXY, InterceptionGate, PiConfig
 from ..errors import BadInputError
 from ..results import INFRA_ERROR_KINDS
 from ..task import PiTask
@@ -112,7 +112,7 @@ class CollectRunner:
         tasks = load_tasks(tasks) if isinstance(tasks, (str, Path)) else [PiTask.coerce(t) for t in tasks]
         self.tasks = tasks[:limit] if limit else tasks
         self.out_dir = Path(out_dir)
-        self.config = config or PiConfig(mode="transparent_proxy")
+        self.config = config or PiConfig(mode=TRANSPARENT_PROXY)
         self.group_size, self.concurrency, self.retries = group_size, concurrency, retries
         self.keep = keep if isinstance(keep, KeepFilter) else KeepFilter.parse(keep)
         self.executor_name, self.ray_address, self.ray_num_cpus = executor, ray_address, ray_num_cpus
@@ -131,10 +131,10 @@ class CollectRunner:
             backend = (
                 self.sandbox_backend
                 if isinstance(self.sandbox_backend, str)
-                else getattr(self.sandbox_backend, "name", None) or self.config.sandbox_backend
+                else getattr(self.sandbox_backend, "name", None) or self.config.sandbox.backend
             )
             why = [] if self.include_unsupported else unsupported_reasons(task, backend)
-            if self.config.endpoint == ORACLE and not task.solution:
+            if self.config.endpoint.name == ORACLE and not task.solution:
                 why.append("no solution: the oracle endpoint replays a task's solution")
             if why:
                 summary.skipped_tasks[task.task_id] = why
@@ -161,9 +161,9 @@ class CollectRunner:
     def _run_identity(self) -> dict[str, Any]:
         config = self.config
         return {
-            "endpoint": config.redacted()["endpoint"],  # a URL's user:password masked
-            "model": config.model,
-            "mode": config.mode,
+            "endpoint": config.redacted()["endpoint"]["name"],  # a URL's user:password masked
+            "model": config.endpoint.model,
+            "mode": config.mode.name,
             "group_size": self.group_size,
             "keep": self.keep.spec,
         }
@@ -247,7 +247,7 @@ class CollectRunner:
                     failed_attempts=job.failed_attempts,
                     worker=worker,
                 )
-                if self.config.keep_workdir:  # the archive on disk before its record (workdirs.py)
+                if self.config.result.keep_workdir:  # the archive on disk before its record (workdirs.py)
                     record["workdir"] = store_workdir(self.out_dir, record["id"], outcome)
                 store.append(record, kept=self.keep(record))
                 summary.ran += 1
@@ -329,9 +329,12 @@ def count_records(records: list[dict], kept_ids: set[str] | None = None) -> dict
 def public_config(config: PiConfig) -> dict[str, Any]:
     """The config without secrets: no API key, no credentials inside the base URL."""
     data = config.redacted()
-    data.pop("api_key", None)
-    if data.get("base_url"):
-        data["base_url"] = re.sub(r"//[^/@]*@", "//", data["base_url"])
+    endpoint = data["endpoint"]
+    endpoint.pop("api_key", None)
+    if endpoint.get("base_url"):
+        urls = endpoint["base_url"]
+        stripped = [re.sub(r"//[^/@]*@", "//", url) for url in ([urls] if isinstance(urls, str) else urls)]
+        endpoint["base_url"] = stripped[0] if isinstance(urls, str) else stripped
     return data
 
 
@@ -352,16 +355,17 @@ def _resolved(config: PiConfig) -> PiConfig:
     same URL with the same key and model whatever their own environment says."""
     from ..endpoints import ORACLE, resolve_endpoint
 
-    if config.endpoint == ORACLE or config.mode == "interception_gate":
+    if config.endpoint.name == ORACLE or isinstance(config.mode, InterceptionGate):
         return config
     endpoint = resolve_endpoint(config)
-    return config.model_copy(
+    resolved = config.endpoint.model_copy(
         update={
             "base_url": list(endpoint.base_urls) or endpoint.base_url,  # every replica's
             "api_key": endpoint.api_key,
             "model": endpoint.model,
         }
     )
+    return config.model_copy(update={"endpoint": resolved})
 
 
 def _read_json(path: Path) -> dict | None:

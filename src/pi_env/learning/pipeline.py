@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pi_env.config import PiConfig
+from pi_env.config import BLACK_BOX, TRANSPARENT_PROXY, PiConfig
 from pi_env.errors import BadInputError
 from pi_env.task import PiTask
 
@@ -467,16 +467,14 @@ def rollout_config(cfg: LearnConfig, engine: Engine, temperature: float, max_tur
         else {}
     )
     return PiConfig(
-        endpoint="vllm",
-        base_url=engine.base_url,
-        model="policy",
-        api_key="none",
-        mode="transparent_proxy",
-        max_turns=max_turns or cfg.max_turns,
-        max_tokens=cfg.max_tokens,
-        agent_timeout_s=cfg.agent_timeout_s,
-        proxy_return_token_ids=True,
-        proxy_sampling={"temperature": temperature, "top_p": 1.0},
+        endpoint={"name": "vllm", "base_url": engine.base_url, "model": "policy", "api_key": "none"},
+        mode={
+            "name": TRANSPARENT_PROXY,
+            "return_token_ids": True,
+            "sampling": {"temperature": temperature, "top_p": 1.0},
+        },
+        gateway={"max_turns": max_turns or cfg.max_turns, "max_tokens": cfg.max_tokens},
+        limits={"agent_timeout_s": cfg.agent_timeout_s},
         **token_in,
     )
 
@@ -527,7 +525,7 @@ def stage_oracle(cfg: LearnConfig) -> dict:
     records, wall = collect(
         train,
         cfg.path("oracle"),
-        PiConfig(endpoint="oracle", mode="black_box"),
+        PiConfig(endpoint="oracle", mode=BLACK_BOX),
         group_size=1,
         concurrency=cfg.concurrency,
     )

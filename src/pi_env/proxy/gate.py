@@ -11,7 +11,7 @@ whose ids and logprobs are the trainer's (`token_ids_source="trainer"`), so the 
 
 Ending cleanly, whatever the trainer does:
   - a held call not delivered within `timeout_s` (the session's `gate_timeout_s`,
-    PiConfig.gate_timeout_s; default 600 s) is answered with a
+    PiConfig.mode.gate_timeout_s; default 600 s) is answered with a
     clean, empty final message (finish_reason "stop"), so the agent stops; the turn is recorded
     with `synthetic_answer="gate_timeout"`, the gate answers every later call the same way at
     once, and the rollout is reported unscored with `error_kind="gate_timeout"`;
@@ -98,12 +98,12 @@ class GateRequest:
     turn: int  # 0-based index of the call in its session, as in the trace
     messages: list[dict[str, Any]] = field(repr=False)
     tools: list[dict[str, Any]] | None = field(repr=False)
-    sampling: dict[str, Any]  # the agent's, max_tokens capped, forced values (proxy_sampling) applied
+    sampling: dict[str, Any]  # the agent's, max_tokens capped, forced values (mode.sampling) applied
     body: dict[str, Any] = field(repr=False)  # the agent's request after policy.py's rules (its model: the session's)
     stream: bool
     received_at: float  # unix time
     expires_at: float  # unix time: undelivered by then, the agent is answered with a stop
-    # Token-in (PiConfig.proxy_token_in): the prompt ids to generate from, bridged from the
+    # Token-in (PiConfig.mode.token_in): the prompt ids to generate from, bridged from the
     # previous turn's prompt + delivered ids (or a full render: `token_in` says which and why).
     # Deliver only `token_ids` (+ logprobs): the same renderer parses them for the agent.
     prompt_token_ids: list[int] | None = field(default=None, repr=False)

@@ -644,7 +644,7 @@ def _body_too_large(what: str, budget: int) -> web.Response:
     return json_error(
         413,
         f"pi-env gateway: the request body {what}; a session's calls in flight may hold "
-        f"{budget} bytes of request bodies together (PiConfig.gateway_max_request_bytes)",
+        f"{budget} bytes of request bodies together (PiConfig.gateway.max_request_bytes)",
         "request_too_large",
     )
 

@@ -37,7 +37,7 @@ TOKEN_LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
 SECRET_MASK = b"***"
 _MIN_SECRET_CHARS = 8  # shorter header values ("1", "true") are not worth masking everywhere
 
-# -- per-session limits (defaults; PiConfig.gateway_max_request_bytes / gateway_max_concurrent_calls)
+# -- per-session limits (defaults; PiConfig.gateway.max_request_bytes / max_concurrent_calls)
 
 # Request body bytes one session's calls in flight may hold together (a single body at most
 # this). A long agent conversation is a few MB of JSON: a full 1M-token context is ~4-5 MB
@@ -99,7 +99,7 @@ def relayed_request_headers(agent_headers) -> list[tuple[str, str]]:
 # generated, how the prompt is rendered, what a call costs, or which model, adapter or replica
 # serves it (vLLM, SGLang, llama.cpp names). Pi sends none of them. A call naming one (with a
 # value other than null) is refused with a 400 that names it, in every mode, unless the session
-# allows it (PiConfig.gateway_allow_fields).
+# allows it (PiConfig.gateway.allow_fields).
 RESTRICTED_FIELDS: dict[str, str] = {
     **dict.fromkeys(
         (
@@ -278,7 +278,7 @@ def police_request(
             "these fields are not allowed in this session: "
             + "; ".join(f"`{name}` ({RESTRICTED_FIELDS[name]})" for name in refused)
             + "; send the call without them "
-            "(the trainer allows them with PiConfig.gateway_allow_fields)",
+            "(the trainer allows them with PiConfig.gateway.allow_fields)",
             "field_not_allowed",
         )
     limit = cap if budget_left is None else max(1, budget_left if cap is None else min(cap, budget_left))

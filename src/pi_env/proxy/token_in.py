@@ -91,7 +91,7 @@ def _load_renderer(name: str, tokenizer_id: str) -> TokenInSpec:
     except Exception as error:  # noqa: BLE001 - any loader failure: say what to pass instead
         raise TokenInUnavailable(
             f"token-in could not load the tokenizer {tokenizer_id!r} ({type(error).__name__}: "
-            f"{str(error)[:300]}); pass --tokenizer (PiConfig.proxy_tokenizer) a local "
+            f"{str(error)[:300]}); pass --tokenizer (PiConfig.mode.tokenizer) a local "
             "directory with the model's tokenizer files"
         ) from None
     resolved: str | None = name
@@ -103,7 +103,7 @@ def _load_renderer(name: str, tokenizer_id: str) -> TokenInSpec:
             raise TokenInUnavailable(
                 f"token-in: no renderer for the model of tokenizer {tokenizer_id!r} (renderers "
                 f"{renderers.__version__} knows it by no name, and its chat template is not one pi-env ships a "
-                f"renderer for); pass --renderer NAME (PiConfig.proxy_renderer), one of: {known}, or a custom "
+                f"renderer for); pass --renderer NAME (PiConfig.mode.renderer), one of: {known}, or a custom "
                 "renderer class as module.Class / file.py:Class"
             )
     assert resolved is not None  # the given name, or the auto branch raised on None

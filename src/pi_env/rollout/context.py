@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
-from ..config import PiConfig
+from ..config import BlackBox, PiConfig
 from ..endpoints import Endpoint
 from ..harbor.rules import later_steps
 from ..proxy.gateway import GatewaySession, get_gateway
@@ -66,7 +66,7 @@ class RolloutContext:
 
     def __post_init__(self) -> None:
         # Bytes of what the agent wrote that the host reads, for the whole rollout (pi_env.read_budget).
-        self.reads = ReadBudget(self.config.max_read_bytes)
+        self.reads = ReadBudget(self.config.limits.max_read_bytes)
 
     @property
     def config(self) -> PiConfig:
@@ -104,7 +104,9 @@ class RolloutContext:
         Idempotent (close() and a setup that close() interrupted may both call it)."""
         if self.gateway_session is not None:
             get_gateway().close_session(self.gateway_session)
-            if self.config.trace_dir is None and self.gateway_session.trace_path:
+            mode = self.config.mode
+            kept = not isinstance(mode, BlackBox) and mode.trace_dir is not None
+            if not kept and self.gateway_session.trace_path:
                 Path(self.gateway_session.trace_path).unlink(missing_ok=True)
                 self.result.trace_path = None
 
@@ -114,7 +116,7 @@ class RolloutContext:
 
     def agent_limit(self, task: PiTask) -> float:
         """Seconds `task`'s agent may run: the task's limit, capped by the config's."""
-        return capped(task.timeouts.agent_s, self.config.agent_timeout_s)
+        return capped(task.timeouts.agent_s, self.config.limits.agent_timeout_s)
 
 
 def made(value: T | None, what: str) -> T:

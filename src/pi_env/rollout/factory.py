@@ -38,7 +38,7 @@ class PiSessionFactory(FactoryState):
         `seed` and `episode_id` follow openenv's `ResourceSessionFactory.create`: `episode_id`
         names the rollout (`session.episode_id`, and its trace file); `seed` is kept as
         `session.seed` and changes nothing in the rollout (Pi has no seed; a sampling seed is
-        `proxy_sampling["seed"]`). `pi_env.harness` chooses a task by it.
+        `mode.sampling["seed"]`). `pi_env.harness` chooses a task by it.
 
         `on_event` is told of each phase, each model call and the end (`RolloutEvent`), on
         whichever thread reached it (the caller's, the session's finishing thread, or the

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..config import InterceptionGate
+
 if TYPE_CHECKING:
     from ..proxy.gate import GateCompletion, GateRequest
     from .context import RolloutContext
@@ -56,8 +58,8 @@ class GateAPI:
 
     def _gate(self):
         ctx = self.ctx
-        if ctx.config.mode != "interception_gate":
-            raise RuntimeError(f"next_request/deliver need mode='interception_gate', not {ctx.config.mode!r}")
+        if not isinstance(ctx.config.mode, InterceptionGate):
+            raise RuntimeError(f"next_request/deliver need mode='interception_gate', not {ctx.config.mode.name!r}")
         if ctx.gateway_session is None:
             raise RuntimeError("the session failed before its gateway session opened: there is nothing to answer")
         return ctx.gateway_session.strategy
@@ -65,7 +67,7 @@ class GateAPI:
     def _gate_wait(self, timeout_s: float | None):
         """The gate (None: no agent ever ran) and how long to wait: never past the agent's deadline."""
         ctx = self.ctx
-        if ctx.config.mode != "interception_gate":
+        if not isinstance(ctx.config.mode, InterceptionGate):
             self._gate()  # raises: not a gate session
         if ctx.gateway_session is None or ctx.agent is None:
             return None, 0.0

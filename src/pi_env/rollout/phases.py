@@ -33,7 +33,7 @@ from ..proxy.gateway import get_gateway
 from ..results import CommandResult, RolloutTurn
 from ..sandbox import Sandbox, SandboxError
 from ..sandbox.base import Network
-from ..specs import open_gateway_session, sandbox_spec, session_endpoint
+from ..specs import forced_sampling, open_gateway_session, sandbox_spec, session_endpoint
 from ..task import PiTask
 from ..task_setup import capped
 from ..task_setup import run_setup as run_setup_commands
@@ -52,8 +52,8 @@ def resolve_endpoint(ctx: RolloutContext) -> None:
     config, result = ctx.config, ctx.result
     ctx.endpoint = session_endpoint(config, ctx.task, ctx.factory.agent.submit_command)
     result.endpoint, result.model, result.synthetic = ctx.endpoint.name, ctx.endpoint.model, ctx.endpoint.synthetic
-    if config.mode != "black_box":  # black_box relays the agent's sampling as sent: nothing is forced
-        result.sampling = dict(config.proxy_sampling)
+    if config.mode.captures:  # black_box relays the agent's sampling as sent: nothing is forced
+        result.sampling = forced_sampling(config)
 
 
 def open_gateway(ctx: RolloutContext, token_in) -> None:
@@ -85,8 +85,8 @@ def create_sandbox(ctx: RolloutContext, runtime: Installed) -> None:
     ctx.world = VerifyWorld(
         factory.backend,
         ctx.spec,
-        caller_env=config.extra_env,
-        extra_setup=bool(config.extra_setup_shell),
+        caller_env=config.sandbox.extra_env,
+        extra_setup=bool(config.sandbox.extra_setup_shell),
         note=ctx.note,
     )
     ctx.sandbox = factory.backend.create(ctx.spec)
@@ -179,12 +179,12 @@ def judge(ctx: RolloutContext, task: PiTask) -> bool:
 
 
 def keep_workdir(ctx: RolloutContext) -> None:
-    """PiConfig.keep_workdir: the work dir as verify is about to see it (pi_env.verify.workdir)."""
+    """PiConfig.result.keep_workdir: the work dir as verify is about to see it (pi_env.verify.workdir)."""
     config, result = ctx.config, ctx.result
     if ctx.more_steps_after(0):
         result.workdir_not_kept = "a multi-step task: reverify scores single-step tasks only"
         return
-    limits = WorkdirLimits(config.keep_workdir_max_files, config.keep_workdir_max_bytes)
+    limits = WorkdirLimits(config.result.keep_workdir_max_files, config.result.keep_workdir_max_bytes)
     with ctx.clock.phase("keep_workdir"):
         result.workdir_archive, result.workdir_not_kept = ctx.reads.keep_workdir(made(ctx.sandbox, "sandbox"), limits)
 
@@ -209,7 +209,7 @@ def verify(ctx: RolloutContext, task: PiTask, index: int) -> StepOutcome | None:
         ctx.fail(*unscored(error, "could not give verify a clean world"))
         return None
     refused, entered = None, Entered()
-    limit = capped(task.timeouts.verify_s, ctx.config.verify_timeout_s)
+    limit = capped(task.timeouts.verify_s, ctx.config.limits.verify_timeout_s)
     network: Network = "full" if task.verify_network else "none"
     for position, command in enumerate(task.verify):
         try:
@@ -272,12 +272,12 @@ def collect(ctx: RolloutContext) -> None:
             turn.extra_call = extra.get(turn.turn)
         result.replicas = ctx.gateway_session.replica_health()
         result.proxy_log_tail = turn_log(result.proxy_log_tail, result.proxy_turns)
-        if config.mode in ("transparent_proxy", "interception_gate"):
+        if config.mode.captures:
             result.training = build_training_trace(result.proxy_turns)
-    if ctx.sandbox is not None and config.result_max_files:
+    if ctx.sandbox is not None and config.result.max_files:
         try:
             with ctx.clock.phase("collect"):
-                result.files = ctx.reads.files(ctx.sandbox, config.result_max_files, config.result_max_file_bytes)
+                result.files = ctx.reads.files(ctx.sandbox, config.result.max_files, config.result.max_file_bytes)
         except (SandboxError, OSError) as error:
             result.agent_log_tail += f"\n[pi-env] could not collect files: {error}"
 

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 
 from ..agent.runtime import RuntimeInstallError
+from ..config import BlackBox
 from ..errors import unscored
 from ..oracle import release_oracle
 from ..results import RolloutEvent, RolloutResult, RolloutTurn
@@ -45,7 +46,7 @@ class PiSession(GateAPI):
         on_event: Callable[[RolloutEvent], None] | None = None,
         replay: list[WorkdirEntry] | None = None,
     ):
-        result = RolloutResult(task_id=task.task_id, mode=factory.config.mode)
+        result = RolloutResult(task_id=task.task_id, mode=factory.config.mode.name)
         self.ctx = RolloutContext(
             factory=factory,
             task=task,
@@ -99,8 +100,11 @@ class PiSession(GateAPI):
             self._launch(None)
             return
         phases.resolve_endpoint(ctx)
+        mode = ctx.config.mode
         token_in = (
-            load_token_in(ctx.config, made(ctx.endpoint, "endpoint")) if ctx.config.proxy_token_in else None
+            load_token_in(ctx.config, made(ctx.endpoint, "endpoint"))
+            if not isinstance(mode, BlackBox) and mode.token_in
+            else None
         )  # bad input
         if background:
             self._launch_pending = lambda: self._launch(token_in)
@@ -196,7 +200,7 @@ class PiSession(GateAPI):
         if ctx.replay is None:
             if not phases.judge(ctx, ctx.task):
                 return
-            if ctx.config.keep_workdir:
+            if ctx.config.result.keep_workdir:
                 phases.keep_workdir(ctx)
         with ctx.clock.phase("verify"):
             first = phases.verify(ctx, ctx.task, 0)

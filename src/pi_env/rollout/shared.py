@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from ..agent import get_agent
 from ..agent.base import Installed
-from ..config import Mode, PiConfig
+from ..config import AgentSettings, Mode, PiConfig
 from ..proxy.records import PolicyVersion
 from ..sandbox import SandboxBackend, get_backend
 from ..specs import with_forced_sampling
@@ -38,20 +38,20 @@ class FactoryState:
         config = config or PiConfig()
         if agent is not None:  # one argument switches the agent (validated like PiConfig.agent)
             config = config.model_copy()
-            config.agent = {"name": agent}  # type: ignore[assignment]
+            # The agent-wide settings (thinking, context window, node, Pi's own) stay.
+            config.agent = AgentSettings(**{**config.agent.model_dump(), "name": agent, "version": None, "options": {}})
         if mode is not None:
-            config = config.model_copy()
-            config.mode = mode  # validate_assignment: the mode checked against the other fields
+            config = config.in_mode(mode)  # the settings both modes have carry over
         if sampling:
             config = with_forced_sampling(config, sampling, explicit_mode=mode is not None)
         self.config = config
-        backend = sandbox_backend or config.sandbox_backend
+        backend = sandbox_backend or config.sandbox.backend
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.agent = get_agent(config)  # an unknown agent is bad input: refused here
         self._runtime: Installed | None = None
         self._runtime_lock = threading.Lock()
         # The policy version in force, shared with every session's gateway session (async RL).
-        self.policy = PolicyVersion(config.policy_version)
+        self.policy = PolicyVersion(config.gateway.policy_version)
 
     def set_policy_version(self, version) -> None:
         """Record `version` (a JSON scalar, e.g. the training step) on every model call sent from
@@ -61,7 +61,7 @@ class FactoryState:
 
     @property
     def policy_version(self):
-        """The policy version in force (PiConfig.policy_version until set_policy_version)."""
+        """The policy version in force (PiConfig.gateway.policy_version until set_policy_version)."""
         return self.policy.value
 
     @property
@@ -69,6 +69,6 @@ class FactoryState:
         """The agent every session runs, installed on first use (once per machine)."""
         with self._runtime_lock:
             if self._runtime is None:
-                self._runtime = self.agent.install(self.config.runtime_cache_dir)
+                self._runtime = self.agent.install(self.config.sandbox.runtime_cache_dir)
                 self.agent.mounts(self._runtime)  # what it mounts is installed now too (the launcher's Node)
             return self._runtime

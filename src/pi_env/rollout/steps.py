@@ -82,7 +82,7 @@ class StepRunner:
             ctx.check_open()
             outcome = ctx.run(
                 command,
-                capped(step.timeouts.setup_s, ctx.config.setup_timeout_s),
+                capped(step.timeouts.setup_s, ctx.config.limits.setup_timeout_s),
                 "full" if step.setup_network else "none",
             )
             ctx.result.setup_results.append(outcome)
@@ -100,7 +100,7 @@ class StepRunner:
         """The oracle replays each step's own solution: a new script, and the session's upstream
         key switched to it (the agent keeps its gateway token)."""
         ctx = self.ctx
-        if not (ctx.endpoint and ctx.endpoint.synthetic and ctx.config.endpoint == ORACLE):
+        if not (ctx.endpoint and ctx.endpoint.synthetic and ctx.config.endpoint.name == ORACLE):
             return
         endpoint = oracle_endpoint(step, submit_command=ctx.factory.agent.submit_command)
         self.endpoints.append(endpoint)

@@ -45,6 +45,7 @@ from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservatio
 from openenv.core.env_server.types import ConcurrencyConfig, Observation, State
 from pydantic import Field, ValidationError
 
+from ..config import DEFAULT_MAX_TOKENS
 from ..errors import error_kind_of
 from .auth import ServerGuard, allowed_origins_from_env
 from .bodies import BoundedJsonBodies
@@ -116,7 +117,7 @@ def build_mcp_server(service: RolloutService) -> FastMCP:
             Field(description="the coding agent: pi, opencode, qwen-code, mini-swe-agent (default: the server's)"),
         ] = None,
         disable_thinking: bool | None = None,
-        max_tokens_cap: int = 4096,
+        max_tokens_cap: int = DEFAULT_MAX_TOKENS,
         top_logprobs: int = 5,
         agent_timeout_s: float = 600,
         max_turns: int | None = None,

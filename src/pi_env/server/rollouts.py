@@ -22,7 +22,8 @@ from urllib.parse import quote, quote_plus, urlparse, urlunparse
 from pydantic import ValidationError
 
 from ..agent import agent_names
-from ..config import PiConfig
+from ..config import BLACK_BOX, TRANSPARENT_PROXY, PiConfig
+from ..config import MODES as CONFIG_MODES
 from ..endpoints import CATALOG, ORACLE, EndpointError, resolve_endpoint
 from ..errors import BadInputError
 from ..results import RolloutEvent, RolloutResult
@@ -34,14 +35,21 @@ if TYPE_CHECKING:
     from ..rollout import PiSession
 
 TASK_FIELDS = ("instruction", "setup", "verify", "files", "verify_files", "solution", "task_id")
-# run_rollout's argument names (the reference's) for PiConfig fields, so errors name what the caller sent.
+# run_rollout's arguments (the reference's names) and the PiConfig paths they set; errors name
+# what the caller sent. A mode setting the chosen mode has no use for is ignored, as it always was.
 CONFIG_ARGUMENTS = {
-    "proxy_disable_thinking": "disable_thinking",
-    "max_tokens": "max_tokens_cap",
-    "proxy_top_logprobs": "top_logprobs",
+    "endpoint": "endpoint.name",
+    "base_url": "endpoint.base_url",
+    "api_key": "endpoint.api_key",
+    "model": "endpoint.model",
+    "disable_thinking": f"mode.{TRANSPARENT_PROXY}.disable_thinking",
+    "max_tokens_cap": "gateway.max_tokens",
+    "top_logprobs": f"mode.{TRANSPARENT_PROXY}.top_logprobs",
+    "agent_timeout_s": "limits.agent_timeout_s",
+    "max_turns": "gateway.max_turns",
 }
 LOCAL = "local"  # the server's own engine, when PI_ENV_LOCAL_BASE_URL names one
-MODES = ("black_box", "transparent_proxy")  # interception_gate needs the trainer in-process
+MODES = (BLACK_BOX, TRANSPARENT_PROXY)  # interception_gate needs the trainer in-process
 
 
 class BadArguments(BadInputError, ValueError):
@@ -75,21 +83,14 @@ def build_rollout(
     except CallerError as error:
         raise BadArguments(str(error)) from None
 
-    mode = given.pop("mode", "black_box")
+    mode = given.pop("mode", BLACK_BOX)
     if mode not in MODES:
         raise BadArguments(f"mode: {mode!r} is not one of {list(MODES)}")
     endpoint = given.pop("endpoint", ORACLE)
     fields = {
         "endpoint": endpoint,
         "mode": mode,
-        "base_url": given.pop("base_url", None),
-        "api_key": given.pop("api_key", None),
-        "model": given.pop("model", None),
-        "proxy_disable_thinking": given.pop("disable_thinking", None),
-        "max_tokens": given.pop("max_tokens_cap", None),
-        "proxy_top_logprobs": given.pop("top_logprobs", None),
-        "agent_timeout_s": given.pop("agent_timeout_s", None),
-        "max_turns": given.pop("max_turns", None),
+        **{argument: given.pop(argument, None) for argument in CONFIG_ARGUMENTS if argument != "endpoint"},
         "sandbox_backend": sandbox_backend,
         "agent": given.pop("agent", None) or agent,
     }
@@ -102,14 +103,14 @@ def build_rollout(
     if endpoint == LOCAL:
         fields.update(local_engine(fields))
     try:
-        config = PiConfig(**{key: value for key, value in fields.items() if value is not None})
+        config = sectioned_config(fields)
     except ValidationError as error:
-        raise BadArguments(describe(error, CONFIG_ARGUMENTS)) from None
+        raise BadArguments(describe(error, {path: name for name, path in CONFIG_ARGUMENTS.items()})) from None
     if endpoint != LOCAL:  # the caller's URLs, once the rest is known good; `local` is the operator's
         caller_urls(fields)
-        config = PiConfig(**{key: value for key, value in fields.items() if value is not None})
+        config = sectioned_config(fields)
     try:
-        if config.endpoint == ORACLE:
+        if config.endpoint.name == ORACLE:
             from ..oracle import solution_turns
 
             solution_turns(task)  # raises when the task has no solution to replay
@@ -119,6 +120,25 @@ def build_rollout(
         message = str(error).replace("pass --api-key", "give api_key").replace("pass --model", "give model")
         raise BadArguments(f"endpoint: {message}") from None
     return task, config
+
+
+def sectioned_config(fields: dict[str, Any]) -> PiConfig:
+    """The PiConfig of run_rollout's arguments (`CONFIG_ARGUMENTS`), the server's backend and agent."""
+    sections: dict[str, Any] = {"mode": {"name": fields["mode"]}, "sandbox": {"backend": fields["sandbox_backend"]}}
+    if fields["agent"] is not None:
+        sections["agent"] = fields["agent"] if isinstance(fields["agent"], dict) else {"name": fields["agent"]}
+    for argument, path in CONFIG_ARGUMENTS.items():
+        value = fields[argument]
+        section, *rest = path.split(".")
+        if value is None:
+            continue
+        if section == "mode" and rest[0] != fields["mode"]:
+            # The chosen mode has no use for it (as before, it is ignored), but it is checked as it always was.
+            CONFIG_MODES[rest[0]].model_validate({rest[-1]: value})
+            continue
+        sections.setdefault(section, {})[rest[-1]] = value
+    sections["sandbox"] = {k: v for k, v in sections["sandbox"].items() if v is not None}
+    return PiConfig(**sections)
 
 
 def caller_urls(fields: dict[str, Any]) -> None:
@@ -150,7 +170,8 @@ def describe(error: ValidationError, names: dict[str, str] | None = None) -> str
     names = names or {}
     lines = []
     for item in error.errors(include_url=False, include_input=False):
-        where = ".".join(names.get(str(part), str(part)) for part in item["loc"]) or "arguments"
+        where = ".".join(str(part) for part in item["loc"])
+        where = names.get(where, where) or "arguments"
         lines.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
     return "; ".join(lines)
 

@@ -23,6 +23,7 @@ from typing import Any
 import gradio as gr
 
 from ..agent import agent_names
+from ..config import BLACK_BOX, TRANSPARENT_PROXY
 from ..results import RolloutEvent, RolloutResult
 from ..task import PiTask, TaskError, load_tasks
 from .limiter import ServerBusy, idle_timeout_s
@@ -82,7 +83,7 @@ def gradio_builder(
                 elem_id="api-key",
                 placeholder="kept on the server for this browser session",
             )
-            mode = gr.Radio(list(MODES), value="transparent_proxy", label="Mode", elem_id="mode")
+            mode = gr.Radio(list(MODES), value=TRANSPARENT_PROXY, label="Mode", elem_id="mode")
             agent = gr.Dropdown(
                 agent_names(), value=service.agent or "pi", label="Agent", elem_id="agent", allow_custom_value=False
             )
@@ -302,7 +303,7 @@ def logprob_svg(result: RolloutResult, width: int = 960, height: int = 220) -> s
     if not points:
         why = (
             "mode black_box records no logprobs: choose transparent_proxy"
-            if result.mode == "black_box"
+            if result.mode == BLACK_BOX
             else "the endpoint returned no logprobs"
         )
         return f'<div id="logprob-empty">No per-token logprobs ({html.escape(why)}).</div>'

@@ -130,7 +130,7 @@ def record_setup(sandbox: Sandbox, task: PiTask, *, setup_ran: bool, env: dict[s
 
 def verify_env(sandbox: Sandbox, task: PiTask, setup_env: dict[str, str], caller_env: dict[str, str]) -> dict[str, str]:
     """The environment of every verify command: VERIFY_ENV and the hooks setup did not make
-    turned off (unless the caller set them on purpose in PiConfig.extra_env), pi-env's Python
+    turned off (unless the caller set them on purpose in PiConfig.sandbox.extra_env), pi-env's Python
     start-up first on PYTHONPATH (setup's after it), and PATH (setup's, the caller's included)
     without any entry in the work dir or relative to the cwd: a runner on PATH is the
     verifier's, never a program of the agent's (a task runs its program by its path)."""

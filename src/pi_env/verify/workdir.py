@@ -87,7 +87,7 @@ printf '\nEND\n'
 
 def capture_workdir(sandbox: Sandbox, limits: WorkdirLimits, *, read_left: int) -> KeptWorkdir:
     """The work dir as verify is about to see it, archived; or why it is not kept. The host reads
-    at most `read_left` bytes (what is left of the rollout's PiConfig.max_read_bytes)."""
+    at most `read_left` bytes (what is left of the rollout's PiConfig.limits.max_read_bytes)."""
     workdir = _in_sandbox(sandbox, SANDBOX_WORKDIR)
     outcome = sandbox.exec(
         ["/bin/bash", "-c", _CENSUS, "pi-env", workdir, str(LISTING_MAX_BYTES + 1)],

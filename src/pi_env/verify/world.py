@@ -27,8 +27,8 @@ from .room import AGENT_OUTPUT_DIRS
 
 class VerifyWorld:
     """Verify's world for the sandboxes of one spec. `note` gets what the rollout should be
-    told (a sentence), `caller_env` is PiConfig.extra_env, `extra_setup` whether the config adds
-    setup commands of its own (PiConfig.extra_setup_shell)."""
+    told (a sentence), `caller_env` is PiConfig.sandbox.extra_env, `extra_setup` whether the config adds
+    setup commands of its own (PiConfig.sandbox.extra_setup_shell)."""
 
     def __init__(
         self,
