@@ -221,6 +221,13 @@ def test_an_old_flat_assignment_changes_only_its_config():
         copy.gate_timeout_s = 5
 
 
+def test_a_copys_section_is_its_own():
+    config = PiConfig(mode="transparent_proxy")
+    copy = config.model_copy()
+    copy.gateway.max_tokens, copy.mode.top_logprobs = 7, 2
+    assert (config.gateway.max_tokens, config.mode.top_logprobs) == (4096, 5)
+
+
 def test_switching_away_from_a_setting_the_new_mode_lacks_is_refused():
     salted = PiConfig(mode={"name": "transparent_proxy", "cache_salt": True})
     with pytest.raises(ValueError, match="mode.cache_salt is a setting of transparent_proxy, not of black_box"):

@@ -25,6 +25,7 @@ with one DeprecationWarning naming them; a flat key of another mode than the con
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
@@ -538,6 +539,11 @@ class PiConfig(BaseModel):
     def proxy_max_tokens_cap(self) -> int:
         """Deprecated: `gateway.max_tokens`, the one cap in every mode."""
         return self.gateway.max_tokens
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = True) -> PiConfig:
+        """A copy, deep by default: the sections are models of their own, so a shallow copy would
+        share them, and setting a field of a copy's section would change this config too."""
+        return super().model_copy(update=update, deep=deep)
 
     def in_mode(self, name: Mode) -> PiConfig:
         """A copy in mode `name`; the settings both modes have (sampling, trace_dir, token-in)
