@@ -111,7 +111,7 @@ def main() -> None:
                   f"{stress['errors'] or 'none'}, {stress['rollouts_per_min']:.1f} rollouts/min")
 
     errors = sum(sum(lv["loop_errors"].values()) + sum(lv["collect_errors"].values()) for lv in levels)
-    print(json.dumps({"bench": "collect_throughput", "cpus": os.cpu_count(), "mode": CONFIG.mode, "endpoint": "oracle",
+    print(json.dumps({"bench": "collect_throughput", "cpus": os.cpu_count(), "mode": CONFIG.mode.name, "endpoint": "oracle",
                       "levels": levels, "min_ratio": min(lv["ratio"] for lv in levels), "target_ratio": 0.9,
                       "errors": errors, "stress": stress,
                       "stress_errors": sum(stress["errors"].values()) if stress else None,

@@ -431,18 +431,13 @@ def test_rewrite_return_token_ids_when_enabled():
 
 
 @pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
-def test_rewrite_clamps_max_tokens_to_the_cap(key):
-    options = CaptureOptions(max_tokens_cap=100)
-    assert rewrite_request({"messages": USER, key: 5000}, options)[key] == 100
-    out = rewrite_request({"messages": USER, key: 30}, options)
-    assert out[key] == 30 and len({"max_tokens", "max_completion_tokens"} & set(out)) == 1
+def test_rewrite_keeps_the_token_limit_the_policy_left(key):
+    # The one cap is the session's, put on every call by pi_env.proxy.policy before any rewrite
+    # (tests/test_gateway.py); the capture rewrite adds no second one.
+    out = rewrite_request({"model": "llama", "messages": USER, key: 5000}, CaptureOptions())
+    assert out[key] == 5000 and len({"max_tokens", "max_completion_tokens"} & set(out)) == 1
+    assert "max_tokens" not in rewrite_request({"model": "llama", "messages": USER}, CaptureOptions())
 
-
-def test_rewrite_sets_the_cap_when_the_agent_sets_no_limit():
-    assert rewrite_request({"model": "llama", "messages": USER}, CaptureOptions(max_tokens_cap=64))["max_tokens"] == 64
-    out = rewrite_request({"model": "llama", "messages": USER}, CaptureOptions(max_tokens_cap=None))
-    assert "max_tokens" not in out and "max_completion_tokens" not in out
-    assert rewrite_request({"messages": USER, "max_tokens": 99999}, CaptureOptions(max_tokens_cap=None))["max_tokens"] == 99999
 
 
 @pytest.mark.parametrize("model", ["gpt-5", "gpt-5-mini", "o1", "o1-preview", "o3-mini", "o4-mini"])
@@ -499,7 +494,6 @@ def test_rewrite_forces_sampling_over_the_agents_values():
 @pytest.mark.parametrize("kwargs, match", [
     ({"top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": -1}, "top_logprobs"),
     ({"sampling": {"temperature": 1.0, "logit_bias": {}}}, "logit_bias"),
-    ({"max_tokens_cap": 0}, "max_tokens_cap"),
 ])
 def test_invalid_capture_options_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -381,12 +381,12 @@ def test_a_bug_inside_a_rollout_is_internal_not_retried_and_shown(tmp_path, monk
     `internal`: it neither aborts the run as bad input nor is retried as infrastructure; each
     record keeps the traceback, and the summary counts it apart."""
     from pi_env.collect.report import print_summary
-    from pi_env.rollout import PiSession
+    from pi_env.rollout import phases
 
-    def buggy_score(self):
+    def buggy_score(ctx):
         raise ValueError("1 validation error for RolloutResult")
 
-    monkeypatch.setattr(PiSession, "_score", buggy_score)
+    monkeypatch.setattr(phases, "score", buggy_score)
     summary = CollectRunner(slow_tasks(2, sleep_s=0), tmp_path, PiConfig(mode="transparent_proxy"), retries=2,
                             retry_backoff_s=[0], progress=False).run()
     records = list(read_records(tmp_path, kept_only=False))

@@ -77,8 +77,8 @@ COMPLETION = GateCompletion(
 
 
 def test_held_call_reaches_the_trainer_and_its_completion_reaches_the_agent_as_sse(gateway, open_gate, agent):
-    options = CaptureOptions(max_tokens_cap=64, sampling={"temperature": 1.0, "seed": 7})
-    session = open_gate(capture=options)
+    options = CaptureOptions(sampling={"temperature": 1.0, "seed": 7})
+    session = open_gate(capture=options, max_tokens_cap=64)
     body = chat(tools=True, temperature=0.2, top_p=0.9, max_tokens=10_000, tool_choice="auto")
     pending = agent(gateway, session, body)
     request = session.strategy.next_request(5)

@@ -95,9 +95,9 @@ def only_turns(session, n=1):
 
 
 def test_forwarded_request_has_every_rewrite_the_real_key_and_forced_sampling(gateway, server, open_session):
-    options = CaptureOptions(model=UPSTREAM_MODEL, top_logprobs=3, return_token_ids=True, max_tokens_cap=50,
+    options = CaptureOptions(model=UPSTREAM_MODEL, top_logprobs=3, return_token_ids=True,
                              disable_thinking=True, sampling={"temperature": 1.0, "top_p": 1.0, "seed": 7})
-    session = open_session([ScriptedTurn(text="one"), ScriptedTurn(text="two")], capture=options)
+    session = open_session([ScriptedTurn(text="one"), ScriptedTurn(text="two")], capture=options, max_tokens_cap=50)
     agent_body = chat(tools=True, temperature=0.2, seed=1, max_tokens=10_000, logprobs=False,
                       chat_template_kwargs={"custom": "kept", "enable_thinking": True})
     assert call(gateway, session, body=agent_body)[0] == 200
@@ -119,7 +119,7 @@ def test_forwarded_request_has_every_rewrite_the_real_key_and_forced_sampling(ga
 
 
 def test_max_tokens_moves_for_models_that_refuse_it(gateway, server, open_session):
-    session = open_session([ScriptedTurn(text="x")], capture=CaptureOptions(model="gpt-5-mini", max_tokens_cap=64))
+    session = open_session([ScriptedTurn(text="x")], capture=CaptureOptions(model="gpt-5-mini"), max_tokens_cap=64)
     call(gateway, session, body=chat(max_tokens=1000))
     received = server.requests[-1].body
     assert received["model"] == "gpt-5-mini" and received["max_completion_tokens"] == 64

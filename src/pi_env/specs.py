@@ -89,7 +89,6 @@ def capture_options(config: PiConfig, endpoint: Endpoint, result: RolloutResult)
         logprobs=proxy.logprobs,
         top_logprobs=top_logprobs,
         return_token_ids=return_token_ids,
-        max_tokens_cap=config.gateway.max_tokens,
         disable_thinking=disable_thinking,
         model=endpoint.model,
         sampling=forced_sampling(config),

@@ -137,9 +137,9 @@ def relay(vllm_engine):
 def test_each_dialects_sdk_round_trip_is_one_exact_sequence(dialect, streamed, relay, vllm_engine):
     gateway = get_gateway()
     options = CaptureOptions(logprobs=True, top_logprobs=1, return_token_ids=True, model=vllm_engine.model,
-                             sampling={"temperature": 0.0, "seed": 7}, max_tokens_cap=96)  # fmt: skip
+                             sampling={"temperature": 0.0, "seed": 7})  # fmt: skip
     session = gateway.open_session(Upstream(relay.base_url, None, vllm_engine.model), mode="transparent_proxy",
-                                   capture=options, token_in=load_renderer("auto", str(vllm_engine.model_dir)))
+                                   capture=options, max_tokens_cap=96, token_in=load_renderer("auto", str(vllm_engine.model_dir)))
     try:
         answers = CLIENTS[dialect](f"http://127.0.0.1:{gateway.tcp_port}", session.token, streamed)
         assert session.wait_idle(120)

@@ -26,7 +26,7 @@ TOP = 5
 
 def capture_options(engine) -> CaptureOptions:
     return CaptureOptions(logprobs=True, top_logprobs=TOP, return_token_ids=True, model=engine.model,
-                          sampling={"temperature": 0.0, "seed": SEED}, max_tokens_cap=48)
+                          sampling={"temperature": 0.0, "seed": SEED})
 
 
 def agent_body(**extra) -> dict:
@@ -35,11 +35,12 @@ def agent_body(**extra) -> dict:
             "stream_options": {"include_usage": True}, "temperature": 1.3, "max_tokens": 4096, **extra}
 
 
-def through_gateway(engine, body: dict, options: CaptureOptions | None = None):
-    """One call through a transparent_proxy session; returns (session's turn record, SSE bytes)."""
+def through_gateway(engine, body: dict, options: CaptureOptions | None = None, max_tokens_cap: int = 48):
+    """One call through a transparent_proxy session (its cap on every call: `max_tokens_cap`);
+    returns (session's turn record, SSE bytes)."""
     gateway = get_gateway()
     session = gateway.open_session(Upstream(engine.base_url, None, engine.model), mode="transparent_proxy",
-                                   capture=options or capture_options(engine))
+                                   capture=options or capture_options(engine), max_tokens_cap=max_tokens_cap)
 
     async def call() -> bytes:
         async with aiohttp.ClientSession() as client:
@@ -139,7 +140,7 @@ class _TurnView:
 
 def test_engine_request_rewrite_is_what_the_engine_received(vllm_engine):
     """The rewrite is accepted by a real vLLM (no 400 for any parameter we add)."""
-    body = rewrite_request(agent_body(), capture_options(vllm_engine))
+    body = rewrite_request(agent_body(max_tokens=48), capture_options(vllm_engine))  # as the policy capped it
     unstreamed = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     answer = post_json(vllm_engine.base_url + "/chat/completions", unstreamed)
     assert answer["choices"][0]["token_ids"] and answer["prompt_token_ids"]
@@ -148,9 +149,9 @@ def test_engine_request_rewrite_is_what_the_engine_received(vllm_engine):
 def test_llama_cpp_rejecting_logprobs_with_tools_and_stream_falls_back_keeping_ids(llama_engine):
     """llama.cpp answers 400 "logprobs is not supported with tools + stream": the gateway asks
     unstreamed with capture, replays the answer to the agent as SSE, and keeps the ids."""
-    options = CaptureOptions(logprobs=True, top_logprobs=TOP, model=llama_engine.model, max_tokens_cap=32,
+    options = CaptureOptions(logprobs=True, top_logprobs=TOP, model=llama_engine.model,
                              sampling={"temperature": 0.0, "seed": SEED})
-    turn, raw = through_gateway(llama_engine, agent_body(tools=[WEATHER_TOOL]), options)
+    turn, raw = through_gateway(llama_engine, agent_body(tools=[WEATHER_TOOL]), options, max_tokens_cap=32)
     capture = turn.capture
     assert capture.fallback and capture.fallback.startswith("non_streaming")
     assert raw.startswith(b"data: ") and raw.endswith(b"data: [DONE]\n\n")

@@ -342,13 +342,12 @@ def stop_capture(body: dict[str, Any], reason: str, note: str) -> TurnCapture:
 
 def request_sampling(body: dict[str, Any], options: CaptureOptions) -> dict[str, Any]:
     """What the trainer should sample with: the agent's own parameters, `max_tokens` (from
-    max_tokens or max_completion_tokens) capped at `max_tokens_cap`, then the forced ones."""
+    max_tokens or max_completion_tokens, which the gateway's policy has capped at the session's
+    cap), then the forced ones."""
     sampling = {key: body[key] for key in (*SAMPLING_KEYS, "stop") if body.get(key) is not None}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
         max_tokens = None
-    if options.max_tokens_cap is not None:
-        max_tokens = options.max_tokens_cap if max_tokens is None else min(max_tokens, options.max_tokens_cap)
     if max_tokens is not None:
         sampling["max_tokens"] = max_tokens
     sampling.update(options.sampling)

@@ -84,7 +84,6 @@ class CaptureOptions:
     logprobs: bool = True
     top_logprobs: int = 5  # 0-20; the HF router caps at 5
     return_token_ids: bool = False  # decided per endpoint (catalog or probe), never guessed
-    max_tokens_cap: int | None = 4096
     disable_thinking: bool = False  # chat_template_kwargs.enable_thinking = false
     model: str | None = None  # the exact upstream model id
     sampling: dict[str, Any] = field(default_factory=dict)  # forced: the agent cannot override
@@ -92,13 +91,14 @@ class CaptureOptions:
     def __post_init__(self):
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be within 0-20, got {self.top_logprobs}")
-        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
-            raise ValueError(f"max_tokens_cap must be at least 1 (or None: no cap), got {self.max_tokens_cap}")
         check_sampling(self.sampling, "sampling")
 
 
 def rewrite_request(body: dict[str, Any], options: CaptureOptions) -> dict[str, Any]:
-    """A new request body with the capture parameters, caps and forced values applied."""
+    """A new request body with the capture parameters and forced values applied. The token
+    limit is the session's, put on every call by the gateway's policy before this
+    (pi_env.proxy.policy: one cap in every mode); here it only moves to `max_completion_tokens`
+    for the models that refuse `max_tokens`."""
     body = dict(body)
     if options.model:
         body["model"] = options.model
@@ -113,13 +113,6 @@ def rewrite_request(body: dict[str, Any], options: CaptureOptions) -> dict[str, 
     model = str(body.get("model") or "")
     if _COMPLETION_TOKENS_MODELS.match(model) and "max_tokens" in body:
         body.setdefault("max_completion_tokens", body.pop("max_tokens"))
-    if options.max_tokens_cap is not None:
-        for key in ("max_tokens", "max_completion_tokens"):
-            if isinstance(body.get(key), int):
-                body[key] = min(body[key], options.max_tokens_cap)
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            key = "max_completion_tokens" if _COMPLETION_TOKENS_MODELS.match(model) else "max_tokens"
-            body[key] = options.max_tokens_cap
     if options.disable_thinking:
         body["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}), "enable_thinking": False}
     body.update(options.sampling)
