@@ -193,7 +193,7 @@ def main() -> None:
             info = json.loads(upstream.stdout.readline())
             gateway = get_gateway()
             sessions = [gateway.open_session(Upstream(info["upstream"], key, "bench"), mode="transparent_proxy",
-                                             capture=CaptureOptions(model="bench", top_logprobs=1, max_tokens_cap=None),
+                                             capture=CaptureOptions(model="bench", top_logprobs=1),
                                              token_in=spec)
                         for key in keys]
             child = subprocess.run(

@@ -115,11 +115,10 @@ def test_switching_mode_keeps_the_settings_both_modes_have():
 
 def test_one_default_per_setting():
     """Each default is written once: max_tokens' 4096 in config.py (DEFAULT_MAX_TOKENS), which
-    the field, --help and run_rollout read. The gateway's own CaptureOptions keeps a default for a
-    bare one (layer 1 knows no PiConfig); every session passes the config's."""
+    the field, --help and run_rollout read; the gateway takes it as the session's one cap."""
     hits = [f"{path.relative_to(SRC)}" for path in SRC.rglob("*.py")
             for line in path.read_text().splitlines() if re.search(r"\b4096\b", line) and "max_tokens" in line.lower()]
-    assert sorted(hits) == ["config.py", "proxy/rewrite.py"], hits
+    assert sorted(hits) == ["config.py"], hits
     # the settings both capturing modes have are declared once, in their shared base
     from pi_env.config import _Capturing
 

@@ -84,8 +84,9 @@ def test_held_call_reaches_the_trainer_and_its_completion_reaches_the_agent_as_s
     request = session.strategy.next_request(5)
     assert isinstance(request, GateRequest) and request.session_id == session.id and request.turn == 0
     assert request.messages == [USER] and request.tools == TOOLS and request.stream is True
-    # As the agent sent it, but for the model: the session's, whatever the agent named (policy.py)
-    assert request.body == {**body, "model": NOWHERE.model} and body["model"] != NOWHERE.model
+    # As the agent sent it, but for the model (the session's, whatever the agent named) and its
+    # token limit (the session's cap, in every mode): policy.py
+    assert request.body == {**body, "model": NOWHERE.model, "max_tokens": 64} and body["model"] != NOWHERE.model
     assert request.sampling == {"temperature": 1.0, "top_p": 0.9, "max_tokens": 64, "seed": 7}
     assert request.received_at <= time.time() < request.expires_at == request.received_at + 30
     assert not pending.done()  # held until the trainer delivers
@@ -112,7 +113,7 @@ def test_held_call_reaches_the_trainer_and_its_completion_reaches_the_agent_as_s
     assert capture.token_ids_source == "trainer" and capture.token_ids_missing_reason is None
     assert capture.completion_token_ids == [101, 102, 103, 104]
     assert capture.per_token_logps == [-0.5, None, -0.25, -1.0]
-    assert capture.prompt_token_ids == [1, 2, 3] and capture.request == {**body, "model": NOWHERE.model}
+    assert capture.prompt_token_ids == [1, 2, 3] and capture.request == {**body, "model": NOWHERE.model, "max_tokens": 64}
     assert capture.choices[0].message() == message
     assert turn.upstream_status == 200 and turn.total_tokens == 7 and turn.response_bytes == len(raw)
     assert 0 < turn.ttfb_s <= turn.latency_s and not turn.client_disconnected

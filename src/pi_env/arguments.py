@@ -110,7 +110,8 @@ def config_from_args(args, *, mode: str | None = None, mode_settings: dict | Non
     fields.setdefault("endpoint", {}).update(
         {"name": args.endpoint, "base_url": args.base_url, "model": args.model, "api_key": args.api_key}
     )
-    fields.setdefault("sandbox", {})["backend"] = args.backend
+    if getattr(args, "backend", None) is not None:  # None: the config's default backend
+        fields.setdefault("sandbox", {})["backend"] = args.backend
     if getattr(args, "agent", None) is not None:
         fields["agent"] = {"name": args.agent, "version": getattr(args, "agent_version", None)}
     if getattr(args, "max_tokens", None) is not None:
