@@ -398,3 +398,16 @@ def test_protocol_checks_and_curve_steps(tmp_path):
     checks = protocol_checks(cfg, steps, worse)
     assert checks["collapse"] and len(checks["collapse_reasons"]) == 2
     assert checks["kl_over_limit"] == [{"step": 1, "kl_after": 0.02}] and checks["kl_check_passed"] is False
+
+
+def test_stage_status_lists_the_curve_checkpoints(tmp_path):
+    from pi_env.learning.pipeline import stage_status
+
+    cfg = LearnConfig(run_dir=tmp_path)
+    (tmp_path / "eval_rl_step2").mkdir()
+    (tmp_path / "eval_rl_step2" / "summary.json").write_text("{}")
+    (tmp_path / "eval_rl_step4").mkdir()  # stopped part-way: no summary yet
+    status = stage_status(cfg)
+    assert [status[f"eval_curve_step{k}"] for k in (2, 4, 6)] == ["done", "in progress or stopped", "not started"]
+    assert status["tasks"] == "not started" and status["eval_sft"] == "not started"
+    assert "eval_curve_step2" not in stage_status(LearnConfig(run_dir=tmp_path, rl_seed=1))  # seed 0's only

@@ -1059,7 +1059,8 @@ def _arms(cfg: LearnConfig) -> list[str]:
 
 
 def stage_status(cfg: LearnConfig) -> dict[str, str]:
-    """done / in progress / not started, per stage (and RL arm), from the run directory's outputs."""
+    """done / in progress / not started, per stage (and RL arm, and curve checkpoint), from the
+    run directory's outputs."""
     done = {
         "tasks": cfg.path("tasks", "heldout.jsonl"),
         "oracle": cfg.path("oracle", "summary.json"),
@@ -1070,13 +1071,7 @@ def stage_status(cfg: LearnConfig) -> dict[str, str]:
     status = {}
     for stage in ("tasks", "oracle", "eval_base", "sft", "probe", "eval_sft", "retest_sft"):
         marker = done.get(stage, cfg.path(stage, "summary.json"))
-        status[stage] = (
-            "done"
-            if marker.exists()
-            else "in progress or stopped"
-            if marker.parent.exists() and stage != "tasks"
-            else "not started"
-        )
+        status[stage] = "not started" if stage == "tasks" and not marker.exists() else _progress(marker)
     for arm in _arms(cfg):
         finished = len(_jsonl(cfg.path(arm, "steps.jsonl")))
         status[arm] = (
@@ -1084,15 +1079,18 @@ def stage_status(cfg: LearnConfig) -> dict[str, str]:
             if cfg.path(arm).exists()
             else "not started"
         )
-        eval_dir = cfg.path(f"eval_{arm}")
-        status[f"eval_{arm}"] = (
-            "done"
-            if (eval_dir / "summary.json").exists()
-            else "in progress or stopped"
-            if eval_dir.exists()
-            else "not started"
-        )
+        status[f"eval_{arm}"] = _progress(cfg.path(f"eval_{arm}", "summary.json"))
+    for k in curve_steps(cfg):  # the curve's checkpoints (RL seed 0 only)
+        status[f"eval_curve_step{k}"] = _progress(cfg.path(f"eval_{cfg.rl_name}_step{k}", "summary.json"))
     return status
+
+
+def _progress(summary: Path) -> str:
+    """A stage is done once its summary is written, in progress (or stopped) while only its
+    directory exists."""
+    if summary.exists():
+        return "done"
+    return "in progress or stopped" if summary.parent.exists() else "not started"
 
 
 def _eval_summary(cfg: LearnConfig, name: str) -> dict | None:
