@@ -356,10 +356,11 @@ def test_the_report_pools_seeds_on_unseen_templates_from_per_sample_results(tmp_
     _fake_eval(cfg, "rl_step4", {"unseen": draw(unseen, 0.5)})  # a curve checkpoint (eval_curve)
     report = stage_report(cfg)
     assert [(p["rl_steps"], p["checkpoint"]) for p in report["curve"]] == [(4, "rl_step4"), (8, "rl")]
-    assert report["stages"]["rl"]["checks"] == {"collapse": False, "collapse_reasons": [], "kl_max": 1e-4,
+    assert report["stages"]["rl"]["checks"] == {"collapse": {"1": False, "2": False},
+                                                "collapse_reasons": {"1": [], "2": []}, "kl_max": 1e-4,
                                                 "kl_limit": 0.01, "kl_over_limit": [], "kl_check_passed": True}
 
-    assert report["seeds"] == [0, 1, 2] and report["samples_per_task"] == 4 and report["protocol_version"] == 1
+    assert report["seeds"] == [0, 1, 2] and report["samples_per_task"] == 4 and report["protocol_version"] == [1, 2]
     # the primary figure: per-task mean over samples, mean over seeds, minus SFT's, mean over tasks
     want = sum(
         sum(sum(rl[s]["unseen"][t]) / 4 for s in seeds) / 3 - sum(sft["unseen"][t]) / 4 for t in unseen
@@ -373,7 +374,14 @@ def test_the_report_pools_seeds_on_unseen_templates_from_per_sample_results(tmp_
     assert report["heldout_rl_minus_sft_pass"]["label"].startswith("in-distribution")
     assert report["heldout_rl_minus_sft_pass"]["tasks"] == 4
     assert report["sft_retest_minus_sft_unseen_pass"]["tasks"] == 6
-    assert report["success_rule"]["met"] == (primary["ci95"][0] > 0)
+    assert report["success_rule"]["1"]["met"] == (primary["ci95"][0] > 0)
+    # protocol version 2's figure: the same, in mean reward (these rewards are 0/1, so equal to pass)
+    reward = report["unseen_rl_minus_sft_reward"]
+    assert {k: reward[k] for k in ("mean", "ci95")} == pooled["reward_points"] and reward["seeds"] == [0, 1, 2]
+    assert set(report["unseen_rl_minus_sft_reward_by_seed"]) == {"0", "1", "2"}
+    assert report["success_rule"]["2"] == {"figure": "unseen_rl_minus_sft_reward", "met": reward["ci95"][0] > 0,
+                                           "rule": "pooled unseen RL - SFT reward 95 % CI low end > 0, with 3 RL seeds"}
+    assert set(report["curve"][0]) == {"rl_steps", "checkpoint", "unseen_rl_minus_sft_pass", "unseen_rl_minus_sft_reward"}
     assert report["targets"]["primary_set"] == "unseen"
     # per-sample rows: small, one per rollout, every checkpoint
     rows = [json.loads(line) for line in (tmp_path / "learn_samples.jsonl").read_text().splitlines()]
@@ -394,9 +402,17 @@ def test_protocol_checks_and_curve_steps(tmp_path):
     assert curve_steps(LearnConfig(run_dir=tmp_path, curve_steps="4,8", rl_steps=8)) == [4]  # 8: the final eval
     steps = [{"step": 0, "entropy_sampled": 0.12, "kl_after": 0.002},
              {"step": 1, "entropy_sampled": 0.02, "kl_after": 0.02}]
-    worse = {"tasks": 10, "pass_points": {"mean": -20.0, "ci95": [-30.0, -5.0]}}
+    worse = {"tasks": 10, "pass_points": {"mean": -20.0, "ci95": [-30.0, -5.0]},
+             "reward_points": {"mean": -1.0, "ci95": [-3.0, 1.0]}}
     checks = protocol_checks(cfg, steps, worse)
-    assert checks["collapse"] and len(checks["collapse_reasons"]) == 2
+    # (a) in version 1's metric (pass) fires, in version 2's (reward) not; (c) entropy in both
+    assert checks["collapse"] == {"1": True, "2": True}
+    assert [len(checks["collapse_reasons"][v]) for v in ("1", "2")] == [2, 1]
+    assert checks["collapse_reasons"]["1"][0].startswith("unseen pass vs SFT")
+    steady = [{"step": 0, "entropy_sampled": 0.12}, {"step": 1, "entropy_sampled": 0.1}]
+    reward_down = {"tasks": 10, "pass_points": {"mean": 0.0, "ci95": [-2.0, 2.0]},
+                   "reward_points": {"mean": -8.0, "ci95": [-12.0, -4.0]}}
+    assert protocol_checks(cfg, steady, reward_down)["collapse"] == {"1": False, "2": True}
     assert checks["kl_over_limit"] == [{"step": 1, "kl_after": 0.02}] and checks["kl_check_passed"] is False
 
 

@@ -136,8 +136,10 @@ def test_every_stage_on_tiny_sizes(tmp_path):
     # issue 44's keys: the primary figure on unseen templates, the seeds, the samples per task,
     # and every sample in a JSONL anyone can recompute them from
     assert report["seeds"] == [0] and report["samples_per_task"] == 1
-    primary = report["unseen_rl_minus_sft_pass"]
-    assert primary["ci95"][0] <= primary["mean"] <= primary["ci95"][1]
+    for version, key in ((1, "unseen_rl_minus_sft_pass"), (2, "unseen_rl_minus_sft_reward")):  # each protocol's
+        primary = report[key]
+        assert primary["ci95"][0] <= primary["mean"] <= primary["ci95"][1]
+        assert report["success_rule"][str(version)]["figure"] == key
     rows = [json.loads(line) for line in (run_dir / "learn_samples.jsonl").read_text().splitlines()]
     assert {row["set"] for row in rows} >= {"unseen", "heldout"} and {row["checkpoint"] for row in rows} >= {"sft"}
     assert "weights_load" in retest["eval"]["time_s"]  # the RL engine, the SFT weights loaded back

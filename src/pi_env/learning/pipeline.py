@@ -1222,36 +1222,47 @@ def _sequences(cfg: LearnConfig, arms: list[str]) -> dict:
     }
 
 
-PROTOCOL_VERSION = 1  # docs/learning_protocol.md: a change to what the report decides is a new version
+# docs/learning_protocol.md: a change to what the report decides is a new version, and a run is
+# reported under every version (version 1 was fixed before the first run; 2 before its RL stages).
+# Each version's decisive metric: the compared quantity of its primary figure and collapse check (a).
+PROTOCOL_METRICS = {1: "pass", 2: "reward"}
+PROTOCOL_VERSION = max(PROTOCOL_METRICS)
 
 
-def _figure(comparison: dict | None, **extra) -> dict | None:
-    """{mean, ci95} in points of a comparison's pass-rate difference, with its task count."""
+def _figure(comparison: dict | None, metric: str = "pass", **extra) -> dict | None:
+    """{mean, ci95} in points of a comparison's difference in `metric` ("pass": the pass rate,
+    protocol version 1's; "reward": the mean reward, version 2's), with its task count."""
     if not comparison or not comparison.get("tasks"):
         return None
-    return {**{k: comparison["pass_points"][k] for k in ("mean", "ci95")}, "tasks": comparison["tasks"], **extra}
+    points = comparison[f"{metric}_points"]
+    return {**{k: points[k] for k in ("mean", "ci95")}, "tasks": comparison["tasks"], **extra}
 
 
 def protocol_checks(cfg: LearnConfig, steps: list[dict], primary: dict | None) -> dict:
-    """The checks of docs/learning_protocol.md (version 1) for one RL arm. Collapse: (a) the arm's
-    primary (unseen) pass difference against SFT has a 95 % CI entirely below 0, or (b) a revisit
-    step's paired reward difference against its tasks' first visits has a CI entirely below 0
-    (`collapse_check` falls, whether or not the KL guard acted), or (c) a step's sampled-token
-    entropy is below a quarter of step 0's. KL: every update's measured KL(before||after) at most
-    kl_soft. Neither removes the arm from the pooled estimate; both are reported."""
-    reasons = []
-    if primary and primary.get("tasks") and primary["pass_points"]["ci95"][1] < 0:
-        reasons.append(f"unseen pass vs SFT: CI {primary['pass_points']['ci95']} below 0")
+    """The checks of docs/learning_protocol.md for one RL arm, under every protocol version
+    (`collapse` and `collapse_reasons` by version). Collapse: (a) the arm's unseen difference
+    against SFT has a 95 % CI entirely below 0, in the version's metric (v1 the pass rate, v2
+    the mean reward), or (b) a revisit step's paired reward difference against its tasks' first
+    visits has a CI entirely below 0 (`collapse_check` falls, whether or not the KL guard acted),
+    or (c) a step's sampled-token entropy is below a quarter of step 0's. KL: every update's
+    measured KL(before||after) at most kl_soft. Neither removes the arm from the pooled estimate;
+    both are reported."""
+    shared = []
     for fall in collapse_check(steps)["falls"]:
-        reasons.append(f"revisit step {fall['step']}: reward vs first visits CI {fall['ci95']} below 0")
+        shared.append(f"revisit step {fall['step']}: reward vs first visits CI {fall['ci95']} below 0")
     entropy = [(s["step"], s["entropy_sampled"]) for s in steps if s.get("entropy_sampled") is not None]
     for step, value in entropy[1:]:
         if value < 0.25 * entropy[0][1]:
-            reasons.append(f"step {step}: sampled entropy {value} < 1/4 of step 0's {entropy[0][1]}")
+            shared.append(f"step {step}: sampled entropy {value} < 1/4 of step 0's {entropy[0][1]}")
+    reasons = {}
+    for version, metric in PROTOCOL_METRICS.items():
+        figure = _figure(primary, metric)
+        below = [f"unseen {metric} vs SFT: CI {figure['ci95']} below 0"] if figure and figure["ci95"][1] < 0 else []
+        reasons[str(version)] = below + shared
     kls = [(s["step"], s["kl_after"]) for s in steps if s.get("kl_after") is not None]
     over = [{"step": step, "kl_after": kl} for step, kl in kls if kl > cfg.kl_soft]
     return {
-        "collapse": bool(reasons),
+        "collapse": {version: bool(found) for version, found in reasons.items()},
         "collapse_reasons": reasons,
         "kl_max": max((kl for _, kl in kls), default=None),
         "kl_limit": cfg.kl_soft,
@@ -1264,7 +1275,8 @@ def stage_report(cfg: LearnConfig) -> dict:
     """report.json, learn_samples.jsonl and learning_curve.png from whatever the run directory
     holds: a run stopped part-way is reported as far as it got (`status` says which stages
     finished). The primary figure is RL - SFT on the unseen-template set, per-task means over
-    samples, pooled over the GRPO seeds found (docs/learning_protocol.md)."""
+    samples, pooled over the GRPO seeds found, in each protocol version's metric
+    (docs/learning_protocol.md: v1 the pass rate, v2 the mean reward)."""
     from pi_env.learning.stats import compare_samples
 
     arms = _arms(cfg)
@@ -1317,8 +1329,27 @@ def stage_report(cfg: LearnConfig) -> dict:
     all_rows = [row for name in ["sft", "sft_retest", *arms, *curve_evals] for row in sample_rows(cfg, name)]
     if all_rows:
         _write_jsonl(cfg.path("learn_samples.jsonl"), all_rows)
-    primary = _figure(pooled["unseen"], seeds=seeds)
-    # The curve: the unseen-set figure of seed 0 after each kept checkpoint, then the final one.
+    # The figures of every protocol version: v1's in the pass rate, v2's in the mean reward.
+    figures: dict[str, Any] = {}
+    for metric in PROTOCOL_METRICS.values():
+        figures |= {
+            f"unseen_rl_minus_sft_{metric}": _figure(pooled["unseen"], metric, seeds=seeds),
+            f"unseen_rl_minus_sft_{metric}_by_seed": {
+                str(seed): _figure(comparisons[grpo[seed]]["unseen"], metric) for seed in seeds
+            },
+            f"heldout_rl_minus_sft_{metric}": _figure(
+                pooled["heldout"], metric, seeds=seeds, label="in-distribution: new instances of the train templates"
+            ),
+            f"unseen_rl_minus_pooled_sft_{metric}": _figure(
+                pooled_vs_both,
+                metric,
+                label="secondary: the baseline is both SFT evals pooled (eval_sft and the retest)",
+            ),
+            f"sft_retest_minus_sft_unseen_{metric}": _figure(
+                control["unseen"], metric, label="control: CI should hold 0"
+            ),
+        }
+    # The curve: the unseen-set figures of seed 0 after each kept checkpoint, then the final one.
     curve = []
     if 0 in grpo:
         points = [
@@ -1328,31 +1359,33 @@ def stage_report(cfg: LearnConfig) -> dict:
         ]
         finished = len(_jsonl(cfg.path(grpo[0], "steps.jsonl")))
         for k, name in [*sorted(points), (finished, grpo[0])]:
-            figure = _figure(compare(sft["unseen"], [eval_samples(cfg, name, "unseen")]))
-            if figure:
-                curve.append({"rl_steps": k, "checkpoint": name, "unseen_rl_minus_sft_pass": figure})
+            comparison = compare(sft["unseen"], [eval_samples(cfg, name, "unseen")])
+            if comparison and comparison.get("tasks"):
+                curve.append(
+                    {"rl_steps": k, "checkpoint": name}
+                    | {f"unseen_rl_minus_sft_{m}": _figure(comparison, m) for m in PROTOCOL_METRICS.values()}
+                )
     paired_stages = ["eval_sft", *[name for arm in arms for name in (arm, f"eval_{arm}")]]
     report = {
-        "protocol_version": PROTOCOL_VERSION,
+        # The run is reported under every version (docs/learning_protocol.md); the last is current.
+        "protocol_version": sorted(PROTOCOL_METRICS),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "status": stage_status(cfg),
-        # The primary figure (docs/learning_protocol.md): sampled pass@1 on unseen templates, per-task
-        # mean over samples, RL minus SFT in points, pooled over the GRPO seeds, paired cluster bootstrap.
-        "unseen_rl_minus_sft_pass": primary,
+        # The primary figures: on unseen templates, per-task mean over samples, RL minus SFT in
+        # points, pooled over the GRPO seeds, paired cluster bootstrap. Version 1 decides on the
+        # pass rate (unseen_rl_minus_sft_pass), version 2 on the mean reward (..._reward).
         "seeds": seeds,
         "samples_per_task": samples_per_task,
-        "unseen_rl_minus_sft_pass_by_seed": {str(seed): _figure(comparisons[grpo[seed]]["unseen"]) for seed in seeds},
-        "heldout_rl_minus_sft_pass": _figure(
-            pooled["heldout"], seeds=seeds, label="in-distribution: new instances of the train templates"
-        ),
-        "unseen_rl_minus_pooled_sft_pass": _figure(
-            pooled_vs_both, label="secondary: the baseline is both SFT evals pooled (eval_sft and the retest)"
-        ),
-        "sft_retest_minus_sft_unseen_pass": _figure(control["unseen"], label="control: CI should hold 0"),
+        **figures,
         "curve": curve,
         "success_rule": {
-            "rule": "pooled unseen RL - SFT 95 % CI low end > 0, with 3 RL seeds (docs/learning_protocol.md)",
-            "met": (primary["ci95"][0] > 0) if primary and len(seeds) >= 3 else None,
+            str(version): {
+                "figure": f"unseen_rl_minus_sft_{metric}",
+                "rule": f"pooled unseen RL - SFT {metric} 95 % CI low end > 0, with 3 RL seeds",
+                "met": (figure["ci95"][0] > 0) if figure and len(seeds) >= 3 else None,
+            }
+            for version, metric in PROTOCOL_METRICS.items()
+            for figure in [figures[f"unseen_rl_minus_sft_{metric}"]]
         },
         "samples_jsonl": str(cfg.path("learn_samples.jsonl")) if all_rows else None,
         "tasks": _read_json(cfg.path("tasks", "summary.json")),
@@ -1384,7 +1417,7 @@ def stage_report(cfg: LearnConfig) -> dict:
     report["targets"]["sft_retest_minus_sft_pass"] = _figure(control["unseen"] or control["heldout"])
     rl_arm = rl.get(cfg.rl_name)
     if rl_arm and rl_arm["steps"]:
-        report["targets"]["no_collapse"] = not rl_arm["checks"]["collapse"]
+        report["targets"]["no_collapse"] = {v: not found for v, found in rl_arm["checks"]["collapse"].items()}
     _write_json(cfg.path("report.json"), report)
     try:
         plot(report, cfg.path("learning_curve.png"))
@@ -1482,7 +1515,8 @@ def plot(report: dict, path: Path) -> None:
     targets = report["targets"]
     lines = []
     figures = [
-        (report.get("unseen_rl_minus_sft_pass"), f"GRPO - SFT, unseen, seeds {report.get('seeds')}"),
+        (report.get("unseen_rl_minus_sft_pass"), f"GRPO - SFT, unseen pass, seeds {report.get('seeds')}"),
+        (report.get("unseen_rl_minus_sft_reward"), "GRPO - SFT, unseen mean reward (protocol v2)"),
         (report.get("heldout_rl_minus_sft_pass"), "GRPO - SFT, in-distribution"),
         (targets.get("raft_minus_sft_pass"), "RAFT - SFT"),
     ]
