@@ -28,8 +28,15 @@ if [ ! -x .venv/bin/python ]; then
   echo "[bootstrap] creating .venv" >&2
   "$PY" -m venv .venv
 fi
+# A linked venv whose pi_env is another checkout's (a git worktree sharing it) is left
+# alone: an editable install from here would point every checkout using it at this one.
+here=$(pwd -P)
+installed=$(env -u PYTHONPATH .venv/bin/python -c "import importlib.util as u; s = u.find_spec('pi_env')
+print(s.origin if s else '')" 2>/dev/null || true)
+if [ -L .venv ] && [ -n "$installed" ] && [ "${installed#"$here/src/"}" = "$installed" ]; then
+  echo "[bootstrap] .venv's pi_env is $installed, not this checkout's: not reinstalling it from $here" >&2
 # find_spec, not import: openenv alone takes seconds to import.
-if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
+elif ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
     ['pi_env', 'pytest', 'pytest_timeout', 'ruff', 'mypy', 'openenv', 'mcp', 'rich', 'datasets', 'ray', 'playwright', 'mkdocs']))" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.pi-env-installed ]; then
   echo "[bootstrap] installing pi-env into .venv" >&2
