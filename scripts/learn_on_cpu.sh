@@ -4,12 +4,14 @@
 # (unseen templates, primary; in-distribution held out) -> on-policy GRPO through the real Pi ->
 # the same evals, then the curve checkpoints' and the SFT retest's, then report.json (the paired
 # differences with their 95 % CIs; docs/learning_protocol.md) and learning_curve.png in the run
-# directory. Every stage resumes from its outputs: run the same command again after an
-# interruption; `--rl-seed 1` and `--rl-seed 2` add the other RL seeds from the same SFT checkpoint.
+# directory. The RL seeds (RL_SEEDS, default the protocol's three: 0 1 2) each start from the same
+# SFT checkpoint, one after the other; the stages a seed shares with the others (tasks to eval_sft,
+# the curve of seed 0, the retest) run once. Every stage resumes from its outputs: run the same
+# command again after an interruption.
 #
 #   bash scripts/learn_on_cpu.sh                       # the full run (RUN_DIR=runs/learn_on_cpu)
-#   RUN_DIR=/tmp/tiny bash scripts/learn_on_cpu.sh --n-train 4 --n-eval 2 --n-heldout 4 --rl-steps 2
-#   bash scripts/learn_on_cpu.sh --rl-algorithm raft  # the RAFT arm on the same run directory
+#   RL_SEEDS=0 RUN_DIR=/tmp/tiny bash scripts/learn_on_cpu.sh --n-train 4 --n-eval 2 --n-heldout 4 --rl-steps 2
+#   RL_SEEDS=0 bash scripts/learn_on_cpu.sh --rl-algorithm raft  # the RAFT arm on the same run directory
 #
 # Options go to `python -m pi_env.learning` (see its --help): sizes, budgets, learning rates.
 # The trainer runs in the engine venv (torch + transformers + vLLM; bash scripts/engines/install.sh),
@@ -24,6 +26,9 @@ ENGINE_PY=$PI_ENV_ENGINES_DIR/vllm-venv/bin/python
 bash scripts/engines/install.sh vllm   # idempotent: the engine venv (renderers for token-in) and the model
 mkdir -p "$RUN_DIR"
 export PYTHONPATH=$PWD/src HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft probe eval_sft rl eval_rl eval_curve retest_sft --run-dir "$RUN_DIR" "$@"
+for seed in ${RL_SEEDS:-0 1 2}; do
+  nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft probe eval_sft rl eval_rl eval_curve retest_sft \
+    --run-dir "$RUN_DIR" --rl-seed "$seed" "$@"
+done
 PYTHONPATH=$PWD/src .venv/bin/python -m pi_env.learning report --run-dir "$RUN_DIR" "$@"
 echo "[learn] report: $RUN_DIR/report.json, plot: $RUN_DIR/learning_curve.png"
