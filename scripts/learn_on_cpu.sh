@@ -25,6 +25,19 @@ ENGINE_PY=$PI_ENV_ENGINES_DIR/vllm-venv/bin/python
 [ -x .venv/bin/python ] || bash scripts/bootstrap.sh            # Pi, bubblewrap, the main venv
 bash scripts/engines/install.sh vllm   # idempotent: the engine venv (renderers for token-in) and the model
 mkdir -p "$RUN_DIR"
+# Every start and end of this script in the run directory's log, which the report lists (the
+# protocol reports every run started, stopped or failed ones too), with the code it ran.
+log_run() {
+  local commit
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  git diff --quiet HEAD 2>/dev/null || commit="$commit+uncommitted"
+  echo "$(date -u +%FT%TZ) $1 commit $commit rl_seeds ${RL_SEEDS:-0 1 2} load $(cut -d' ' -f1-3 /proc/loadavg) args: ${*:2}" \
+    >> "$RUN_DIR/runs_started.txt"
+}
+log_run start "$@"
+trap 'log_run "end exit=$?"' EXIT
+trap 'exit 143' TERM  # stopped by its process group (kill -TERM -- -PGID): logged as exit=143
+trap 'exit 130' INT
 export PYTHONPATH=$PWD/src HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 for seed in ${RL_SEEDS:-0 1 2}; do
   nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft probe eval_sft rl eval_rl eval_curve retest_sft \

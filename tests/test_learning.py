@@ -354,7 +354,10 @@ def test_the_report_pools_seeds_on_unseen_templates_from_per_sample_results(tmp_
               "group_rewards": {}, "mean_reward": 0.5, "pass_rate": 0.5} for k in range(8)]
     (tmp_path / "rl" / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     _fake_eval(cfg, "rl_step4", {"unseen": draw(unseen, 0.5)})  # a curve checkpoint (eval_curve)
+    runs = ["2026-12-06T10:15:34Z start commit aff8787", "2026-12-06T13:01:26Z end exit=143"]
+    (tmp_path / "runs_started.txt").write_text("\n".join(runs) + "\n")
     report = stage_report(cfg)
+    assert report["runs_log"] == runs  # every start and stop, as learn_on_cpu.sh logged them
     assert [(p["rl_steps"], p["checkpoint"]) for p in report["curve"]] == [(4, "rl_step4"), (8, "rl")]
     assert report["stages"]["rl"]["checks"] == {"collapse": {"1": False, "2": False},
                                                 "collapse_reasons": {"1": [], "2": []}, "kl_max": 1e-4,

@@ -1371,6 +1371,9 @@ def stage_report(cfg: LearnConfig) -> dict:
         "protocol_version": sorted(PROTOCOL_METRICS),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "status": stage_status(cfg),
+        # Every start, stop and end of the run, with its commit and load (scripts/learn_on_cpu.sh
+        # writes them; the protocol reports every run started, stopped or failed ones too).
+        "runs_log": _lines(cfg.path(RUNS_LOG)),
         # The primary figures: on unseen templates, per-task mean over samples, RL minus SFT in
         # points, pooled over the GRPO seeds, paired cluster bootstrap. Version 1 decides on the
         # pass rate (unseen_rl_minus_sft_pass), version 2 on the mean reward (..._reward).
@@ -1424,6 +1427,13 @@ def stage_report(cfg: LearnConfig) -> dict:
     except ImportError as error:
         log(f"no plot ({error}): install matplotlib (pi-env[collect])")
     return report
+
+
+RUNS_LOG = "runs_started.txt"
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.is_file() else []
 
 
 def _error_kinds(path: Path) -> dict[str, int]:
