@@ -430,3 +430,32 @@ def test_stage_status_lists_the_curve_checkpoints(tmp_path):
     assert [status[f"eval_curve_step{k}"] for k in (2, 4, 6)] == ["done", "in progress or stopped", "not started"]
     assert status["tasks"] == "not started" and status["eval_sft"] == "not started"
     assert "eval_curve_step2" not in stage_status(LearnConfig(run_dir=tmp_path, rl_seed=1))  # seed 0's only
+
+
+def test_a_stage_stopped_part_way_keeps_its_time_and_adds_it_when_it_resumes(tmp_path, monkeypatch):
+    import time
+
+    from pi_env.learning import pipeline
+
+    cfg = LearnConfig(run_dir=tmp_path)
+    real = pipeline.stage_tasks
+
+    def stopped(cfg):  # SIGTERM arrives as SystemExit (pi_env.learning.__main__)
+        time.sleep(3.0)  # longer than the real stage takes, so only the sum can reach it
+        raise SystemExit(143)
+
+    monkeypatch.setattr(pipeline, "stage_tasks", stopped)
+    with pytest.raises(SystemExit):
+        pipeline.run_stage(cfg, "tasks", pipeline.Engines(cfg))
+    assert json.loads((tmp_path / "stage_partial_times.json").read_text())["tasks"] >= 3.0
+    assert not (tmp_path / "stage_times.json").exists()  # not done: no stage time yet
+
+    monkeypatch.setattr(pipeline, "stage_tasks", real)
+    pipeline.run_stage(cfg, "tasks", pipeline.Engines(cfg))
+    times = json.loads((tmp_path / "stage_times.json").read_text())
+    assert times["tasks"] >= 3.0  # the stopped run's time plus the resumed one's
+    assert json.loads((tmp_path / "stage_partial_times.json").read_text()) == {}
+    assert set(json.loads((tmp_path / "stage_load.json").read_text())) == {"tasks"}
+
+    pipeline.run_stage(cfg, "tasks", pipeline.Engines(cfg))  # done already: the time stays
+    assert json.loads((tmp_path / "stage_times.json").read_text()) == times

@@ -1566,46 +1566,62 @@ def plot(report: dict, path: Path) -> None:
 
 
 def run_stage(cfg: LearnConfig, stage: str, engines: Engines) -> dict:
+    """Run one stage and record its wall time and the load average at its end. A stage stopped
+    or failed part-way keeps the time it spent (stage_partial_times.json) and adds it when it
+    resumes, so a stage split over sessions reports its whole time; a stage already done, which
+    returns at once from its outputs, keeps the time of the runs that did the work."""
+    if stage == "report":
+        return stage_report(cfg)
+    key = {"rl": cfg.rl_name, "eval_rl": f"eval_{cfg.rl_name}", "eval_curve": f"eval_curve_{cfg.rl_name}"}.get(
+        stage, stage
+    )
+    times_path, partial_path = cfg.path("stage_times.json"), cfg.path("stage_partial_times.json")
+    done_before = key in (_read_json(times_path) or {})
     started = time.monotonic()
+    try:
+        result = _stage(cfg, stage, engines)
+    except BaseException:  # SIGTERM is SystemExit here (__main__): the time so far is kept
+        if not done_before:
+            partial = _read_json(partial_path) or {}
+            partial[key] = round(partial.get(key, 0) + time.monotonic() - started, 1)
+            _write_json(partial_path, partial)
+        raise
+    if not done_before:
+        partial = _read_json(partial_path) or {}
+        times = _read_json(times_path) or {}
+        times[key] = round(partial.pop(key, 0) + time.monotonic() - started, 1)
+        _write_json(times_path, times)
+        _write_json(partial_path, partial)
+        # The machine is shared: each figure with the 1/5/15-min load average at its end.
+        loads = _read_json(cfg.path("stage_load.json")) or {}
+        loads[key] = [round(v, 2) for v in os.getloadavg()]
+        _write_json(cfg.path("stage_load.json"), loads)
+    return result
+
+
+def _stage(cfg: LearnConfig, stage: str, engines: Engines) -> dict:
     if stage in ("tasks", "oracle", "sft"):
         engines.close()  # CPU work that needs no engine: an idle vLLM would only hold memory
     if stage == "tasks":
         result = stage_tasks(cfg)
         _write_json(cfg.path("tasks", "summary.json"), result)
-    elif stage == "oracle":
-        result = stage_oracle(cfg)
-    elif stage == "eval_base":
-        result = stage_eval(cfg, "base", cfg.base_model, engines)
-    elif stage == "sft":
-        result = stage_sft(cfg)
-    elif stage == "probe":
-        result = stage_probe(cfg, engines)
-    elif stage == "eval_sft":
-        result = stage_eval(cfg, "sft", cfg.path("sft", "policy"), engines)
-    elif stage == "rl":
-        result = stage_rl(cfg, engines)
-    elif stage == "eval_rl":
-        result = stage_eval(cfg, cfg.rl_name, cfg.path(cfg.rl_name, "policy"), engines)
-    elif stage == "eval_curve":
-        result = stage_eval_curve(cfg, engines)
-    elif stage == "retest_sft":
-        result = stage_eval(cfg, "sft_retest", cfg.path("sft", "policy"), engines)
-    elif stage == "report":
-        return stage_report(cfg)
-    else:
-        raise SystemExit(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
-    times_path = cfg.path("stage_times.json")
-    times = _read_json(times_path) or {}
-    # A stage resumed from its outputs takes ~0 s now: keep the time of the run that did the work.
-    key = {"rl": cfg.rl_name, "eval_rl": f"eval_{cfg.rl_name}", "eval_curve": f"eval_curve_{cfg.rl_name}"}.get(
-        stage, stage
-    )
-    elapsed = round(time.monotonic() - started, 1)
-    if elapsed > times.get(key, 0):
-        times[key] = elapsed
-        # The machine is shared: each figure with the 1/5/15-min load average at its end.
-        loads = _read_json(cfg.path("stage_load.json")) or {}
-        loads[key] = [round(v, 2) for v in os.getloadavg()]
-        _write_json(cfg.path("stage_load.json"), loads)
-    _write_json(times_path, times)
-    return result
+        return result
+    if stage == "oracle":
+        return stage_oracle(cfg)
+    if stage == "eval_base":
+        return stage_eval(cfg, "base", cfg.base_model, engines)
+    if stage == "sft":
+        return stage_sft(cfg)
+    if stage == "probe":
+        return stage_probe(cfg, engines)
+    if stage == "eval_sft":
+        return stage_eval(cfg, "sft", cfg.path("sft", "policy"), engines)
+    if stage == "rl":
+        return stage_rl(cfg, engines)
+    if stage == "eval_rl":
+        return stage_eval(cfg, cfg.rl_name, cfg.path(cfg.rl_name, "policy"), engines)
+    if stage == "eval_curve":
+        return stage_eval_curve(cfg, engines)
+    if stage == "retest_sft":
+        return stage_eval(cfg, "sft_retest", cfg.path("sft", "policy"), engines)
+    raise SystemExit(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
