@@ -19,6 +19,17 @@ MODES = ("black_box", "transparent_proxy", "interception_gate")
 BUILTIN_ERRORS = {"Exception", "ValueError", "RuntimeError", "OSError", "TypeError", "KeyError", "LookupError"}
 
 
+def python(src: Path, code: str) -> str:
+    """What `code` prints, run in a fresh interpreter that sees only `src`'s pi_env."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"},
+        check=True,
+    ).stdout
+
+
 def figures(src: Path) -> dict:
     package = src / "pi_env"
     modules = sorted(package.rglob("*.py"))
@@ -36,34 +47,24 @@ def figures(src: Path) -> dict:
                 mode_literals += 1
     by_name = {key.split(":")[1]: bases for key, (bases, _) in classes.items()}
 
-    def is_error(name: str, seen: frozenset = frozenset()) -> bool:
-        if name in BUILTIN_ERRORS:
+    def reaches(name: str, roots: set[str], seen: frozenset = frozenset()) -> bool:
+        """`name` is one of `roots` or has one among its bases, however deep."""
+        if name in roots:
             return True
-        return name not in seen and any(is_error(b, seen | {name}) for b in by_name.get(name, []))
+        return name not in seen and any(reaches(b, roots, seen | {name}) for b in by_name.get(name, []))
 
     has_base = "pi_env/errors.py:PiEnvError" in classes  # the error tree's root (issue 45)
 
-    def under_base(name: str, seen: frozenset = frozenset()) -> bool:
-        if has_base and name == "PiEnvError":
-            return True
-        return name not in seen and any(under_base(b, seen | {name}) for b in by_name.get(name, []))
+    def is_error(name: str) -> bool:
+        return reaches(name, BUILTIN_ERRORS)
+
+    def under_base(name: str) -> bool:
+        return has_base and reaches(name, {"PiEnvError"})
 
     errors = [k for k in classes if is_error(k.split(":")[1]) and not k.startswith("pi_env/testing")]
     outside = [k for k in errors if not under_base(k.split(":")[1])]
-    loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, pi_env; print(sorted(m for m in sys.modules if m.startswith('pi_env')))"],
-        capture_output=True,
-        text=True,
-        env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"},
-        check=True,
-    ).stdout
-    config_fields = subprocess.run(
-        [sys.executable, "-c", "from pi_env.config import PiConfig; print(len(PiConfig.model_fields))"],
-        capture_output=True,
-        text=True,
-        env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"},
-        check=True,
-    ).stdout.strip()
+    loaded = python(src, "import sys, pi_env; print(sorted(m for m in sys.modules if m.startswith('pi_env')))")
+    config_fields = python(src, "from pi_env.config import PiConfig; print(len(PiConfig.model_fields))").strip()
     most_methods = sorted(classes.items(), key=lambda kv: -kv[1][1])[:8]
     return {
         "modules": len(modules),

@@ -1226,7 +1226,6 @@ def _sequences(cfg: LearnConfig, arms: list[str]) -> dict:
 # reported under every version (version 1 was fixed before the first run; 2 before its RL stages).
 # Each version's decisive metric: the compared quantity of its primary figure and collapse check (a).
 PROTOCOL_METRICS = {1: "pass", 2: "reward"}
-PROTOCOL_VERSION = max(PROTOCOL_METRICS)
 
 
 def _figure(comparison: dict | None, metric: str = "pass", **extra) -> dict | None:
@@ -1466,9 +1465,7 @@ def _targets(cfg: LearnConfig, comparisons: dict) -> dict:
         comparison = by_set.get(kind)
         if algorithm == "grpo" or comparison:
             targets[f"{name}_minus_sft_pass"] = _figure(comparison)
-            targets[f"{name}_minus_sft_reward"] = (
-                {k: comparison["reward_points"][k] for k in ("mean", "ci95")} if comparison else None
-            )
+            targets[f"{name}_minus_sft_reward"] = _figure(comparison, "reward")
             targets[f"{name}_mcnemar_p" if name != "rl" else "mcnemar_p"] = (
                 (comparison.get("mcnemar") or {}).get("p") if comparison else None
             )
