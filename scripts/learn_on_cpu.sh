@@ -25,16 +25,17 @@ ENGINE_PY=$PI_ENV_ENGINES_DIR/vllm-venv/bin/python
 [ -x .venv/bin/python ] || bash scripts/bootstrap.sh            # Pi, bubblewrap, the main venv
 bash scripts/engines/install.sh vllm   # idempotent: the engine venv (renderers for token-in) and the model
 mkdir -p "$RUN_DIR"
+RUN_ARGS="$*"
 # Every start and end of this script in the run directory's log, which the report lists (the
 # protocol reports every run started, stopped or failed ones too), with the code it ran.
 log_run() {
   local commit
   commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
   git diff --quiet HEAD 2>/dev/null || commit="$commit+uncommitted"
-  echo "$(date -u +%FT%TZ) $1 commit $commit rl_seeds ${RL_SEEDS:-0 1 2} load $(cut -d' ' -f1-3 /proc/loadavg) args: ${*:2}" \
+  echo "$(date -u +%FT%TZ) $1 commit $commit rl_seeds ${RL_SEEDS:-0 1 2} load $(cut -d' ' -f1-3 /proc/loadavg) args: $RUN_ARGS" \
     >> "$RUN_DIR/runs_started.txt"
 }
-log_run start "$@"
+log_run start
 trap 'log_run "end exit=$?"' EXIT
 trap 'exit 143' TERM  # stopped by its process group (kill -TERM -- -PGID): logged as exit=143
 trap 'exit 130' INT
