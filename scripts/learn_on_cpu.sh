@@ -5,9 +5,9 @@
 # the same evals, then the curve checkpoints' and the SFT retest's, then report.json (the paired
 # differences with their 95 % CIs; docs/learning_protocol.md) and learning_curve.png in the run
 # directory. The RL seeds (RL_SEEDS, default the protocol's three: 0 1 2) each start from the same
-# SFT checkpoint, one after the other; the stages a seed shares with the others (tasks to eval_sft,
-# the curve of seed 0, the retest) run once. Every stage resumes from its outputs: run the same
-# command again after an interruption.
+# SFT checkpoint, one after the other; the stages a seed shares with the others (tasks to eval_sft)
+# run once, then the curve of the first seed and the SFT retest. Every stage resumes from its
+# outputs: run the same command again after an interruption.
 #
 #   bash scripts/learn_on_cpu.sh                       # the full run (RUN_DIR=runs/learn_on_cpu)
 #   RL_SEEDS=0 RUN_DIR=/tmp/tiny bash scripts/learn_on_cpu.sh --n-train 4 --n-eval 2 --n-heldout 4 --rl-steps 2
@@ -40,9 +40,13 @@ trap 'log_run "end exit=$?"' EXIT
 trap 'exit 143' TERM  # stopped by its process group (kill -TERM -- -PGID): logged as exit=143
 trap 'exit 130' INT
 export PYTHONPATH=$PWD/src HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-for seed in ${RL_SEEDS:-0 1 2}; do
-  nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft probe eval_sft rl eval_rl eval_curve retest_sft \
+SEEDS=(${RL_SEEDS:-0 1 2})
+# What decides first (protocol version 3): SFT and its eval, then each seed's RL and eval; the
+# curve (the first seed's kept checkpoints) and the SFT retest decide nothing and come last.
+for seed in "${SEEDS[@]}"; do
+  nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft probe eval_sft rl eval_rl \
     --run-dir "$RUN_DIR" --rl-seed "$seed" "$@"
 done
+nice -n 10 "$ENGINE_PY" -m pi_env.learning eval_curve retest_sft --run-dir "$RUN_DIR" --rl-seed "${SEEDS[0]}" "$@"
 PYTHONPATH=$PWD/src .venv/bin/python -m pi_env.learning report --run-dir "$RUN_DIR" "$@"
 echo "[learn] report: $RUN_DIR/report.json, plot: $RUN_DIR/learning_curve.png"

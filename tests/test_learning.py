@@ -400,7 +400,7 @@ def test_protocol_checks_and_curve_steps(tmp_path):
     from pi_env.learning.pipeline import curve_steps, protocol_checks
 
     cfg = LearnConfig(run_dir=tmp_path)
-    assert curve_steps(cfg) == [2, 4, 6]
+    assert curve_steps(cfg) == [3, 6]
     assert curve_steps(LearnConfig(run_dir=tmp_path, rl_seed=1)) == []  # the curve is seed 0's
     assert curve_steps(LearnConfig(run_dir=tmp_path, curve_steps="4,8", rl_steps=8)) == [4]  # 8: the final eval
     steps = [{"step": 0, "entropy_sampled": 0.12, "kl_after": 0.002},
@@ -422,14 +422,14 @@ def test_protocol_checks_and_curve_steps(tmp_path):
 def test_stage_status_lists_the_curve_checkpoints(tmp_path):
     from pi_env.learning.pipeline import stage_status
 
-    cfg = LearnConfig(run_dir=tmp_path)
+    cfg = LearnConfig(run_dir=tmp_path, curve_steps="2,4,6")
     (tmp_path / "eval_rl_step2").mkdir()
     (tmp_path / "eval_rl_step2" / "summary.json").write_text("{}")
     (tmp_path / "eval_rl_step4").mkdir()  # stopped part-way: no summary yet
     status = stage_status(cfg)
     assert [status[f"eval_curve_step{k}"] for k in (2, 4, 6)] == ["done", "in progress or stopped", "not started"]
     assert status["tasks"] == "not started" and status["eval_sft"] == "not started"
-    assert "eval_curve_step2" not in stage_status(LearnConfig(run_dir=tmp_path, rl_seed=1))  # seed 0's only
+    assert "eval_curve_step2" not in stage_status(LearnConfig(run_dir=tmp_path, curve_steps="2,4,6", rl_seed=1))  # seed 0's only
 
 
 def test_a_stage_stopped_part_way_keeps_its_time_and_adds_it_when_it_resumes(tmp_path, monkeypatch):

@@ -73,8 +73,8 @@ class LearnConfig:
     # and rl_excluded_family): `unseen` (primary) draws only templates no other split uses;
     # `heldout` (in-distribution, reported beside it) fresh instances of the train templates.
     # tasks/unseen.jsonl and tasks/heldout.jsonl hold this many of every family.
-    n_unseen: int = 120
-    n_heldout: int = 40
+    n_unseen: int = 70
+    n_heldout: int = 20
     samples_per_task: int = 4
     families: list[str] | None = None
     # rollouts
@@ -125,7 +125,7 @@ class LearnConfig:
     # The curve (docs/learning_protocol.md): RL seed 0 keeps its checkpoint after these many steps
     # (<arm>/checkpoint_K/) and `eval_curve` evaluates each on the unseen set; the last step's is
     # eval_rl's. Comma-separated; "": none.
-    curve_steps: str = "2,4,6"
+    curve_steps: str = "3,6"
     kl_soft: float = 0.01  # KL(before || after) of an update above this halves the lr from then on
     kl_hard: float = 0.03  # above this the update is rolled back (and the lr halved)
     clip_eps: float = 0.2
