@@ -12,6 +12,7 @@
 #   bash scripts/learn_on_cpu.sh                       # the full run (RUN_DIR=runs/learn_on_cpu)
 #   RL_SEEDS=0 RUN_DIR=/tmp/tiny bash scripts/learn_on_cpu.sh --n-train 4 --n-eval 2 --n-heldout 4 --rl-steps 2
 #   RL_SEEDS=0 bash scripts/learn_on_cpu.sh --rl-algorithm raft  # the RAFT arm on the same run directory
+#   RUN_DIR=runs/learn_v3 STATE_DIR=runs/learn_v3.state bash scripts/learn_on_cpu.sh  # carried across machines
 #
 # Options go to `python -m pi_env.learning` (see its --help): sizes, budgets, learning rates.
 # The trainer runs in the engine venv (torch + transformers + vLLM; bash scripts/engines/install.sh),
@@ -25,6 +26,15 @@ ENGINE_PY=$PI_ENV_ENGINES_DIR/vllm-venv/bin/python
 [ -x .venv/bin/python ] || bash scripts/bootstrap.sh            # Pi, bubblewrap, the main venv
 bash scripts/engines/install.sh vllm   # idempotent: the engine venv (renderers for token-in) and the model
 mkdir -p "$RUN_DIR"
+SEEDS=(${RL_SEEDS:-0 1 2})
+# STATE_DIR (e.g. runs/learn_v3.state, committed): the run's records without its weights, restored
+# before each invocation and packed after it, so the run goes on on another machine (the
+# checkpoints are rebuilt there and checked against their digests: pi_env.learning.state).
+STATE=()
+if [ -n "${STATE_DIR:-}" ]; then
+  STATE=(--state-dir "$STATE_DIR")
+  PYTHONPATH=$PWD/src .venv/bin/python -m pi_env.learning restore --run-dir "$RUN_DIR" "${STATE[@]}"
+fi
 RUN_ARGS="$*"
 # Every start and end of this script in the run directory's log, which the report lists (the
 # protocol reports every run started, stopped or failed ones too), with the code it ran.
@@ -36,17 +46,23 @@ log_run() {
     >> "$RUN_DIR/runs_started.txt"
 }
 log_run start
-trap 'log_run "end exit=$?"' EXIT
+end_run() {
+  local code=$?
+  log_run "end exit=$code"
+  # the end line too goes with the state
+  [ -z "${STATE_DIR:-}" ] || PYTHONPATH=$PWD/src .venv/bin/python -m pi_env.learning pack --run-dir "$RUN_DIR" "${STATE[@]}"
+}
+trap end_run EXIT
 trap 'exit 143' TERM  # stopped by its process group (kill -TERM -- -PGID): logged as exit=143
 trap 'exit 130' INT
 export PYTHONPATH=$PWD/src HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-SEEDS=(${RL_SEEDS:-0 1 2})
 # What decides first (protocol version 3): SFT and its eval, then each seed's RL and eval; the
 # curve (the first seed's kept checkpoints) and the SFT retest decide nothing and come last.
 for seed in "${SEEDS[@]}"; do
   nice -n 10 "$ENGINE_PY" -m pi_env.learning tasks oracle eval_base sft probe eval_sft rl eval_rl \
-    --run-dir "$RUN_DIR" --rl-seed "$seed" "$@"
+    --run-dir "$RUN_DIR" --rl-seed "$seed" "${STATE[@]}" "$@"
 done
-nice -n 10 "$ENGINE_PY" -m pi_env.learning eval_curve retest_sft --run-dir "$RUN_DIR" --rl-seed "${SEEDS[0]}" "$@"
-PYTHONPATH=$PWD/src .venv/bin/python -m pi_env.learning report --run-dir "$RUN_DIR" "$@"
+nice -n 10 "$ENGINE_PY" -m pi_env.learning eval_curve retest_sft --run-dir "$RUN_DIR" --rl-seed "${SEEDS[0]}" \
+  "${STATE[@]}" "$@"
+PYTHONPATH=$PWD/src .venv/bin/python -m pi_env.learning report --run-dir "$RUN_DIR" "${STATE[@]}" "$@"
 echo "[learn] report: $RUN_DIR/report.json, plot: $RUN_DIR/learning_curve.png"

@@ -34,6 +34,7 @@ a command exits with because of it.
     │   │   └── CapturePoolClosed
     │   ├── ServerBusy (RuntimeError)         the server's slots           pi_env.server.limiter
     │   ├── WorkerLost                        a Ray worker or node died    pi_env.collect.executors
+    │   ├── RebuildMismatch (RuntimeError)    a carried run's checkpoint   pi_env.learning.state
     │   ├── EndpointFailure                  "endpoint_error"           EXIT_INFRA (3), retried
     │   │   └── ReplicasFailed (aiohttp.ClientError)                       pi_env.proxy.wire
     │   └── GateTimeout                      "gate_timeout"             0 (the trainer's)

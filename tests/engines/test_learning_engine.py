@@ -88,7 +88,7 @@ def test_every_stage_on_tiny_sizes(tmp_path):
     args = ["--run-dir", str(run_dir), "--n-train", "3", "--n-eval", "2", "--n-rl", "6", "--n-heldout", "2",
             "--n-unseen", "2", "--samples-per-task", "1", "--families", "write_file,fix_bug", "--sft-epochs", "2", "--sft-batch", "3",
             "--probe-tasks-per-family", "1", "--probe-samples", "2", "--rl-steps", "2", "--rl-tasks-per-step", "1",
-            "--group-size", "4", "--no-skip-flat-revisits", "--max-turns", "4", "--max-tokens", "96",
+            "--group-size", "4", "--no-skip-flat-revisits", "--max-turns", "4", "--max-tokens", "96", "--curve-steps", "1",
             "--agent-timeout-s", "180", "--engine-port", str(free_port()), "--base-model", str(MODEL_DIR)]
     stages = ["tasks", "oracle", "eval_base", "sft", "probe", "eval_sft", "rl", "eval_rl", "retest_sft"]
     out = subprocess.run(["nice", "-n", "10", str(ENGINE_PYTHON), "-m", "pi_env.learning", *stages, *args],
@@ -179,6 +179,118 @@ def test_every_stage_on_tiny_sizes(tmp_path):
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "vLLM" not in again.stderr and "sft step" not in again.stdout
+
+    # Carried to another machine (pi_env.learning.state): the run packed, restored into a new run
+    # directory without any weights, and every checkpoint rebuilt there (SFT trained again, both
+    # RL arms replayed from their stored steps), each with the digest recorded when it was made.
+    weights = json.loads((run_dir / "weights.json").read_text())
+    assert set(weights) == {"sft/policy", "rl/policy", "rl/checkpoint_1", "rl_raft/policy"}
+    assert weights["rl/checkpoint_1"]["steps"] == 1 and weights["rl/policy"]["steps"] == 2
+    carried = tmp_path / "carried"
+
+    def learning(*command, run=carried, timeout=1200):
+        return subprocess.run([str(ENGINE_PYTHON), "-m", "pi_env.learning", *command,
+                               *[str(run) if a == str(run_dir) else a for a in args], "--state-dir", str(tmp_path / "state")],
+                              env=_engine_env(), capture_output=True, text=True, timeout=timeout)
+
+    packed = learning("pack", run=run_dir)
+    assert packed.returncode == 0, packed.stderr[-3000:]
+    assert not list((tmp_path / "state").rglob("*.safetensors"))
+    rebuilt = learning("rebuild")
+    assert rebuilt.returncode == 0, rebuilt.stdout[-3000:] + rebuilt.stderr[-3000:]
+    assert json.loads((carried / "weights.json").read_text()) == weights  # the same weights, all four
+    for checkpoint in weights:
+        assert (carried / checkpoint / "model.safetensors").is_file()
+    assert "replayed 2 steps" in rebuilt.stdout and "replayed 1 steps" in rebuilt.stdout  # rl, rl_raft
+    assert (carried / "sft" / "rebuild_history.jsonl").is_file()  # the run's own history is kept as it was
+    assert (carried / "sft" / "history.jsonl").read_text() == (run_dir / "sft" / "history.jsonl").read_text()
+    # Broken on purpose: other training data cannot pass for the run's checkpoints.
+    if trained:  # the replay of an RL step whose rewards were changed
+        changed = next(f"step_{s['step']}" for s in steps if s["trained_rows"])
+        store = carried / "rl" / changed / "results.jsonl"
+        store.write_text("".join(json.dumps({**json.loads(line), "reward": 0.0}) + "\n"
+                                 for line in store.read_text().splitlines()))
+        for checkpoint in ("rl/policy", "rl/checkpoint_1"):
+            subprocess.run(["rm", "-r", str(carried / checkpoint)], check=True)
+        tampered = learning("rebuild")
+        assert tampered.returncode != 0 and "RebuildMismatch" in tampered.stderr, tampered.stderr[-2000:]
+    other = tmp_path / "other"  # SFT trained again on a changed conversation
+    assert learning("restore", run=other).returncode == 0
+    export = other / "oracle" / "exports" / "sft.jsonl"
+    first, *rest = export.read_text().splitlines()
+    conversation = json.loads(first)
+    message = next(m for m in conversation["messages"] if isinstance(m.get("content"), str) and m["content"])
+    message["content"] += " (changed)"
+    export.write_text("\n".join([json.dumps(conversation), *rest]) + "\n")
+    tampered = learning("rebuild", run=other)
+    assert tampered.returncode != 0 and "sft/policy rebuilt" in tampered.stderr, tampered.stderr[-2000:]
+    assert not (other / "sft" / "policy").exists()
+
+
+REPLAY = textwrap.dedent("""
+    import json, shutil, sys
+    from pathlib import Path
+    from pi_env.learning import pipeline, state
+    from pi_env.learning.pipeline import LearnConfig
+
+    run, mode = Path(sys.argv[1]), sys.argv[2]
+    cfg = LearnConfig(run_dir=run, base_model=Path(sys.argv[3]), rl_steps=2, curve_steps="1", rl_train_layers=2)
+    if mode == "rebuild":
+        print(json.dumps(pipeline.rebuild_checkpoints(cfg)))
+        sys.exit(0)
+    # The live arm: the base model as its SFT checkpoint, two steps on mixed groups of stored
+    # rollouts (no engine: their old logprobs are unknown, so each ratio starts at 1).
+    shutil.copytree(cfg.base_model, run / "sft" / "policy")
+    (run / "sft" / "summary.json").write_text("{}")
+    state.record_weights(run, "sft/policy")
+    model, tokenizer, optimizer = pipeline._rl_start(cfg)
+    for step in range(2):
+        records = []
+        for i, reward in enumerate([1.0, 0.0, 0.5, 0.0]):
+            ids = tokenizer(f"step {step} sample {i}: def f(x):\\n    return x * {i + 2}")["input_ids"]
+            segment = {"token_ids": ids, "loss_mask": [0] * 4 + [1] * (len(ids) - 4), "logprobs": [None] * len(ids)}
+            records.append({"id": f"t#{i}", "task_id": "t", "group_id": "t", "group_index": i, "reward": reward,
+                            "training": {"segments": [segment]}})
+        store = run / "rl" / f"step_{step}"
+        store.mkdir(parents=True)
+        (store / "results.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in records))
+        updates = pipeline._rl_update(cfg, model, optimizer, records, 1e-4)
+        assert updates[0]["rows"] == 4 and updates[0]["kl_after"] > 0, updates
+        pipeline._save_rl_checkpoints(cfg, model, tokenizer, step, ["checkpoint_1", "policy"][step:], replayed=False)
+        with open(run / "rl" / "steps.jsonl", "a") as handle:
+            handle.write(json.dumps({"step": step, "lr": 1e-4, "updates": updates}) + "\\n")
+""")
+
+
+def test_a_carried_rl_arm_replays_to_the_same_weights_and_other_rollouts_cannot(tmp_path):
+    """The replay that brings an RL arm back on another machine (or resumes a stopped RL stage
+    with the uninterrupted run's Adam moments): the same updates on the stored rollouts give
+    bit-identical checkpoints; changed rollouts are refused, and their checkpoint removed."""
+    run = tmp_path / "run"
+
+    def replay(mode):
+        return subprocess.run([str(ENGINE_PYTHON), "-c", REPLAY, str(run), mode, str(MODEL_DIR)], env=_engine_env(),
+                              capture_output=True, text=True, timeout=900)
+
+    live = replay("live")
+    assert live.returncode == 0, live.stderr[-3000:]
+    weights = json.loads((run / "weights.json").read_text())
+    digests = {name: facts["sha256"] for name, facts in weights.items()}
+    assert len(set(digests.values())) == 3  # SFT, after step 1, after step 2: each update moved the weights
+    assert weights["rl/checkpoint_1"]["steps"] == 1 and weights["rl/policy"]["steps"] == 2
+    for checkpoint in ("rl/policy", "rl/checkpoint_1"):
+        subprocess.run(["rm", "-r", str(run / checkpoint)], check=True)
+    rebuilt = replay("rebuild")
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    assert json.loads(rebuilt.stdout.strip().splitlines()[-1]) == digests  # bit-identical, both checkpoints
+    # Broken on purpose: step 1's rewards changed, so its advantages (and update) are not the run's.
+    store = run / "rl" / "step_1" / "results.jsonl"
+    store.write_text("".join(json.dumps({**json.loads(line), "reward": 1.0 - json.loads(line)["reward"]}) + "\n"
+                             for line in store.read_text().splitlines()))
+    subprocess.run(["rm", "-r", str(run / "rl" / "policy")], check=True)
+    tampered = replay("rebuild")
+    assert tampered.returncode != 0 and "RebuildMismatch" in tampered.stderr, tampered.stderr[-3000:]
+    assert not (run / "rl" / "policy").exists()
 
 
 def _flat(step: dict) -> bool:

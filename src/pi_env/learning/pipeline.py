@@ -22,13 +22,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -609,14 +608,17 @@ def sample_rows(cfg: LearnConfig, name: str) -> list[dict]:
     return rows
 
 
-def stage_eval(cfg: LearnConfig, name: str, model_dir: Path, engines: Engines) -> dict:
+def stage_eval(cfg: LearnConfig, name: str, model_dir: Path | Callable[[], Path], engines: Engines) -> dict:
     """The checkpoint's greedy eval on the first eval_limit eval tasks (secondary, for continuity)
     and, except for the base model, samples_per_task samples at the RL temperature of each task of
     the unseen-template set (primary) and the in-distribution held-out set (the retest: the unseen
-    set only); the report compares these task by task. Per-sample rows: eval_<name>/samples.jsonl."""
+    set only); the report compares these task by task. Per-sample rows: eval_<name>/samples.jsonl.
+    `model_dir` may be a function giving it: it rebuilds a checkpoint a carried run lacks, only
+    when the eval still has to run."""
     done = _read_json(cfg.path(f"eval_{name}", "summary.json"))
     if done:
         return done
+    model_dir = model_dir() if callable(model_dir) else model_dir
     started = time.monotonic()
     sets: dict[str, tuple[list[PiTask], float, int]] = {}
     curve = "_step" in name  # a curve checkpoint: the primary set only
@@ -700,7 +702,7 @@ def stage_probe(cfg: LearnConfig, engines: Engines) -> dict:
         return summary
     by_family = _rl_pool(cfg)
     tasks = [task for family in sorted(by_family) for task in by_family[family][: cfg.probe_tasks_per_family]]
-    engine, engine_time = engines.serve(cfg.path("sft", "policy"), "probe")
+    engine, engine_time = engines.serve(sft_policy(cfg), "probe")
     records, wall = collect(
         tasks,
         cfg.path("probe", "rollouts"),
@@ -750,12 +752,27 @@ def _rl_pool(cfg: LearnConfig) -> dict[str, list[PiTask]]:
 
 
 def stage_sft(cfg: LearnConfig) -> dict:
-    done = _read_json(cfg.path("sft", "summary.json"))
-    if done:
-        return done
+    """Full fine-tune (or the top `train_layers`) on the oracle conversations: sft/policy."""
+    return _read_json(cfg.path("sft", "summary.json")) or _train_sft(cfg)
+
+
+def sft_policy(cfg: LearnConfig) -> Path:
+    """sft/policy for a stage that serves or trains it. A run carried to another machine
+    (pi_env.learning.state) has the SFT summary but not the checkpoint: it is trained again on
+    the same rows with the same seed, and must have the recorded digest."""
+    policy = cfg.path("sft", "policy")
+    if not policy.is_dir():
+        if not cfg.path("sft", "summary.json").is_file():
+            raise RuntimeError(f"no {policy}: run the sft stage first")
+        log("sft: the checkpoint is not on this machine; training it again from the run's records")
+        _train_sft(cfg, rebuild=True)
+    return policy
+
+
+def _train_sft(cfg: LearnConfig, *, rebuild: bool = False) -> dict:
     import torch
 
-    from pi_env.learning import trainer
+    from pi_env.learning import state, trainer
 
     torch.manual_seed(cfg.seed)
     started = time.monotonic()
@@ -772,7 +789,7 @@ def stage_sft(cfg: LearnConfig) -> dict:
         f"sft: {len(data)} conversations -> {len(rows)} rows, {sum(len(r.token_ids) for r in rows)} tokens, "
         f"{sum(sum(r.loss_mask) for r in rows)} trained"
     )
-    history_path = cfg.path("sft", "history.jsonl")
+    history_path = cfg.path("sft", "rebuild_history.jsonl" if rebuild else "history.jsonl")
     history_path.parent.mkdir(parents=True, exist_ok=True)
     with history_path.open("w") as handle:
 
@@ -792,6 +809,10 @@ def stage_sft(cfg: LearnConfig) -> dict:
             log=note,
         )
     trainer.save_policy(model, tokenizer, cfg.base_model, cfg.path("sft", "policy"))
+    if rebuild:
+        state.check_rebuilt(cfg.run_dir, "sft/policy")
+        log(f"sft: rebuilt in {time.monotonic() - started:.0f} s, the recorded weights")
+        return {"rebuilt_s": round(time.monotonic() - started, 1)}
     summary = {
         "conversations": len(data),
         "rows": len(rows),
@@ -802,6 +823,7 @@ def stage_sft(cfg: LearnConfig) -> dict:
         "loss_last": history[-1]["loss"] if history else None,
         "train_s": round(sum(h["wall_s"] for h in history), 1),
         "wall_s": round(time.monotonic() - started, 1),
+        "weights_sha256": state.record_weights(cfg.run_dir, "sft/policy"),
     }
     _write_json(cfg.path("sft", "summary.json"), summary)
     return summary
@@ -818,29 +840,20 @@ def rl_plan(cfg: LearnConfig) -> list[list[str]]:
 
 
 def stage_rl(cfg: LearnConfig, engines: Engines) -> dict:
-    import torch
-
-    from pi_env.learning import trainer
-
+    """RL from the SFT checkpoint, one step at a time (`_rl_step`). A stage resumed part-way
+    first replays its finished steps (`_replay_rl`), so it goes on with the weights and Adam's
+    moments of an uninterrupted run."""
     steps_path = cfg.path(cfg.rl_name, "steps.jsonl")
     steps = _jsonl(steps_path)
-    policy_dir = cfg.path(cfg.rl_name, "policy")
     if len(steps) >= cfg.rl_steps:
-        if not policy_dir.is_dir():
-            raise RuntimeError(
-                f"{steps_path} records {len(steps)} finished steps but {policy_dir} is missing: "
-                "remove the steps file (RL starts again from the SFT checkpoint)"
-            )
         return {"steps": len(steps)}
     plan = rl_plan(cfg)
-    source = policy_dir if steps else cfg.path("sft", "policy")
-    torch.manual_seed(cfg.seed + 1000 * cfg.rl_seed + len(steps))
-    model, tokenizer = trainer.load_policy(source)
-    trainer.train_top_layers(model, cfg.rl_train_layers)
-    # Resuming starts Adam's moments afresh (the weights are the last finished step's).
-    optimizer = torch.optim.AdamW(trainer.trainable(model), lr=cfg.rl_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    model, tokenizer, optimizer = _rl_start(cfg)
+    if steps:
+        _replay_rl(cfg, steps, model, tokenizer, optimizer, keep=_kept_checkpoints(cfg, len(steps)))
+    policy_dir = cfg.path(cfg.rl_name, "policy")
     # One engine across the stages: each step's checkpoint is swapped into it in place.
-    engine, engine_time = engines.serve(source, cfg.rl_name)
+    engine, engine_time = engines.serve(policy_dir if steps else sft_policy(cfg), cfg.rl_name)
     for step in range(len(steps), cfg.rl_steps):
         entry = _rl_step(cfg, plan, step, steps, engine, model, tokenizer, optimizer, engine_time)
         with steps_path.open("a") as handle:
@@ -852,6 +865,146 @@ def stage_rl(cfg: LearnConfig, engines: Engines) -> dict:
         )
         _, engine_time = engines.serve(policy_dir, cfg.rl_name, rewritten=True)
     return {"steps": len(steps)}
+
+
+def rebuild_checkpoints(cfg: LearnConfig) -> dict[str, str]:
+    """Every checkpoint recorded in the run's weights.json that this machine lacks (a run carried
+    from another one): sft/policy trained again, each RL arm's replayed from SFT through as many
+    of its steps as the checkpoint holds, each checked against its digest. Returns checkpoint ->
+    digest."""
+    from pi_env.learning import state
+
+    recorded = state.recorded_weights(cfg.run_dir)
+    missing: dict[str, dict[int, list[str]]] = {}  # arm -> steps -> checkpoints it holds
+    for name, facts in sorted(recorded.items()):
+        arm, _, checkpoint = name.partition("/")
+        if name == "sft/policy" or cfg.path(name).is_dir():
+            continue
+        if not parse_arm(arm) or "steps" not in facts:
+            raise RuntimeError(f"{name} in {cfg.path(state.WEIGHTS_FILE)}: not an RL arm's checkpoint with its steps")
+        missing.setdefault(arm, {}).setdefault(facts["steps"], []).append(checkpoint)
+    if "sft/policy" in recorded or missing:
+        sft_policy(cfg)
+    for arm, keep in missing.items():
+        algorithm, seed = parse_arm(arm)  # type: ignore[misc]
+        arm_cfg = replace(cfg, rl_algorithm=algorithm, rl_seed=seed)
+        steps = _jsonl(arm_cfg.path(arm, "steps.jsonl"))[: max(keep)]
+        log(f"{arm}: {sorted(c for cs in keep.values() for c in cs)} not on this machine; replaying from SFT")
+        _replay_rl(arm_cfg, steps, *_rl_start(arm_cfg), keep=keep)
+    return {name: facts["sha256"] for name, facts in sorted(state.recorded_weights(cfg.run_dir).items())}
+
+
+def _kept_checkpoints(cfg: LearnConfig, steps: int) -> dict[int, list[str]]:
+    """What the RL arm keeps after `steps` finished steps: the curve's checkpoint_K of each kept
+    K <= steps, and the policy after the last."""
+    keep: dict[int, list[str]] = {k: [curve_checkpoint(cfg, k).name] for k in curve_steps(cfg) if k <= steps}
+    keep.setdefault(steps, []).append("policy")
+    return keep
+
+
+def _rl_start(cfg: LearnConfig):
+    """The SFT weights with the RL arm's trainable layers, and a fresh optimizer."""
+    import torch
+
+    from pi_env.learning import trainer
+
+    torch.manual_seed(cfg.seed + 1000 * cfg.rl_seed)
+    model, tokenizer = trainer.load_policy(sft_policy(cfg))
+    trainer.train_top_layers(model, cfg.rl_train_layers)
+    optimizer = torch.optim.AdamW(trainer.trainable(model), lr=cfg.rl_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    return model, tokenizer, optimizer
+
+
+def rl_checkpoint(cfg: LearnConfig, name: str = "policy") -> Path:
+    """The RL arm's checkpoint `name` (policy, or a curve's checkpoint_K) for a stage that serves
+    it. A run carried to another machine (pi_env.learning.state) has the steps but not the
+    weights: they are replayed from SFT (`_replay_rl`), checked against the recorded digests."""
+    path = cfg.path(cfg.rl_name, name)
+    if not path.is_dir():
+        steps = _jsonl(cfg.path(cfg.rl_name, "steps.jsonl"))
+        if len(steps) < cfg.rl_steps:
+            raise RuntimeError(f"no {path}: run the rl stage first (its steps are not all done)")
+        log(f"{cfg.rl_name}: {name} is not on this machine; replaying the arm's steps from SFT")
+        _replay_rl(cfg, steps, *_rl_start(cfg), keep=_kept_checkpoints(cfg, len(steps)))
+    return path
+
+
+def _replay_rl(cfg: LearnConfig, steps: list[dict], model, tokenizer, optimizer, *, keep: dict[int, list[str]]) -> None:
+    """The finished `steps` again on their stored rollouts, from SFT: each update must end as
+    recorded (its guard's verdict, KL and rows), and the checkpoints `keep` names (steps ->
+    checkpoints of the arm holding them) are saved and must have their recorded digests."""
+    from pi_env.collect.store import read_records
+    from pi_env.learning.state import RebuildMismatch
+
+    started = time.monotonic()
+    for entry in steps:
+        step = entry["step"]
+        records = list(read_records(cfg.path(cfg.rl_name, f"step_{step}")))
+        updates = _rl_update(cfg, model, optimizer, records, entry["lr"])
+        replayed = [(u["kl_guard"], u.get("kl_after"), u["rows"]) for u in updates]
+        recorded = [(u["kl_guard"], u.get("kl_after"), u["rows"]) for u in entry["updates"]]
+        if replayed != recorded:
+            raise RebuildMismatch(
+                f"{cfg.rl_name} step {step} replayed as {replayed} (guard, KL, rows), recorded as {recorded}: "
+                "the stored rollouts, the training code or this machine differ from the run's; start a new "
+                "run directory"
+            )
+        _save_rl_checkpoints(cfg, model, tokenizer, step, keep.get(step + 1, []), replayed=True)
+    log(f"{cfg.rl_name}: replayed {len(steps)} steps from SFT in {time.monotonic() - started:.0f} s")
+
+
+def _save_rl_checkpoints(cfg: LearnConfig, model, tokenizer, step: int, names: list[str], *, replayed: bool) -> float:
+    """Save the weights after `step` as the arm's checkpoints `names` (policy, a curve's
+    checkpoint_K), each with its digest recorded (a replay checks it instead). Returns the
+    seconds it took."""
+    from pi_env.learning import state, trainer
+
+    started = time.monotonic()
+    record = state.check_rebuilt if replayed else state.record_weights
+    for name in names:
+        trainer.save_policy(model, tokenizer, cfg.base_model, cfg.path(cfg.rl_name, name))
+        record(cfg.run_dir, f"{cfg.rl_name}/{name}", steps=step + 1)
+    return time.monotonic() - started
+
+
+def _rl_update(cfg: LearnConfig, model, optimizer, records: list[dict], lr: float) -> list[dict]:
+    """A step's updates (GRPO or RAFT, `rl_updates` of them) at `lr` on its rollouts' exact
+    training traces, under the KL guard; stops at the first update the guard acted on."""
+    from pi_env.learning import trainer
+    from pi_env.learning.rows import raft_rows, rl_rows
+
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    rows = raft_rows(records) if cfg.rl_algorithm == "raft" else rl_rows(records, scale_rewards=cfg.scale_rewards)
+    if cfg.rl_algorithm == "raft":
+        step_fn = functools.partial(
+            trainer.nll_step, model, optimizer, rows, micro_batch=cfg.micro_batch, temperature=cfg.rl_temperature
+        )
+    else:
+        step_fn = functools.partial(
+            trainer.grpo_step,
+            model,
+            optimizer,
+            rows,
+            clip_eps=cfg.clip_eps,
+            micro_batch=cfg.micro_batch,
+            temperature=cfg.rl_temperature,
+        )
+    updates = []
+    for _ in range(cfg.rl_updates):
+        update = trainer.guarded_step(
+            model,
+            optimizer,
+            step_fn,
+            kl_soft=cfg.kl_soft,
+            kl_hard=cfg.kl_hard,
+            micro_batch=cfg.micro_batch,
+            temperature=cfg.rl_temperature,
+        )
+        updates.append(update)
+        if update["kl_guard"] != "ok" or not update["rows"]:
+            break
+    return updates
 
 
 def curve_steps(cfg: LearnConfig) -> list[int]:
@@ -873,7 +1026,9 @@ def stage_eval_curve(cfg: LearnConfig, engines: Engines) -> dict:
     for k in curve_steps(cfg):
         if not curve_checkpoint(cfg, k).is_dir():
             raise RuntimeError(f"no {curve_checkpoint(cfg, k)}: run the rl stage first (it keeps it)")
-        summary = stage_eval(cfg, f"{cfg.rl_name}_step{k}", curve_checkpoint(cfg, k), engines)
+        summary = stage_eval(
+            cfg, f"{cfg.rl_name}_step{k}", functools.partial(rl_checkpoint, cfg, curve_checkpoint(cfg, k).name), engines
+        )
         results[k] = {"passed": summary["unseen"]["passed"], "count": summary["unseen"]["count"]}
     return results
 
@@ -900,8 +1055,6 @@ def _rl_step(
     updates (GRPO or RAFT) on their exact traces under the KL guard, the checkpoint saved.
     `engine_time`: the engine's start or weight load before this step, counted in its total."""
     from pi_env.collect.store import read_records
-    from pi_env.learning import trainer
-    from pi_env.learning.rows import raft_rows, rl_rows
     from pi_env.learning.schedule import first_visit, flat
 
     started = time.monotonic() - sum(engine_time.values())
@@ -930,48 +1083,16 @@ def _rl_step(
             concurrency=cfg.concurrency,
         )
     lr, scale = _lr(cfg, step, steps)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    rows = raft_rows(records) if cfg.rl_algorithm == "raft" else rl_rows(records, scale_rewards=cfg.scale_rewards)
     train_started = time.monotonic()
-    updates = []
-    if cfg.rl_algorithm == "raft":
-        step_fn = functools.partial(
-            trainer.nll_step, model, optimizer, rows, micro_batch=cfg.micro_batch, temperature=cfg.rl_temperature
-        )
-    else:
-        step_fn = functools.partial(
-            trainer.grpo_step,
-            model,
-            optimizer,
-            rows,
-            clip_eps=cfg.clip_eps,
-            micro_batch=cfg.micro_batch,
-            temperature=cfg.rl_temperature,
-        )
-    for _ in range(cfg.rl_updates):
-        update = trainer.guarded_step(
-            model,
-            optimizer,
-            step_fn,
-            kl_soft=cfg.kl_soft,
-            kl_hard=cfg.kl_hard,
-            micro_batch=cfg.micro_batch,
-            temperature=cfg.rl_temperature,
-        )
-        updates.append(update)
-        if update["kl_guard"] != "ok" or not update["rows"]:
-            break
+    updates = _rl_update(cfg, model, optimizer, records, lr)
     # The guard halves the lr from the next step on when it acted (and it already undid a rollback).
     guard = next((u["kl_guard"] for u in updates if u["kl_guard"] != "ok"), "ok")
     scale = scale / 2 if guard != "ok" else scale
     kl = updates[-1]["kl_after"] if updates else None
     train_s = time.monotonic() - train_started
-    save_started = time.monotonic()
-    trainer.save_policy(model, tokenizer, cfg.base_model, cfg.path(cfg.rl_name, "policy"))
-    if step + 1 in curve_steps(cfg):  # kept for the curve (a rerun of this step overwrites it)
-        shutil.copytree(cfg.path(cfg.rl_name, "policy"), curve_checkpoint(cfg, step + 1), dirs_exist_ok=True)
-    save_s = time.monotonic() - save_started
+    # the policy, and the curve's checkpoint when this step's is kept (a rerun of the step overwrites it)
+    kept = [curve_checkpoint(cfg, step + 1).name] if step + 1 in curve_steps(cfg) else []
+    save_s = _save_rl_checkpoints(cfg, model, tokenizer, step, [*kept, "policy"], replayed=False)
     generation = sum(t.get("latency_s") or 0.0 for r in records for t in r.get("turns") or [])
     rollout_walls = sum(r.get("wall_s") or 0.0 for r in records)
     scores = score_records(records)
@@ -1612,13 +1733,13 @@ def _stage(cfg: LearnConfig, stage: str, engines: Engines) -> dict:
     if stage == "probe":
         return stage_probe(cfg, engines)
     if stage == "eval_sft":
-        return stage_eval(cfg, "sft", cfg.path("sft", "policy"), engines)
+        return stage_eval(cfg, "sft", functools.partial(sft_policy, cfg), engines)
     if stage == "rl":
         return stage_rl(cfg, engines)
     if stage == "eval_rl":
-        return stage_eval(cfg, cfg.rl_name, cfg.path(cfg.rl_name, "policy"), engines)
+        return stage_eval(cfg, cfg.rl_name, functools.partial(rl_checkpoint, cfg), engines)
     if stage == "eval_curve":
         return stage_eval_curve(cfg, engines)
     if stage == "retest_sft":
-        return stage_eval(cfg, "sft_retest", cfg.path("sft", "policy"), engines)
+        return stage_eval(cfg, "sft_retest", functools.partial(sft_policy, cfg), engines)
     raise SystemExit(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
