@@ -363,7 +363,7 @@ def test_the_report_pools_seeds_on_unseen_templates_from_per_sample_results(tmp_
                                                 "collapse_reasons": {"1": [], "2": []}, "kl_max": 1e-4,
                                                 "kl_limit": 0.01, "kl_over_limit": [], "kl_check_passed": True}
 
-    assert report["seeds"] == [0, 1, 2] and report["samples_per_task"] == 4 and report["protocol_version"] == [1, 2]
+    assert report["seeds"] == [0, 1, 2] and report["samples_per_task"] == 4 and report["protocol_version"] == 3
     # the primary figure: per-task mean over samples, mean over seeds, minus SFT's, mean over tasks
     want = sum(
         sum(sum(rl[s]["unseen"][t]) / 4 for s in seeds) / 3 - sum(sft["unseen"][t]) / 4 for t in unseen
