@@ -5,6 +5,7 @@ in the engine tier (tests/engines/test_learning_engine.py)."""
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,8 @@ from pi_env.workspace.coding import (
     make_coding_splits,
 )
 from pi_env.workspace.tasks import SplitOverlapError, check_disjoint
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_splits_are_deterministic_sized_and_disjoint():
@@ -394,6 +397,12 @@ def test_the_report_pools_seeds_on_unseen_templates_from_per_sample_results(tmp_
     assert {(r["set"], r["sample"]) for r in one} == {(k, i) for k in ("unseen", "heldout") for i in range(4)}
     assert all(r["passed"] == (r["reward"] >= 1.0) and r["split"] == r["set"] for r in one)
     assert {r["template"].split("/")[0] for r in one} == {r["family"] for r in one}
+    # and the JSONL alone gives back every pooled and per-seed unseen figure
+    for key, figure in recompute_unseen_figures(report, rows).items():
+        assert figure == report[key], key
+    assert rows[0]["checkpoint"] == "sft" and rows[0]["set"] == "unseen"  # one SFT sample flipped: it shows
+    flipped = [dict(rows[0], reward=1.0 - rows[0]["reward"]), *rows[1:]]
+    assert recompute_unseen_figures(report, flipped)["unseen_rl_minus_sft_pass"] != report["unseen_rl_minus_sft_pass"]
 
 
 def test_protocol_checks_and_curve_steps(tmp_path):
@@ -459,3 +468,39 @@ def test_a_stage_stopped_part_way_keeps_its_time_and_adds_it_when_it_resumes(tmp
 
     pipeline.run_stage(cfg, "tasks", pipeline.Engines(cfg))  # done already: the time stays
     assert json.loads((tmp_path / "stage_times.json").read_text()) == times
+
+
+def recompute_unseen_figures(report: dict, rows: list[dict]) -> dict:
+    """A report's pooled and per-seed unseen figures (pass and reward), recomputed from its
+    per-sample rows alone, the way anyone with the committed JSONL would."""
+    from pi_env.learning.pipeline import _figure, arm_name
+    from pi_env.learning.stats import compare_samples
+
+    samples: dict = {}
+    for row in rows:
+        if row["reward"] is not None:
+            samples.setdefault((row["checkpoint"], row["set"]), {}).setdefault(row["task_id"], []).append(row["reward"])
+    seed, seeds = report["config"]["seed"], report["seeds"]
+    sft = samples[("sft", "unseen")]
+    arms = {s: samples[(arm_name("grpo", s), "unseen")] for s in seeds}
+    figures = {}
+    for metric in ("pass", "reward"):
+        figures[f"unseen_rl_minus_sft_{metric}"] = _figure(
+            compare_samples(sft, list(arms.values()), seed=seed), metric, seeds=seeds)
+        figures[f"unseen_rl_minus_sft_{metric}_by_seed"] = {
+            str(s): _figure(compare_samples(sft, [a], seed=seed), metric) for s, a in arms.items()}
+    return figures
+
+
+def test_the_committed_report_recomputes_from_its_committed_samples():
+    """docs/learning_report.json's primary figures follow from the per-sample JSONL committed
+    beside it (docs/learn_*samples.jsonl) and nothing else."""
+    report = json.loads((ROOT / "docs" / "learning_report.json").read_text())
+    if "unseen_rl_minus_sft_pass" not in report:
+        pytest.skip("the committed report predates the protocol (r7); its per-sample results were never kept")
+    [samples] = sorted((ROOT / "docs").glob("learn_*samples.jsonl"))
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert report["seeds"] == [0, 1, 2] and report["samples_per_task"] == 4
+    recomputed = recompute_unseen_figures(report, rows)
+    for key, figure in recomputed.items():
+        assert figure == report[key], key
