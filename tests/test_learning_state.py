@@ -90,7 +90,8 @@ def test_the_state_keeps_records_without_weights_token_arrays_or_engine_logs(run
     # every checkpoint's digest is recorded (the rebuild is checked against it), RL's with its steps
     weights = json.loads((run_dir / "weights.json").read_text())
     assert weights == json.loads((tmp_path / "state" / "weights.json").read_text())
-    assert weights["sft/policy"] == {"sha256": state.checkpoint_digest(run_dir / "sft" / "policy")}
+    assert weights["sft/policy"]["sha256"] == state.checkpoint_digest(run_dir / "sft" / "policy")
+    assert weights["sft/policy"]["made_on"]["cpu_flags_sha256"]  # what made it, to explain a mismatch
     assert weights["rl/policy"]["steps"] == 1 and weights["rl/policy"]["sha256"] != weights["sft/policy"]["sha256"]
 
     def unpacked(path):

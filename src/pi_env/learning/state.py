@@ -85,12 +85,34 @@ def recorded_weights(run_dir: str | Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def made_on() -> dict:
+    """What made a checkpoint, for a mismatch to be explained: the CPU model, its flags' digest and
+    the torch version (None where torch is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu: dict[str, str] = {}
+    if Path("/proc/cpuinfo").is_file():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            cpu.setdefault(key.strip(), value.strip())
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = None
+    flags = cpu.get("flags", "")
+    return {
+        "cpu": cpu.get("model name"),
+        "cpu_flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:12],
+        "torch": torch,
+    }
+
+
 def record_weights(run_dir: str | Path, checkpoint: str, **facts) -> str:
     """Record the digest of the checkpoint at `checkpoint` (relative to the run directory), with
-    `facts` (e.g. the RL steps it holds). Returns the digest."""
+    `facts` (e.g. the RL steps it holds) and what made it. Returns the digest."""
     digest = checkpoint_digest(Path(run_dir, checkpoint))
     weights = recorded_weights(run_dir)
-    weights[checkpoint] = {"sha256": digest, **facts}
+    weights[checkpoint] = {"sha256": digest, **facts, "made_on": made_on()}
     _write_text(Path(run_dir, WEIGHTS_FILE), json.dumps(weights, indent=1, sort_keys=True) + "\n")
     return digest
 
@@ -106,9 +128,9 @@ def check_rebuilt(run_dir: str | Path, checkpoint: str, **facts) -> str:
         shutil.rmtree(Path(run_dir, checkpoint), ignore_errors=True)
         raise RebuildMismatch(
             f"{checkpoint} rebuilt from the run's records has weights {digest[:12]}, not the recorded "
-            f"{recorded['sha256'][:12]} ({Path(run_dir, WEIGHTS_FILE)}): this machine's CPU kind, torch or "
-            "transformers, or the training code, differs from the one that made it. The run cannot go on "
-            "with the same checkpoints here; start a new run directory (and say so in its report)"
+            f"{recorded['sha256'][:12]} ({Path(run_dir, WEIGHTS_FILE)}): this machine ({made_on()}) or the "
+            f"training code differs from what made it ({recorded.get('made_on')}). The run cannot go on with "
+            "the same checkpoints here; start a new run directory (and say so in its report)"
         )
     return digest
 
