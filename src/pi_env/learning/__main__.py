@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="carry the run across machines (pi_env.learning.state): restore the run directory from this "
-        "state before the stages, pack it into it after them (also when stopped); `pack` alone packs",
+        "state before the stages, pack it into it after them (also when stopped); see pack, restore, rebuild",
     )
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so a stage's engine is stopped and its stores closed.
@@ -57,24 +57,22 @@ def main(argv: list[str] | None = None) -> int:
             values[name] = values[name].split(",")
     cfg = LearnConfig(**values)
     stages = list(STAGES) if args.stages == ["all"] else args.stages
-    if args.stages in (["pack"], ["restore"]):
-        if not args.state_dir:
-            parser.error(f"{args.stages[0]}: give --state-dir")
-        if args.stages == ["pack"]:
-            log(f"packed: {state.pack(cfg.run_dir, args.state_dir)}")
-        else:
-            log(f"restored from {args.state_dir}: {state.restore(args.state_dir, cfg.run_dir)}")
+    if args.stages in (["pack"], ["restore"]) and not args.state_dir:
+        parser.error(f"{args.stages[0]}: give --state-dir")
+    if args.stages not in (["pack"], ["restore"], ["rebuild"]):
+        for stage in stages:
+            if stage not in STAGES:
+                parser.error(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}; or pack, restore or rebuild alone")
+    if args.stages == ["pack"]:
+        log(f"packed: {state.pack(cfg.run_dir, args.state_dir)}")
+        return 0
+    if args.state_dir:  # before anything else reads the run directory
+        log(f"restored from {args.state_dir}: {state.restore(args.state_dir, cfg.run_dir)}")
+    if args.stages == ["restore"]:
         return 0
     if args.stages == ["rebuild"]:
-        if args.state_dir:
-            log(f"restored from {args.state_dir}: {state.restore(args.state_dir, cfg.run_dir)}")
         log(f"checkpoints: {json.dumps(rebuild_checkpoints(cfg), indent=1)}")
         return 0
-    for stage in stages:
-        if stage not in STAGES:
-            parser.error(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}; or pack, restore or rebuild alone")
-    if args.state_dir:
-        log(f"restored from {args.state_dir}: {state.restore(args.state_dir, cfg.run_dir)}")
     try:
         # One engine across consecutive stages that serve checkpoints (probe -> eval -> RL -> eval).
         with Engines(cfg) as engines:

@@ -113,7 +113,7 @@ def record_weights(run_dir: str | Path, checkpoint: str, **facts) -> str:
     digest = checkpoint_digest(Path(run_dir, checkpoint))
     weights = recorded_weights(run_dir)
     weights[checkpoint] = {"sha256": digest, **facts, "made_on": made_on()}
-    _write_text(Path(run_dir, WEIGHTS_FILE), json.dumps(weights, indent=1, sort_keys=True) + "\n")
+    _write_bytes(Path(run_dir, WEIGHTS_FILE), (json.dumps(weights, indent=1, sort_keys=True) + "\n").encode())
     return digest
 
 
@@ -137,13 +137,6 @@ def check_rebuilt(run_dir: str | Path, checkpoint: str, **facts) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Pack and restore
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
