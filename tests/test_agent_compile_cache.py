@@ -111,13 +111,18 @@ def test_a_rollout_reads_the_cache_in_the_sandbox_and_scores_one(installed, serv
     result = rollout(task, scripted_config(server, key, agent=QWEN))
     assert result.error_kind is None and result.reward == 1.0, (result.error, result.agent_log_tail)
     log = result.files["node-debug.log"]
-    hits = log.count(f"reading cache from {SANDBOX_CACHE}/")
-    assert hits > 100 and log.count("success") >= hits, log[:3000]
+    reads = [line for line in log.splitlines() if f"reading cache from {SANDBOX_CACHE}/" in line]
+    hits = [line for line in reads if "... success, size=" in line]
+    misses = [line for line in reads if line.endswith("no such file or directory")]
+    # Every entry the warm-up wrote is accepted here (none rejected for another path or content):
+    # Node keys entries by path and content, so this is the sandbox's install at the warm-up's paths.
+    assert len(hits) > 100 and len(hits) + len(misses) == len(reads), [r for r in reads if r not in hits + misses]
+    assert len(misses) < len(hits) // 4, misses  # the warm-up loaded most of what a rollout loads
     assert snapshot(f"{installed.root}/{COMPILE_CACHE_RELPATH}") == before
-    # The one module the warm-up did not load is the forwarder (a sandbox's own preload); Node's
-    # attempt to add it fails on the read-only mount, quietly (its debug log only).
-    misses = [line for line in log.splitlines() if "no such file or directory" in line]
-    assert misses and all(f"for ESM file://{FORWARDER_PATH}..." in line for line in misses), misses
+    # A module the warm-up did not load is missed: always the forwarder (a sandbox's own preload),
+    # and, as timers fired in the warm-up, some lazily loaded chunks. Node's attempt to add one
+    # fails on the read-only mount, quietly (its debug log only).
+    assert any(f"for ESM file://{FORWARDER_PATH}..." in line for line in misses), misses
     assert "read-only file system" in log
 
 
