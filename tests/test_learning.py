@@ -3,6 +3,7 @@ oracle solves each family through the real Pi, a do-nothing agent does not), the
 of a run directory, and GRPO rows built from collected training traces. The trained stages run
 in the engine tier (tests/engines/test_learning_engine.py)."""
 
+import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
@@ -11,8 +12,8 @@ import pytest
 
 from pi_env import PiConfig, PiSessionFactory
 from pi_env.learning.pipeline import (
-    LearnConfig,
     LeakError,
+    LearnConfig,
     check_held_out,
     eval_families,
     eval_set,
@@ -389,6 +390,8 @@ def test_the_report_pools_seeds_on_unseen_templates_from_per_sample_results(tmp_
                                            "rule": "pooled unseen RL - SFT reward 95 % CI low end > 0, with 3 RL seeds"}
     assert set(report["curve"][0]) == {"rl_steps", "checkpoint", "unseen_rl_minus_sft_pass", "unseen_rl_minus_sft_reward"}
     assert report["targets"]["primary_set"] == "unseen"
+    if importlib.util.find_spec("matplotlib"):  # the plot, with the curve's panel
+        assert (tmp_path / "learning_curve.png").stat().st_size > 10_000
     # per-sample rows: small, one per rollout, every checkpoint
     rows = [json.loads(line) for line in (tmp_path / "learn_samples.jsonl").read_text().splitlines()]
     assert all(set(row) == SAMPLE_KEYS for row in rows)

@@ -1609,7 +1609,9 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    curve = report.get("curve") or []
+    fig, axes = plt.subplots(1, 3 if curve else 2, figsize=(18 if curve else 12, 4.5))
+    left, right = axes[0], axes[1]
     stages = report["stages"]
     arms = [(name, stages[name]) for name in stages if parse_arm(name)]
 
@@ -1678,9 +1680,50 @@ def plot(report: dict, path: Path) -> None:
         right.set_ylim(0, max(1.0, max(s.get("entropy_sampled") or 0 for s in steps) * 1.1))
         right.legend(fontsize=8)
         right.set_title(f"on-policy RL (sampled, T={report['config']['rl_temperature']})")
+    if curve:
+        plot_curve(axes[2], report)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_curve(ax: Any, report: dict) -> None:
+    """The primary figure against RL steps: seed 0's kept checkpoints and its final one, each
+    seed's final figure beside it and the pooled one, all with their 95 % CIs, and 0 (SFT)."""
+    ax.axhline(0, color="#888888", linewidth=1)
+
+    def draw(xs: list[float], figures: list[dict], **style: Any) -> None:
+        means = [f["mean"] for f in figures]
+        errors = [[f["mean"] - f["ci95"][0] for f in figures], [f["ci95"][1] - f["mean"] for f in figures]]
+        ax.errorbar(xs, means, yerr=errors, capsize=3, **style)
+
+    points = [p for p in report["curve"] if p.get("unseen_rl_minus_sft_pass")]
+    draw(
+        [p["rl_steps"] for p in points],
+        [p["unseen_rl_minus_sft_pass"] for p in points],
+        marker="o",
+        label="seed 0 after k steps",
+    )
+    final = points[-1]["rl_steps"] if points else 0
+    by_seed = report.get("unseen_rl_minus_sft_pass_by_seed") or {}
+    others = [(seed, f) for seed, f in sorted(by_seed.items()) if seed != "0" and f]
+    for i, (seed, figure) in enumerate(others):
+        draw([final + 0.15 * (i + 1)], [figure], marker="s", linestyle="none", label=f"seed {seed}, final")
+    pooled = report.get("unseen_rl_minus_sft_pass")
+    if pooled:
+        draw(
+            [final + 0.15 * (len(others) + 1)],
+            [pooled],
+            marker="D",
+            linestyle="none",
+            color="black",
+            label=f"pooled, seeds {pooled.get('seeds')}",
+        )
+    ax.set_xlim(-0.5, final + 1)
+    ax.set_xlabel("GRPO steps (0 = the SFT checkpoint)")
+    ax.set_ylabel("RL - SFT, unseen sampled pass (points)")
+    ax.set_title("the curve: unseen templates, 95 % CIs (paired cluster bootstrap)", fontsize=9)
+    ax.legend(fontsize=8)
 
 
 # ---------------------------------------------------------------------------------------------
