@@ -77,16 +77,24 @@ class Relay:
             async with client.post(self.upstream + "/" + request.match_info["rest"], json=body) as answer:
                 response = web.StreamResponse(status=answer.status, headers={"Content-Type": answer.content_type})
                 await response.prepare(request)
-                raw = bytearray()
+                raw, kept = bytearray(), False
                 async for chunk in answer.content.iter_any():
                     raw += chunk
+                    # Kept before the stream's end is passed on: the gateway's turn, and the test
+                    # reading `seen` after it, can finish before this handler goes on.
+                    if body.get("stream") and not kept and b"data: [DONE]" in raw[-len(chunk) - 12 :]:
+                        self.keep(request.match_info["rest"], raw, chat="messages" in body)
+                        kept = True
                     await response.write(chunk)
+                if body.get("stream") and not kept:
+                    self.keep(request.match_info["rest"], raw, chat="messages" in body)
                 await response.write_eof()
-        if body.get("stream"):
-            answer = engine_answer(bytes(raw), chat="messages" in body)
-            # By path too: a first turn's prompt is the same ids through both paths.
-            self.seen[(request.match_info["rest"], tuple(answer["prompt"] or ()))] = answer
         return response
+
+    def keep(self, path: str, raw: bytearray, chat: bool) -> None:
+        answer = engine_answer(bytes(raw), chat=chat)
+        # By path too: a first turn's prompt is the same ids through both paths.
+        self.seen[(path, tuple(answer["prompt"] or ()))] = answer
 
     async def start(self) -> None:
         app = web.Application(client_max_size=64 << 20)
