@@ -77,17 +77,19 @@ class Relay:
             async with client.post(self.upstream + "/" + request.match_info["rest"], json=body) as answer:
                 response = web.StreamResponse(status=answer.status, headers={"Content-Type": answer.content_type})
                 await response.prepare(request)
-                raw, kept = bytearray(), False
+                # Each chunk is passed on when the next arrives, so the answer is kept before the
+                # stream's last chunk reaches the gateway: its turn, and the test reading `seen`
+                # after it, can finish before this handler goes on.
+                raw, held = bytearray(), b""
                 async for chunk in answer.content.iter_any():
                     raw += chunk
-                    # Kept before the stream's end is passed on: the gateway's turn, and the test
-                    # reading `seen` after it, can finish before this handler goes on.
-                    if body.get("stream") and not kept and b"data: [DONE]" in raw[-len(chunk) - 12 :]:
-                        self.keep(request.match_info["rest"], raw, chat="messages" in body)
-                        kept = True
-                    await response.write(chunk)
-                if body.get("stream") and not kept:
+                    if held:
+                        await response.write(held)
+                    held = chunk
+                if body.get("stream"):
                     self.keep(request.match_info["rest"], raw, chat="messages" in body)
+                if held:
+                    await response.write(held)
                 await response.write_eof()
         return response
 
